@@ -1,0 +1,87 @@
+# shellcheck shell=bash
+# Shared settings and helpers for the test rig scripts (provision.sh, up.sh, down.sh).
+# Sourced, never run. Everything the rig builds is cached under $CACHE; everything a
+# running rig writes (data, logs, PIDs, the env file tests read) lives under $RIG_DIR.
+set -euo pipefail
+
+RIG_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$RIG_ROOT/../.." && pwd)
+CACHE=${OUTBOX_CACHE:-$HOME/.cache/outbox-operator}
+BIN="$CACHE/bin"
+# The run folder sits under /tmp, not in the checkout: PostgreSQL and RabbitMQ run as
+# their own system users, which cannot enter a checkout under /root. One folder per
+# checkout, so two checkouts never share a rig.
+RIG_DIR=${OUTBOX_RIG_DIR:-/tmp/outbox-operator-rig-$(printf %s "$REPO" | md5sum | cut -c1-10)}
+RIG_ENV="$RIG_DIR/rig.env"
+
+# Versions come from the files that pin them, so there is one place to change each.
+gomod_version() { # gomod_version GO_MOD MODULE: the version GO_MOD requires of MODULE
+  awk -v m="$2" '($1 == m && $2 ~ /^v/) {print $2; exit} ($1 == "require" && $2 == m) {print $3; exit}' "$1"
+}
+K8S_VERSION=$(gomod_version "$RIG_ROOT/k8s/go.mod" k8s.io/kubernetes)
+ETCD_VERSION=$(gomod_version "$RIG_ROOT/k8s/go.mod" go.etcd.io/etcd/server/v3)
+HELM_VERSION=$(gomod_version "$RIG_ROOT/helm/go.mod" helm.sh/helm/v4)
+KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$RIG_ROOT/kafka/pom.xml")
+KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
+[ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$KAFKA_VERSION" ] ||
+  { echo "rig: cannot read pinned versions from tests/rig/{k8s,helm}/go.mod and kafka/pom.xml" >&2; exit 1; }
+
+export GOCACHE="$CACHE/go-build"
+export GOMODCACHE="$CACHE/go-mod"
+export GOFLAGS=-mod=mod
+export GOTOOLCHAIN=local
+
+log() { printf '[rig %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# pg_bin: the newest PostgreSQL server binaries Debian installed.
+pg_bin() {
+  local d
+  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$d" ] && [ -x "$d/initdb" ] || return 1
+  printf '%s\n' "$d"
+}
+
+# free_port VAR: sets VAR to a TCP port on 127.0.0.1 that nothing listens on now and
+# that this run has not handed out before. (A variable, not $(...): a subshell would
+# forget the ports already given.)
+_PORTS_GIVEN=" "
+free_port() {
+  local p
+  while :; do
+    p=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')
+    case "$_PORTS_GIVEN" in *" $p "*) continue ;; esac
+    _PORTS_GIVEN="$_PORTS_GIVEN$p "
+    printf -v "$1" '%s' "$p"
+    return 0
+  done
+}
+
+# wait_for NAME SECONDS LOGFILE CMD...: polls CMD every 0.2 s until it succeeds. Fails
+# at once if the process recorded as NAME has exited, or after SECONDS, printing the
+# end of LOGFILE either way.
+wait_for() {
+  local name=$1 secs=$2 logfile=$3 pidfile="$RIG_DIR/pids/$1.pid"
+  shift 3
+  local deadline=$((SECONDS + secs)) why=""
+  until "$@" >/dev/null 2>&1; do
+    if [ -f "$pidfile" ] && ! kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+      why="exited"
+    elif [ "$SECONDS" -ge "$deadline" ]; then
+      why="not ready after ${secs}s"
+    fi
+    if [ -n "$why" ]; then
+      log "$name $why; last lines of $logfile:"
+      tail -n 20 "$logfile" >&2 2>/dev/null || true
+      return 1
+    fi
+    sleep 0.2
+  done
+  log "$name ready"
+}
+
+# record_pid NAME PID: remember a process the rig started, for down.sh.
+record_pid() { printf '%s\n' "$2" >"$RIG_DIR/pids/$1.pid"; }
+
+# env_set KEY VALUE: add a line to the env file tests read.
+env_set() { printf '%s=%s\n' "$1" "$2" >>"$RIG_ENV"; }

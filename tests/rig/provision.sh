@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Installs or builds everything the tests need, once; later runs find it cached and
+# return in seconds. Debian packages: PostgreSQL, NATS, RabbitMQ, Prometheus, kcat.
+# Built from source with Go: etcd, kube-apiserver, kube-controller-manager, kubectl,
+# helm. Resolved with Maven: Apache Kafka and its runtime jars.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+started=$SECONDS
+
+# --- Debian packages ----------------------------------------------------------------
+missing=()
+pg_bin >/dev/null || missing+=(postgresql)
+command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+[ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v kcat >/dev/null || missing+=(kcat)
+command -v openssl >/dev/null || missing+=(openssl)
+command -v curl >/dev/null || missing+=(curl)
+command -v cmake >/dev/null || missing+=(cmake)
+dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
+command -v runuser >/dev/null || missing+=(util-linux)
+if [ ${#missing[@]} -gt 0 ]; then
+  [ "$(id -u)" -eq 0 ] || die "missing Debian packages (${missing[*]}) and not root to install them"
+  log "installing Debian packages: ${missing[*]}"
+  # The packages must not start their system services: the rig runs its own copies.
+  policy=/usr/sbin/policy-rc.d
+  had_policy=0
+  [ -e "$policy" ] && had_policy=1
+  [ "$had_policy" -eq 1 ] || { printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod +x "$policy"; }
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  [ "$had_policy" -eq 1 ] || rm -f "$policy"
+fi
+command -v go >/dev/null || [ -x /usr/local/go/bin/go ] || die "Go is not installed (it comes with this machine's image)"
+command -v go >/dev/null || export PATH="/usr/local/go/bin:$PATH"
+command -v java >/dev/null || die "Java 17 is not installed (it comes with this machine's image)"
+command -v mvn >/dev/null || die "Maven is not installed (it comes with this machine's image)"
+
+# --- Go-built binaries, cached by version ------------------------------------------------
+mkdir -p "$BIN" "$GOCACHE" "$GOMODCACHE"
+go_build() { # go_build MODULE_DIR PACKAGE OUTPUT [LDFLAGS]
+  local dir=$1 pkg=$2 out=$3 ldflags="-s -w ${4:-}"
+  [ -x "$out" ] && return 0
+  log "building $(basename "$out") from $pkg (cold: several minutes)"
+  local t=$SECONDS
+  (cd "$RIG_ROOT/$dir" && go build -trimpath -ldflags="$ldflags" -o "$out.tmp" "$pkg")
+  mv "$out.tmp" "$out"
+  log "built $(basename "$out") in $((SECONDS - t))s"
+}
+# A module build carries no version; stamp the release in, as Kubernetes' own build does,
+# so the API server reports it (Helm's kubeVersion checks and clients read it).
+minor=${K8S_VERSION#v1.}
+minor=${minor%%.*}
+k8s_ldflags=""
+for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  k8s_ldflags="$k8s_ldflags -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+  k8s_ldflags="$k8s_ldflags -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+done
+go_build k8s k8s.io/kubernetes/cmd/kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" "$k8s_ldflags"
+go_build k8s k8s.io/kubernetes/cmd/kube-controller-manager "$BIN/kube-controller-manager-$K8S_VERSION" "$k8s_ldflags"
+go_build k8s k8s.io/kubernetes/cmd/kubectl "$BIN/kubectl-$K8S_VERSION" "$k8s_ldflags"
+go_build k8s go.etcd.io/etcd/server/v3 "$BIN/etcd-$ETCD_VERSION"
+go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
+
+# --- Apache Kafka from Maven Central ------------------------------------------------------
+if [ ! -f "$KAFKA_HOME/libs/kafka_2.13-$KAFKA_VERSION.jar" ]; then
+  log "resolving Apache Kafka $KAFKA_VERSION with Maven"
+  rm -rf "$KAFKA_HOME.tmp"
+  mvn -q -B -f "$RIG_ROOT/kafka/pom.xml" -Dmaven.repo.local="$CACHE/m2" \
+    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_HOME.tmp/libs"
+  rm -rf "$KAFKA_HOME"
+  mv "$KAFKA_HOME.tmp" "$KAFKA_HOME"
+fi
+
+log "provisioned in $((SECONDS - started))s (cache: $CACHE)"

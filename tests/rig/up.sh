@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# Starts every server the tests need on 127.0.0.1, on free ports, with all data under
+# one run folder, and writes the env file the tests read ($RIG_DIR/rig.env). Stops a
+# rig left running from this checkout first. Pair with down.sh, which stops by PID.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+started=$SECONDS
+[ -x "$BIN/kube-apiserver-$K8S_VERSION" ] || die "the rig is not provisioned: run tests/rig/provision.sh (or make test)"
+[ -d "$RIG_DIR/pids" ] && "$RIG_ROOT/down.sh"
+rm -rf "$RIG_DIR"
+# A start that fails half-way stops what it did start.
+trap 'rc=$?; [ "$rc" -eq 0 ] || { log "rig start failed; stopping what started"; "$RIG_ROOT/down.sh"; }; exit "$rc"' EXIT
+mkdir -p "$RIG_DIR/pids" "$RIG_DIR/logs"
+chmod 755 "$RIG_DIR"
+: >"$RIG_ENV"
+env_set OUTBOX_RIG_RUN_DIR "$RIG_DIR"
+ln -sfn "$RIG_DIR" "$REPO/.rig"
+
+# spawn NAME CMD...: runs a server in its own session (so a Ctrl-C in the terminal does
+# not reach it), output to logs/NAME.log, and records its PID.
+spawn() {
+  local name=$1
+  shift
+  setsid "$@" </dev/null >"$RIG_DIR/logs/$name.log" 2>&1 &
+  record_pid "$name" $!
+}
+
+# --- RabbitMQ (slowest to boot, so first) ------------------------------------------------
+# Its own node name, ports, data, cookie (HOME) and epmd port: nothing shared with a
+# system RabbitMQ. Runs as the rabbitmq user, which owns its folders.
+RMQ_DIR="$RIG_DIR/rabbitmq"
+free_port RMQ_PORT
+free_port RMQ_DIST_PORT
+free_port RMQ_EPMD_PORT
+RMQ_NODE="outbox-rig-$RMQ_PORT@localhost"
+mkdir -p "$RMQ_DIR/mnesia" "$RMQ_DIR/log"
+echo '[].' >"$RMQ_DIR/enabled_plugins"
+chown -R rabbitmq:rabbitmq "$RMQ_DIR"
+cat >"$RIG_DIR/rabbitmq.env" <<EOV
+export HOME=$RMQ_DIR
+export RABBITMQ_NODENAME=$RMQ_NODE
+export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1
+export RABBITMQ_NODE_PORT=$RMQ_PORT
+export RABBITMQ_DIST_PORT=$RMQ_DIST_PORT
+export ERL_EPMD_ADDRESS=127.0.0.1
+export ERL_EPMD_PORT=$RMQ_EPMD_PORT
+export RABBITMQ_MNESIA_BASE=$RMQ_DIR/mnesia
+export RABBITMQ_LOG_BASE=$RMQ_DIR/log
+export RABBITMQ_PID_FILE=$RMQ_DIR/rabbitmq.pid
+export RABBITMQ_ENABLED_PLUGINS_FILE=$RMQ_DIR/enabled_plugins
+export RABBITMQ_CONFIG_FILE=$RMQ_DIR/rabbitmq.conf
+export RABBITMQ_ADVANCED_CONFIG_FILE=$RMQ_DIR/advanced.config
+export RABBITMQ_CONF_ENV_FILE=$RMQ_DIR/rabbitmq-env.conf
+# Erlang distribution (node and CLI) on loopback, on the ports chosen above.
+export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} -kernel inet_dist_listen_min $RMQ_DIST_PORT -kernel inet_dist_listen_max $RMQ_DIST_PORT"
+export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+EOV
+# guest may log in from loopback only, which is where the tests are.
+printf 'loopback_users.guest = true\n' >"$RMQ_DIR/rabbitmq.conf"
+chown rabbitmq:rabbitmq "$RMQ_DIR/rabbitmq.conf"
+rabbitmqctl() { (source "$RIG_DIR/rabbitmq.env" && setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBITMQ_NODENAME" "$@"); }
+# Our own epmd, started first so the node uses it and down.sh can stop it by PID.
+spawn epmd setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups epmd -address 127.0.0.1 -port "$RMQ_EPMD_PORT"
+(source "$RIG_DIR/rabbitmq.env" && spawn rabbitmq-launcher setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups /usr/lib/rabbitmq/bin/rabbitmq-server)
+
+# --- Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager -------------
+KUBE_DIR="$RIG_DIR/kube"
+mkdir -p "$KUBE_DIR"
+(
+  cd "$KUBE_DIR"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=outbox-rig-ca \
+    -keyout ca.key -out ca.crt 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout apiserver.key \
+    -out apiserver.csr 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n' >apiserver.ext
+  openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 \
+    -extfile apiserver.ext -out apiserver.crt 2>/dev/null
+  openssl genrsa -out sa.key 2048 2>/dev/null
+  openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+)
+KUBE_TOKEN=$(openssl rand -hex 24)
+printf '%s,rig-admin,rig-admin,system:masters\n' "$KUBE_TOKEN" >"$KUBE_DIR/tokens.csv"
+free_port ETCD_PORT
+free_port ETCD_PEER_PORT
+spawn etcd "$BIN/etcd-$ETCD_VERSION" --name rig --data-dir "$RIG_DIR/etcd" \
+  --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster "rig=http://127.0.0.1:$ETCD_PEER_PORT" --initial-cluster-state new \
+  --unsafe-no-fsync --log-level warn
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+PG=$(pg_bin) || die "PostgreSQL server binaries not found: run tests/rig/provision.sh"
+free_port PG_PORT
+mkdir -p "$RIG_DIR/postgres"
+chown postgres:postgres "$RIG_DIR/postgres"
+runuser -u postgres -- "$PG/initdb" -D "$RIG_DIR/postgres/data" -U postgres --auth=trust \
+  -E UTF8 --no-sync >"$RIG_DIR/logs/postgres-initdb.log" 2>&1
+runuser -u postgres -- "$PG/pg_ctl" -D "$RIG_DIR/postgres/data" -l "$RIG_DIR/postgres/postgres.log" -w -t 60 \
+  -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -c unix_socket_directories=$RIG_DIR/postgres \
+      -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32 -c max_connections=400 \
+      -c fsync=off -c full_page_writes=off -c shared_buffers=256MB" start >/dev/null
+record_pid postgres "$(head -n 1 "$RIG_DIR/postgres/data/postmaster.pid")"
+env_set OUTBOX_RIG_PG_URL "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+log "postgres ready"
+
+# --- Apache Kafka, one KRaft broker+controller ----------------------------------------------
+free_port KAFKA_PORT
+free_port KAFKA_CTRL
+mkdir -p "$RIG_DIR/kafka"
+cat >"$RIG_DIR/kafka/server.properties" <<EOP
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$KAFKA_CTRL
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$RIG_DIR/kafka/data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+EOP
+cat >"$RIG_DIR/kafka/log4j2.properties" <<'EOP'
+rootLogger.level = warn
+rootLogger.appenderRef.stdout.ref = STDOUT
+appender.stdout.type = Console
+appender.stdout.name = STDOUT
+appender.stdout.layout.type = PatternLayout
+appender.stdout.layout.pattern = [%d] %p %m (%c)%n
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = info
+EOP
+KAFKA_JAVA=(java -Xms256m -Xmx768m -XX:+UseG1GC -Djava.awt.headless=true
+  "-Dlog4j2.configurationFile=$RIG_DIR/kafka/log4j2.properties" -cp "$KAFKA_HOME/libs/*")
+# A cluster id is a random UUID in unpadded URL-safe base64; made here to spare a JVM start.
+export KAFKA_CLUSTER_ID=$(python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
+spawn kafka sh -c '"$@" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" -c "$0" >/dev/null \
+    && exec "$@" kafka.Kafka "$0"' "$RIG_DIR/kafka/server.properties" "${KAFKA_JAVA[@]}"
+env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
+
+# --- NATS with JetStream ----------------------------------------------------------------------
+free_port NATS_PORT
+free_port NATS_MON
+spawn nats nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$NATS_MON" -js -sd "$RIG_DIR/nats" \
+  --cluster_name outbox-rig -n outbox-rig
+env_set OUTBOX_RIG_NATS_URL "nats://127.0.0.1:$NATS_PORT"
+env_set OUTBOX_RIG_NATS_MONITOR_URL "http://127.0.0.1:$NATS_MON"
+
+# --- Prometheus -------------------------------------------------------------------------------
+# Tests add scrape targets by dropping file_sd JSON into targets/ (picked up at once) and
+# rules into rules/ (then POST /-/reload).
+free_port PROM_PORT
+mkdir -p "$RIG_DIR/prometheus/targets" "$RIG_DIR/prometheus/rules" "$RIG_DIR/prometheus/data"
+cat >"$RIG_DIR/prometheus/prometheus.yml" <<EOP
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files:
+  - $RIG_DIR/prometheus/rules/*.yml
+scrape_configs:
+  - job_name: prometheus
+    static_configs:
+      - targets: ["127.0.0.1:$PROM_PORT"]
+  - job_name: tests
+    file_sd_configs:
+      - files: ["$RIG_DIR/prometheus/targets/*.json"]
+EOP
+spawn prometheus prometheus --config.file "$RIG_DIR/prometheus/prometheus.yml" \
+  --storage.tsdb.path "$RIG_DIR/prometheus/data" --web.listen-address "127.0.0.1:$PROM_PORT" \
+  --web.enable-lifecycle
+env_set OUTBOX_RIG_PROMETHEUS_URL "http://127.0.0.1:$PROM_PORT"
+env_set OUTBOX_RIG_PROMETHEUS_DIR "$RIG_DIR/prometheus"
+
+# --- Kubernetes, continued: the API server needs etcd up ----------------------------------------
+wait_for etcd 30 "$RIG_DIR/logs/etcd.log" curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
+free_port API_PORT
+spawn kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" \
+  --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
+  --tls-cert-file "$KUBE_DIR/apiserver.crt" --tls-private-key-file "$KUBE_DIR/apiserver.key" \
+  --client-ca-file "$KUBE_DIR/ca.crt" \
+  --token-auth-file "$KUBE_DIR/tokens.csv" --authorization-mode RBAC \
+  --service-cluster-ip-range 10.0.0.0/24 \
+  --service-account-issuer https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file "$KUBE_DIR/sa.pub" \
+  --service-account-signing-key-file "$KUBE_DIR/sa.key" \
+  --disable-admission-plugins ServiceAccount --endpoint-reconciler-type none \
+  --enable-priority-and-fairness=false --profiling=false
+KUBECONFIG_FILE="$KUBE_DIR/kubeconfig"
+cat >"$KUBECONFIG_FILE" <<EOK
+apiVersion: v1
+kind: Config
+clusters:
+  - name: rig
+    cluster:
+      server: https://127.0.0.1:$API_PORT
+      certificate-authority-data: $(base64 -w0 "$KUBE_DIR/ca.crt")
+users:
+  - name: rig-admin
+    user:
+      token: $KUBE_TOKEN
+contexts:
+  - name: rig
+    context: {cluster: rig, user: rig-admin, namespace: default}
+current-context: rig
+EOK
+env_set OUTBOX_RIG_KUBECONFIG "$KUBECONFIG_FILE"
+wait_for kube-apiserver 90 "$RIG_DIR/logs/kube-apiserver.log" \
+  curl -fsS --cacert "$KUBE_DIR/ca.crt" -H "Authorization: Bearer $KUBE_TOKEN" "https://127.0.0.1:$API_PORT/readyz"
+free_port KCM_PORT
+spawn kube-controller-manager "$BIN/kube-controller-manager-$K8S_VERSION" \
+  --kubeconfig "$KUBECONFIG_FILE" --authentication-kubeconfig "$KUBECONFIG_FILE" \
+  --authorization-kubeconfig "$KUBECONFIG_FILE" --leader-elect=false \
+  --bind-address 127.0.0.1 --secure-port "$KCM_PORT" \
+  --service-account-private-key-file "$KUBE_DIR/sa.key" --root-ca-file "$KUBE_DIR/ca.crt" \
+  --cluster-signing-cert-file "$KUBE_DIR/ca.crt" --cluster-signing-key-file "$KUBE_DIR/ca.key" \
+  --profiling=false
+wait_for kube-controller-manager 60 "$RIG_DIR/logs/kube-controller-manager.log" \
+  curl -fsSk "https://127.0.0.1:$KCM_PORT/healthz"
+
+# --- the rest --------------------------------------------------------------------------------
+wait_for kafka 90 "$RIG_DIR/logs/kafka.log" kcat -b "127.0.0.1:$KAFKA_PORT" -L -m 2
+wait_for nats 30 "$RIG_DIR/logs/nats.log" curl -fsS "http://127.0.0.1:$NATS_MON/healthz?js-enabled-only=true"
+wait_for prometheus 30 "$RIG_DIR/logs/prometheus.log" curl -fsS "http://127.0.0.1:$PROM_PORT/-/ready"
+wait_for rabbitmq 90 "$RMQ_DIR/log/$RMQ_NODE.log" rabbitmqctl await_startup --timeout 5
+record_pid rabbitmq "$(cat "$RMQ_DIR/rabbitmq.pid")"
+env_set OUTBOX_RIG_AMQP_URL "amqp://guest:guest@127.0.0.1:$RMQ_PORT/%2f"
+env_set OUTBOX_RIG_RABBITMQ_MGMT_URL ""
+
+env_set OUTBOX_RIG_HELM "$BIN/helm-$HELM_VERSION"
+env_set OUTBOX_RIG_KUBECTL "$BIN/kubectl-$K8S_VERSION"
+env_set OUTBOX_RIG_PROMTOOL "$(command -v promtool)"
+env_set OUTBOX_RIG_KCAT "$(command -v kcat)"
+log "rig up in $((SECONDS - started))s: export OUTBOX_RIG_ENV=$RIG_ENV"
