@@ -18,6 +18,9 @@ command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v cmake >/dev/null || missing+=(cmake)
 dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
+# librdkafka's cmake build includes curl/curl.h even with curl disabled (librdkafka#5135).
+dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
+dpkg -s g++ >/dev/null 2>&1 || missing+=(g++)
 command -v runuser >/dev/null || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || die "missing Debian packages (${missing[*]}) and not root to install them"

@@ -1,0 +1,74 @@
+//! Durations as the spec writes them (`500ms`, `30s`, `5m`, `24h`, `1h30m`).
+
+use std::time::Duration;
+
+/// A duration in the spec that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Not of the form `<number><unit>...` with units ms, s, m, h.
+    #[error("`{0}` is not a duration like 500ms, 30s, 5m or 1h30m")]
+    Malformed(String),
+    /// Zero, where a pause or a threshold must be positive.
+    #[error("`{0}` must be longer than zero")]
+    Zero(String),
+}
+
+/// Parses a positive Go-style duration; the schema's pattern admits the same strings.
+pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
+    let malformed = || DurationError::Malformed(text.to_owned());
+    // The schema only lets ms|s|m|h through; humantime alone would also take days,
+    // months and spaces, which the schema rejects, so both agree on what is valid.
+    if text.is_empty() || text.contains(char::is_whitespace) {
+        return Err(malformed());
+    }
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        if digits == 0 {
+            return Err(malformed());
+        }
+        rest = &rest[digits..];
+        let unit = ["ms", "s", "m", "h"]
+            .into_iter()
+            .find(|u| rest.starts_with(u))
+            .ok_or_else(malformed)?;
+        rest = &rest[unit.len()..];
+    }
+    let duration = humantime::parse_duration(text).map_err(|_| malformed())?;
+    if duration.is_zero() {
+        return Err(DurationError::Zero(text.to_owned()));
+    }
+    Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_units_the_schema_allows() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5_400)));
+    }
+
+    #[test]
+    fn rejects_what_the_schema_rejects() {
+        for bad in ["", "5", "ms", "5 m", "1d", "-5s", "5sec", "1.5s"] {
+            assert!(
+                matches!(parse_duration(bad), Err(DurationError::Malformed(_))),
+                "{bad:?} should be malformed"
+            );
+        }
+    }
+
+    #[test]
+    fn rejects_zero() {
+        assert_eq!(
+            parse_duration("0s"),
+            Err(DurationError::Zero("0s".to_owned()))
+        );
+    }
+}

@@ -1,0 +1,867 @@
+//! The `OutboxRelay` custom resource (`outbox.dev/v1alpha1`): spec, status, defaults and
+//! the validation the API server enforces through the generated schema.
+//!
+//! Validation lives in the schema (patterns, ranges, enums, CEL rules) so that the API
+//! server rejects a bad object before the controller ever sees it. The few checks that a
+//! schema cannot express (a duration that parses but is zero, say) live in
+//! [`OutboxRelaySpec::validate`], which the controller and `render` both call.
+
+mod duration;
+mod quantity;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use duration::{DurationError, parse_duration};
+pub use quantity::{QuantityError, parse_bytes};
+
+/// The API group of every outbox-operator resource.
+pub const GROUP: &str = "outbox.dev";
+
+/// What a SQL identifier from a user may look like: it is also always quoted in SQL.
+pub const IDENTIFIER_PATTERN: &str = "^[A-Za-z_][A-Za-z0-9_]{0,62}$";
+/// PostgreSQL's own rule for replication slot names.
+pub const SLOT_NAME_PATTERN: &str = "^[a-z0-9_]{1,63}$";
+/// Go-style durations: `500ms`, `30s`, `5m`, `24h`, `1h30m`.
+pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
+
+/// One OutboxRelay: publishes the committed rows of one outbox table to one broker.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "outbox.dev",
+    version = "v1alpha1",
+    kind = "OutboxRelay",
+    plural = "outboxrelays",
+    shortname = "obr",
+    category = "outbox",
+    namespaced,
+    status = "OutboxRelayStatus",
+    printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
+    printcolumn = r#"{"name":"Broker","type":"string","jsonPath":".status.broker"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Backlog","type":"integer","jsonPath":".status.backlogRows"}"#,
+    printcolumn = r#"{"name":"Oldest","type":"string","jsonPath":".status.oldestUnpublishedAge"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct OutboxRelaySpec {
+    /// The database that holds the outbox table.
+    pub database: DatabaseSpec,
+    /// The outbox table and how its columns map to message fields.
+    #[serde(default)]
+    pub table: TableSpec,
+    /// How committed rows are found: exactly one of `polling` or `logTailing`.
+    pub mode: ModeSpec,
+    /// Where messages go: exactly one of `kafka`, `nats` or `rabbitmq`.
+    pub broker: BrokerSpec,
+    /// Per-aggregate ordering and how rows are spread over partitions.
+    #[serde(default)]
+    pub ordering: OrderingSpec,
+    /// Number of relay pods. Log tailing runs one active consumer whatever this says
+    /// (a replication slot admits one); the others stand by.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0, max = 64))]
+    pub replicas: i32,
+    /// How long published rows are kept (polling with `afterPublish: mark`).
+    #[serde(default)]
+    pub retention: RetentionSpec,
+    /// What happens to a row that cannot be published.
+    #[serde(default)]
+    pub failure: FailureSpec,
+    /// Prometheus alerting rules rendered for this relay.
+    #[serde(default)]
+    pub alerting: AlertingSpec,
+    /// Overrides for the relay pods.
+    #[serde(default, skip_serializing_if = "RelayPodSpec::is_empty")]
+    pub relay: RelayPodSpec,
+}
+
+fn default_replicas() -> i32 {
+    2
+}
+
+/// The database holding the outbox table.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DatabaseSpec {
+    /// PostgreSQL (with `wal_level=logical` for log tailing).
+    pub postgres: PostgresSpec,
+}
+
+/// How to reach PostgreSQL.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PostgresSpec {
+    /// The Secret key holding a connection URI (`postgres://user:password@host:5432/db`).
+    /// The relay reads it from its environment; it never appears in a ConfigMap, log,
+    /// event or status.
+    pub connection_secret_ref: SecretKeyRef,
+    /// TLS to the database.
+    #[serde(default)]
+    pub ssl_mode: SslMode,
+}
+
+/// A key in a Secret in the relay's namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key within the Secret.
+    #[serde(default = "default_secret_key")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+fn default_secret_key() -> String {
+    "uri".to_owned()
+}
+
+/// TLS mode for the database connection, as libpq names them.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum SslMode {
+    /// Plain TCP.
+    Disable,
+    /// TLS when the server offers it.
+    #[default]
+    Prefer,
+    /// TLS, without verifying the server certificate.
+    Require,
+    /// TLS, verifying the certificate and the host name.
+    VerifyFull,
+}
+
+/// The outbox table. The column defaults are Debezium's, so existing outbox tables work
+/// unchanged.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TableSpec {
+    /// Schema of the table.
+    #[serde(default = "default_schema")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub schema: String,
+    /// Name of the table.
+    #[serde(default = "default_table")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub name: String,
+    /// Which column holds which message field.
+    #[serde(default)]
+    pub columns: ColumnsSpec,
+    /// Extra columns copied into message headers under the column's name, for example
+    /// `traceparent`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(regex(pattern = IDENTIFIER_PATTERN)))]
+    pub headers: Vec<String>,
+}
+
+impl Default for TableSpec {
+    fn default() -> Self {
+        Self {
+            schema: default_schema(),
+            name: default_table(),
+            columns: ColumnsSpec::default(),
+            headers: Vec::new(),
+        }
+    }
+}
+
+fn default_schema() -> String {
+    "public".to_owned()
+}
+fn default_table() -> String {
+    "outbox".to_owned()
+}
+
+/// Column names of the outbox table.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ColumnsSpec {
+    /// The row id, a bigint that grows with insertion (`bigserial` or an identity
+    /// column); it becomes the message id.
+    #[serde(default = "col_id")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub id: String,
+    /// The aggregate type, used in topic, subject and routing-key templates.
+    #[serde(default = "col_aggregate_type")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub aggregate_type: String,
+    /// The aggregate id: the message key, and what per-aggregate order is kept for.
+    #[serde(default = "col_aggregate_id")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub aggregate_id: String,
+    /// The event type, sent as a header.
+    #[serde(default = "col_type")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub r#type: String,
+    /// The payload (`jsonb`, `json`, `text` or `bytea`), sent as stored.
+    #[serde(default = "col_payload")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub payload: String,
+    /// Insertion time, used for the oldest-unpublished age and end-to-end lag.
+    #[serde(default = "col_created_at")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub created_at: String,
+    /// Publication time, set by polling with `afterPublish: mark`.
+    #[serde(default = "col_published_at")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub published_at: String,
+}
+
+impl Default for ColumnsSpec {
+    fn default() -> Self {
+        Self {
+            id: col_id(),
+            aggregate_type: col_aggregate_type(),
+            aggregate_id: col_aggregate_id(),
+            r#type: col_type(),
+            payload: col_payload(),
+            created_at: col_created_at(),
+            published_at: col_published_at(),
+        }
+    }
+}
+
+fn col_id() -> String {
+    "id".to_owned()
+}
+fn col_aggregate_type() -> String {
+    "aggregatetype".to_owned()
+}
+fn col_aggregate_id() -> String {
+    "aggregateid".to_owned()
+}
+fn col_type() -> String {
+    "type".to_owned()
+}
+fn col_payload() -> String {
+    "payload".to_owned()
+}
+fn col_created_at() -> String {
+    "created_at".to_owned()
+}
+fn col_published_at() -> String {
+    "published_at".to_owned()
+}
+
+/// How the relay finds committed rows. Exactly one field is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.polling) != has(self.logTailing)").message("set exactly one of mode.polling and mode.logTailing"))]
+pub struct ModeSpec {
+    /// Poll the table for unpublished rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub polling: Option<PollingSpec>,
+    /// Stream inserts from a logical replication slot (`pgoutput`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_tailing: Option<LogTailingSpec>,
+}
+
+/// The mode, as one value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mode<'a> {
+    /// Polling mode.
+    Polling(&'a PollingSpec),
+    /// Log-tailing mode.
+    LogTailing(&'a LogTailingSpec),
+}
+
+impl ModeSpec {
+    /// The one mode that is set. The schema guarantees exactly one; an object that
+    /// bypassed it (set both) is read as polling, the mode that needs nothing in the
+    /// database, and [`OutboxRelaySpec::validate`] reports it.
+    pub fn get(&self) -> Option<Mode<'_>> {
+        match (&self.polling, &self.log_tailing) {
+            (Some(p), _) => Some(Mode::Polling(p)),
+            (None, Some(l)) => Some(Mode::LogTailing(l)),
+            (None, None) => None,
+        }
+    }
+}
+
+impl Mode<'_> {
+    /// The mode's name as the spec spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Mode::Polling(_) => "polling",
+            Mode::LogTailing(_) => "logTailing",
+        }
+    }
+}
+
+/// Polling mode settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PollingSpec {
+    /// Pause between polls that found nothing; a full batch polls again at once.
+    #[serde(default = "default_interval")]
+    #[schemars(regex(pattern = DURATION_PATTERN))]
+    pub interval: String,
+    /// Rows per batch (one transaction).
+    #[serde(default = "default_batch_size")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub batch_size: i32,
+    /// What to do with a row once the broker acknowledged it.
+    #[serde(default)]
+    pub after_publish: AfterPublish,
+}
+
+impl Default for PollingSpec {
+    fn default() -> Self {
+        Self {
+            interval: default_interval(),
+            batch_size: default_batch_size(),
+            after_publish: AfterPublish::default(),
+        }
+    }
+}
+
+fn default_interval() -> String {
+    "500ms".to_owned()
+}
+fn default_batch_size() -> i32 {
+    500
+}
+
+/// What polling does with a published row.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum AfterPublish {
+    /// Set the `publishedAt` column; `retention.publishedRows` deletes it later.
+    #[default]
+    Mark,
+    /// Delete the row in the same transaction.
+    Delete,
+}
+
+/// Log-tailing mode settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(oldSelf.slotName) || has(self.slotName)").message("logTailing.slotName cannot be removed once set"))]
+#[x_kube(validation = Rule::new("!has(oldSelf.publicationName) || has(self.publicationName)").message("logTailing.publicationName cannot be removed once set"))]
+pub struct LogTailingSpec {
+    /// Replication slot name; default `outbox_<namespace>_<name>`. Cannot change once
+    /// set: a new name would abandon the old slot and its position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = SLOT_NAME_PATTERN))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("logTailing.slotName is immutable"))]
+    pub slot_name: Option<String>,
+    /// Publication name; default the slot name. Cannot change once set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("logTailing.publicationName is immutable"))]
+    pub publication_name: Option<String>,
+    /// How often an idle relay writes a heartbeat so the slot keeps advancing.
+    #[serde(default = "default_heartbeat")]
+    #[schemars(regex(pattern = DURATION_PATTERN))]
+    pub heartbeat_interval: String,
+    /// Delete rows once published, so the table stays small (deletes are not published).
+    #[serde(default = "default_true")]
+    pub delete_after_publish: bool,
+}
+
+impl Default for LogTailingSpec {
+    fn default() -> Self {
+        Self {
+            slot_name: None,
+            publication_name: None,
+            heartbeat_interval: default_heartbeat(),
+            delete_after_publish: true,
+        }
+    }
+}
+
+fn default_heartbeat() -> String {
+    "30s".to_owned()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// Where messages go. Exactly one field is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.kafka), has(self.nats), has(self.rabbitmq)].filter(x, x).size() == 1").message("set exactly one of broker.kafka, broker.nats and broker.rabbitmq"))]
+pub struct BrokerSpec {
+    /// Apache Kafka (or a Kafka-compatible broker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSpec>,
+    /// NATS with JetStream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats: Option<NatsSpec>,
+    /// RabbitMQ (AMQP 0-9-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rabbitmq: Option<RabbitMqSpec>,
+}
+
+/// The broker, as one value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Broker<'a> {
+    /// Kafka.
+    Kafka(&'a KafkaSpec),
+    /// NATS JetStream.
+    Nats(&'a NatsSpec),
+    /// RabbitMQ.
+    RabbitMq(&'a RabbitMqSpec),
+}
+
+impl BrokerSpec {
+    /// The one broker that is set, if exactly one is.
+    pub fn get(&self) -> Option<Broker<'_>> {
+        match (&self.kafka, &self.nats, &self.rabbitmq) {
+            (Some(k), None, None) => Some(Broker::Kafka(k)),
+            (None, Some(n), None) => Some(Broker::Nats(n)),
+            (None, None, Some(r)) => Some(Broker::RabbitMq(r)),
+            _ => None,
+        }
+    }
+}
+
+impl Broker<'_> {
+    /// The broker's name as the spec spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Broker::Kafka(_) => "kafka",
+            Broker::Nats(_) => "nats",
+            Broker::RabbitMq(_) => "rabbitmq",
+        }
+    }
+}
+
+/// Apache Kafka. The producer is idempotent with `acks=all`; those cannot be overridden.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSpec {
+    /// Comma-separated `host:port` list.
+    #[schemars(length(min = 1, max = 2048))]
+    pub bootstrap_servers: String,
+    /// Topic template; `{aggregateType}` is replaced by the row's aggregate type
+    /// (Debezium's default routing).
+    #[serde(default = "default_kafka_topic")]
+    #[schemars(length(min = 1, max = 249))]
+    pub topic: String,
+    /// TLS to the brokers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+    /// SASL authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sasl: Option<SaslSpec>,
+    /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`).
+    /// Settings that would weaken delivery (`acks`, `enable.idempotence`) and security
+    /// settings (use `tls` and `sasl`) are rejected.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'security.protocol'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("broker.kafka.properties may not set acks, enable.idempotence, security.protocol, sasl.* or ssl.*: delivery guarantees are fixed, use tls and sasl for security"))]
+    pub properties: BTreeMap<String, String>,
+}
+
+fn default_kafka_topic() -> String {
+    "outbox.event.{aggregateType}".to_owned()
+}
+
+/// TLS settings for a broker connection.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsSpec {
+    /// A Secret key holding the CA certificate (PEM); default the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+}
+
+/// SASL credentials for Kafka.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SaslSpec {
+    /// SASL mechanism.
+    pub mechanism: SaslMechanism,
+    /// Secret key holding the user name.
+    pub username_secret_ref: SecretKeyRef,
+    /// Secret key holding the password.
+    pub password_secret_ref: SecretKeyRef,
+}
+
+/// SASL mechanisms librdkafka supports with user name and password.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaslMechanism {
+    /// PLAIN (use with TLS).
+    #[serde(rename = "PLAIN")]
+    Plain,
+    /// SCRAM-SHA-256.
+    #[serde(rename = "SCRAM-SHA-256")]
+    ScramSha256,
+    /// SCRAM-SHA-512.
+    #[serde(rename = "SCRAM-SHA-512")]
+    ScramSha512,
+}
+
+/// NATS with JetStream. Core NATS has no acknowledgements, so publishing always goes
+/// through JetStream: a stream must capture the subjects.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NatsSpec {
+    /// Server URL(s), comma-separated (`nats://host:4222`).
+    #[schemars(length(min = 1, max = 2048))]
+    pub url: String,
+    /// Subject template; `{aggregateType}` is replaced by the row's aggregate type.
+    #[serde(default = "default_nats_subject")]
+    #[schemars(length(min = 1, max = 255))]
+    pub subject: String,
+    /// A Secret key holding a NATS credentials file (`.creds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretKeyRef>,
+}
+
+fn default_nats_subject() -> String {
+    "outbox.{aggregateType}".to_owned()
+}
+
+/// RabbitMQ. Messages are persistent and published with publisher confirms.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RabbitMqSpec {
+    /// A Secret key holding the AMQP URI (`amqp://user:password@host:5672/vhost`).
+    pub url_secret_ref: SecretKeyRef,
+    /// Exchange to publish to; it must exist.
+    #[serde(default = "default_exchange")]
+    #[schemars(length(max = 255))]
+    pub exchange: String,
+    /// Routing-key template; `{aggregateType}` is replaced by the row's aggregate type.
+    #[serde(default = "default_routing_key")]
+    #[schemars(length(max = 255))]
+    pub routing_key: String,
+}
+
+fn default_exchange() -> String {
+    "outbox".to_owned()
+}
+fn default_routing_key() -> String {
+    "{aggregateType}".to_owned()
+}
+
+/// Ordering of messages.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderingSpec {
+    /// `perAggregate` keeps each aggregate's events in commit order; `none` publishes
+    /// rows as they come.
+    #[serde(default)]
+    pub mode: OrderingMode,
+    /// Rows map to partition `hash(aggregateId) mod partitions`; each partition is
+    /// published by one relay process at a time, so partitions bound the parallelism.
+    #[serde(default = "default_partitions")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub partitions: i32,
+}
+
+impl Default for OrderingSpec {
+    fn default() -> Self {
+        Self {
+            mode: OrderingMode::default(),
+            partitions: default_partitions(),
+        }
+    }
+}
+
+fn default_partitions() -> i32 {
+    4
+}
+
+/// Ordering modes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum OrderingMode {
+    /// Each aggregate's events in commit order.
+    #[default]
+    PerAggregate,
+    /// No order promised.
+    None,
+}
+
+/// Retention of published rows.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RetentionSpec {
+    /// Published rows older than this are deleted (polling with `afterPublish: mark`).
+    #[serde(default = "default_retention")]
+    #[schemars(regex(pattern = DURATION_PATTERN))]
+    pub published_rows: String,
+}
+
+impl Default for RetentionSpec {
+    fn default() -> Self {
+        Self {
+            published_rows: default_retention(),
+        }
+    }
+}
+
+fn default_retention() -> String {
+    "24h".to_owned()
+}
+
+/// Handling of rows that cannot be published.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FailureSpec {
+    /// Attempts before a row counts as exhausted.
+    #[serde(default = "default_max_attempts")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_attempts: i32,
+    /// `block` stops the row's partition (order kept); `deadLetter` moves the row to
+    /// the dead-letter table and goes on.
+    #[serde(default)]
+    pub on_exhausted: OnExhausted,
+    /// Dead-letter table (same schema); default `<table>_dead_letter`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub dead_letter_table: Option<String>,
+}
+
+impl Default for FailureSpec {
+    fn default() -> Self {
+        Self {
+            max_attempts: default_max_attempts(),
+            on_exhausted: OnExhausted::default(),
+            dead_letter_table: None,
+        }
+    }
+}
+
+fn default_max_attempts() -> i32 {
+    10
+}
+
+/// What happens to an exhausted row.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum OnExhausted {
+    /// Stop the partition until the row can be published.
+    #[default]
+    Block,
+    /// Move the row to the dead-letter table.
+    DeadLetter,
+}
+
+/// Thresholds of the rendered alerting rules.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AlertingSpec {
+    /// Render a PrometheusRule for this relay.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Alert when the oldest unpublished row is older than this.
+    #[serde(default = "default_oldest_age")]
+    #[schemars(regex(pattern = DURATION_PATTERN))]
+    pub oldest_unpublished_age: String,
+    /// Alert when more rows than this wait to be published.
+    #[serde(default = "default_backlog_rows")]
+    #[schemars(range(min = 1))]
+    pub backlog_rows: i64,
+    /// Alert when the replication slot retains more WAL than this (log tailing), as a
+    /// Kubernetes quantity (`512Mi`, `1Gi`).
+    #[serde(default = "default_slot_wal")]
+    #[schemars(regex(pattern = "^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    pub slot_retained_wal: String,
+}
+
+impl Default for AlertingSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            oldest_unpublished_age: default_oldest_age(),
+            backlog_rows: default_backlog_rows(),
+            slot_retained_wal: default_slot_wal(),
+        }
+    }
+}
+
+fn default_oldest_age() -> String {
+    "5m".to_owned()
+}
+fn default_backlog_rows() -> i64 {
+    10_000
+}
+fn default_slot_wal() -> String {
+    "1Gi".to_owned()
+}
+
+/// Overrides for the relay pods.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RelayPodSpec {
+    /// Relay image; default the operator's own image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Container resources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Log filter for the relay (`RUST_LOG` syntax), default `info`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub log_level: Option<String>,
+    /// Extra pod labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_labels: BTreeMap<String, String>,
+    /// Extra pod annotations.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_annotations: BTreeMap<String, String>,
+    /// Node selector.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Affinity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Priority class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Service account the relay pods run as (they need no Kubernetes API access).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+}
+
+impl RelayPodSpec {
+    fn is_empty(&self) -> bool {
+        self == &Self::default()
+    }
+}
+
+/// Observed state, written by the controller only.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OutboxRelayStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `DatabaseReady`, `BrokerReady`, `SlotReady`, `Degraded`, with reasons and
+    /// messages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// `polling` or `logTailing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// `kafka`, `nats` or `rabbitmq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broker: Option<String>,
+    /// Rows waiting to be published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backlog_rows: Option<i64>,
+    /// Age of the oldest unpublished row, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_unpublished_age_seconds: Option<f64>,
+    /// Age of the oldest unpublished row, for people (`0s`, `4m12s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_unpublished_age: Option<String>,
+    /// The replication slot (log tailing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<SlotStatus>,
+    /// Partition ownership.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<PartitionsStatus>,
+}
+
+/// The replication slot and publication the operator created.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotStatus {
+    /// Slot name.
+    pub name: String,
+    /// Publication name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publication: Option<String>,
+    /// Position up to which the relay confirmed delivery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_flush_lsn: Option<String>,
+    /// WAL the slot keeps on the database server's disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retained_wal_bytes: Option<i64>,
+    /// PostgreSQL's `wal_status` (`reserved`, `extended`, `unreserved`, `lost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wal_status: Option<String>,
+    /// Whether a relay is streaming from the slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active: Option<bool>,
+}
+
+/// How many partitions exist and how many are owned by a live relay.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionsStatus {
+    /// Partitions the spec asks for.
+    pub desired: i32,
+    /// Partitions currently held by a relay process.
+    pub owned: i32,
+}
+
+/// A spec problem the schema cannot express, found before anything is created.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct SpecError {
+    /// The offending field, as a path (`spec.mode.polling.interval`).
+    pub field: &'static str,
+    /// What is wrong, for people.
+    pub message: String,
+}
+
+impl OutboxRelaySpec {
+    /// Checks what the schema cannot: durations that parse and are positive, a mode and
+    /// a broker set, a parseable WAL threshold. Returns every problem, not just the first.
+    pub fn validate(&self) -> Result<(), Vec<SpecError>> {
+        let mut errors = Vec::new();
+        let mut duration = |field: &'static str, value: &str| {
+            if let Err(e) = parse_duration(value) {
+                errors.push(SpecError {
+                    field,
+                    message: e.to_string(),
+                });
+            }
+        };
+        match self.mode.get() {
+            Some(Mode::Polling(p)) => duration("spec.mode.polling.interval", &p.interval),
+            Some(Mode::LogTailing(l)) => duration(
+                "spec.mode.logTailing.heartbeatInterval",
+                &l.heartbeat_interval,
+            ),
+            None => {}
+        }
+        duration(
+            "spec.retention.publishedRows",
+            &self.retention.published_rows,
+        );
+        duration(
+            "spec.alerting.oldestUnpublishedAge",
+            &self.alerting.oldest_unpublished_age,
+        );
+        if self.mode.polling.is_some() == self.mode.log_tailing.is_some() {
+            errors.push(SpecError {
+                field: "spec.mode",
+                message: "set exactly one of polling and logTailing".to_owned(),
+            });
+        }
+        if self.broker.get().is_none() {
+            errors.push(SpecError {
+                field: "spec.broker",
+                message: "set exactly one of kafka, nats and rabbitmq".to_owned(),
+            });
+        }
+        if let Err(e) = parse_bytes(&self.alerting.slot_retained_wal) {
+            errors.push(SpecError {
+                field: "spec.alerting.slotRetainedWal",
+                message: e.to_string(),
+            });
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! The crate-wide error type, with a bounded category for metric labels.
+
+/// Everything that can go wrong in the operator, the relay and the CLI.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A feature whose issue has not landed yet.
+    #[error("{what}: not implemented yet (arrives with issue #{issue})")]
+    NotImplemented {
+        /// The subcommand or feature, as the user named it.
+        what: &'static str,
+        /// The tracking issue number.
+        issue: u32,
+    },
+}
+
+impl Error {
+    /// A fixed, low-cardinality name for this error, safe to use as a metric label.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::NotImplemented { .. } => "not_implemented",
+        }
+    }
+}
+
+/// Result with the crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,7 @@
+//! outbox-operator: a Kubernetes operator that runs transactional-outbox relays from PostgreSQL to Kafka, NATS JetStream and RabbitMQ.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod error;
+
+pub use error::{Error, Result};

@@ -1,0 +1,598 @@
+//! Test support: finds the running test rig (tests/rig/) and hands each test fresh, uniquely named resources on its real servers.
+//!
+//! The rig writes a file of `KEY=value` lines; tests find it through `OUTBOX_RIG_ENV`,
+//! or at `<crate>/.rig/rig.env`. A missing file or a server that does not answer fails
+//! the test at once with one line saying what to start: integration tests never skip.
+//!
+//! Every helper creates something new under a random name so that tests, which cargo
+//! runs in parallel threads, never share state.
+
+// Each test file compiles this module on its own and uses only part of it.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+/// How long a server may take to accept a TCP connection before we call it down.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a client may take to finish its handshake (TLS, auth, protocol hello).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(15);
+
+const START_HINT: &str = "start the rig with `make rig-up` (or run everything with `make test`)";
+
+/// The running rig, as described by its env file.
+///
+/// Values are looked up when a test asks for them, so a rig that lacks one server
+/// fails only the tests that need it, each with a line naming the missing key.
+#[derive(Debug, Clone)]
+pub struct Rig {
+    /// The env file this was read from.
+    pub env_file: PathBuf,
+    values: HashMap<String, String>,
+}
+
+impl Rig {
+    /// The rig's configuration, read once per test binary. Panics with one clear line
+    /// when the rig is not running.
+    pub fn load() -> &'static Rig {
+        static RIG: OnceLock<Rig> = OnceLock::new();
+        RIG.get_or_init(|| Rig::read().unwrap_or_else(|msg| panic!("{msg}")))
+    }
+
+    fn env_file_path() -> PathBuf {
+        match std::env::var_os("OUTBOX_RIG_ENV") {
+            Some(path) if !path.is_empty() => PathBuf::from(path),
+            _ => Path::new(env!("CARGO_MANIFEST_DIR")).join(".rig/rig.env"),
+        }
+    }
+
+    fn read() -> Result<Rig, String> {
+        let env_file = Self::env_file_path();
+        let text = std::fs::read_to_string(&env_file).map_err(|err| {
+            format!(
+                "test rig not running: cannot read {} ({err}): {START_HINT}",
+                env_file.display()
+            )
+        })?;
+        Ok(Rig {
+            values: parse_env(&text),
+            env_file,
+        })
+    }
+
+    /// The value of `key`; panics with one line when the rig did not write it.
+    pub fn get(&self, key: &str) -> &str {
+        match self.values.get(key) {
+            Some(value) if !value.is_empty() => value,
+            _ => panic!(
+                "test rig env file {} has no value for {key}: restart the rig with `make rig-up`",
+                self.env_file.display()
+            ),
+        }
+    }
+
+    /// The value of `key`, or `None` when the rig left it out or empty.
+    pub fn get_opt(&self, key: &str) -> Option<&str> {
+        self.values
+            .get(key)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+
+    /// A binary the rig provides; panics with one line when it is missing.
+    fn tool(&self, key: &str) -> &Path {
+        let path = Path::new(self.get(key));
+        if !path.is_file() {
+            panic!(
+                "test rig tool {key}={} does not exist: rebuild the rig with `make rig-up`",
+                path.display()
+            );
+        }
+        path
+    }
+
+    pub fn run_dir(&self) -> &Path {
+        Path::new(self.get("OUTBOX_RIG_RUN_DIR"))
+    }
+    /// Superuser URL of the `postgres` database (trust auth, `wal_level=logical`).
+    pub fn pg_url(&self) -> &str {
+        self.get("OUTBOX_RIG_PG_URL")
+    }
+    pub fn kafka_bootstrap(&self) -> &str {
+        self.get("OUTBOX_RIG_KAFKA_BOOTSTRAP")
+    }
+    pub fn nats_url(&self) -> &str {
+        self.get("OUTBOX_RIG_NATS_URL")
+    }
+    pub fn nats_monitor_url(&self) -> &str {
+        self.get("OUTBOX_RIG_NATS_MONITOR_URL")
+    }
+    pub fn amqp_url(&self) -> &str {
+        self.get("OUTBOX_RIG_AMQP_URL")
+    }
+    pub fn rabbitmq_mgmt_url(&self) -> Option<&str> {
+        self.get_opt("OUTBOX_RIG_RABBITMQ_MGMT_URL")
+    }
+    pub fn kubeconfig(&self) -> &Path {
+        Path::new(self.get("OUTBOX_RIG_KUBECONFIG"))
+    }
+    pub fn prometheus_url(&self) -> &str {
+        self.get("OUTBOX_RIG_PROMETHEUS_URL")
+    }
+    pub fn helm(&self) -> &Path {
+        self.tool("OUTBOX_RIG_HELM")
+    }
+    pub fn kubectl(&self) -> &Path {
+        self.tool("OUTBOX_RIG_KUBECTL")
+    }
+    pub fn promtool(&self) -> &Path {
+        self.tool("OUTBOX_RIG_PROMTOOL")
+    }
+    pub fn kcat(&self) -> &Path {
+        self.tool("OUTBOX_RIG_KCAT")
+    }
+}
+
+/// Parses `KEY=value` lines; blank lines and `#` comments are ignored, values are taken
+/// verbatim (the rig writes no quotes).
+pub fn parse_env(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .filter_map(|line| line.split_once('='))
+        .map(|(key, value)| {
+            let key = key.trim().trim_start_matches("export ").trim();
+            (key.to_string(), value.trim().to_string())
+        })
+        .collect()
+}
+
+/// `host:port` of a URL such as `postgres://user@127.0.0.1:5432/db` or `nats://127.0.0.1:4222`.
+pub fn host_port(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    authority.rsplit_once('@').map_or(authority, |(_, hp)| hp)
+}
+
+/// Fails the test at once, with one line, unless `server` accepts TCP connections at
+/// `addr` within [`CONNECT_TIMEOUT`].
+pub async fn require_listening(server: &str, addr: &str) {
+    let outcome = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr)).await;
+    let why = match outcome {
+        Ok(Ok(_)) => return,
+        Ok(Err(err)) => err.to_string(),
+        Err(_) => format!("no answer within {CONNECT_TIMEOUT:?}"),
+    };
+    panic!("{server} at {addr} does not answer ({why}): {START_HINT}");
+}
+
+/// A fresh lowercase alphanumeric suffix, valid in SQL identifiers, Kubernetes names,
+/// Kafka topics, NATS subjects and AMQP queue names.
+pub fn unique_suffix() -> String {
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..10)
+        .map(|_| char::from(CHARS[rng.random_range(0..CHARS.len())]))
+        .collect()
+}
+
+/// Polls `condition` until it returns true; panics naming `what` after `timeout`.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    wait_for_some(what, timeout, || {
+        let fut = condition();
+        async move { fut.await.then_some(()) }
+    })
+    .await
+}
+
+/// Polls `probe` until it returns `Some(value)` and returns that value; panics naming
+/// `what` after `timeout`.
+pub async fn wait_for_some<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(20);
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        if started.elapsed() >= timeout {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// PostgreSQL
+
+/// A database created for one test, with an open connection to it.
+pub struct TestDatabase {
+    /// Database name, `test_<random>`.
+    pub name: String,
+    /// Connection string for this database (superuser, like the rig's).
+    pub url: String,
+    /// An open connection; its connection task runs on the test's runtime.
+    pub client: tokio_postgres::Client,
+}
+
+impl TestDatabase {
+    /// Best-effort cleanup: closes our connection and drops the database, ending any
+    /// session still in it. Tests need not call it: the rig's cluster is thrown away.
+    pub async fn drop_database(self) {
+        let TestDatabase { name, client, .. } = self;
+        drop(client);
+        if let Ok(admin) = pg_connect(Rig::load().pg_url()).await {
+            let _ = admin
+                .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .await;
+        }
+    }
+}
+
+/// Connects to PostgreSQL with a short connect timeout; the connection task is spawned.
+pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let mut config: tokio_postgres::Config = url.parse()?;
+    config.connect_timeout(CONNECT_TIMEOUT);
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        // The connection ends when the client is dropped; errors then are expected.
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+/// `url` with its database (path) replaced by `database`.
+pub fn pg_url_for(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let authority_end = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{database}", &base[..authority_end]);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    out
+}
+
+/// A superuser connection to the rig's `postgres` database.
+pub async fn pg_admin() -> tokio_postgres::Client {
+    let rig = Rig::load();
+    require_listening("PostgreSQL", host_port(rig.pg_url())).await;
+    pg_connect(rig.pg_url()).await.unwrap_or_else(|err| {
+        panic!(
+            "PostgreSQL at {} refused the test connection ({err}): {START_HINT}",
+            host_port(rig.pg_url())
+        )
+    })
+}
+
+/// Creates database `test_<random>` and connects to it.
+pub async fn fresh_database() -> TestDatabase {
+    let rig = Rig::load();
+    let admin = pg_admin().await;
+    let name = format!("test_{}", unique_suffix());
+    admin
+        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: CREATE DATABASE {name} failed: {err}"));
+    let url = pg_url_for(rig.pg_url(), &name);
+    let client = pg_connect(&url).await.unwrap_or_else(|err| {
+        panic!("PostgreSQL: connecting to fresh database {name} failed: {err}")
+    });
+    TestDatabase { name, url, client }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kafka
+
+/// rdkafka settings every test client shares: the rig's bootstrap servers and timeouts
+/// short enough that a dead broker shows up in seconds.
+pub fn kafka_config() -> rdkafka::ClientConfig {
+    let mut config = rdkafka::ClientConfig::new();
+    config
+        .set("bootstrap.servers", Rig::load().kafka_bootstrap())
+        .set("socket.connection.setup.timeout.ms", "5000")
+        .set("message.timeout.ms", "30000");
+    config
+}
+
+/// Creates topic `test-<random>` with `partitions` partitions (replication 1) and waits
+/// until every partition has a leader in the cluster metadata. Returns the topic name.
+pub async fn fresh_topic(partitions: i32) -> String {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+
+    let rig = Rig::load();
+    require_listening("Kafka", rig.kafka_bootstrap()).await;
+    let topic = format!("test-{}", unique_suffix());
+    let admin: AdminClient<DefaultClientContext> = kafka_config()
+        .create()
+        .unwrap_or_else(|err| panic!("Kafka: cannot build an admin client: {err}"));
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(20)));
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(
+                &topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &options,
+        )
+        .await
+        .unwrap_or_else(|err| {
+            panic!(
+                "Kafka at {} did not create topic {topic} ({err}): {START_HINT}",
+                rig.kafka_bootstrap()
+            )
+        });
+    for result in results {
+        if let Err((name, code)) = result {
+            panic!("Kafka refused to create topic {name}: {code}");
+        }
+    }
+
+    let wanted = usize::try_from(partitions).unwrap_or(0);
+    let name = topic.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let consumer: BaseConsumer = kafka_config()
+            .create()
+            .map_err(|err| format!("cannot build a metadata client: {err}"))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let metadata = consumer
+                .fetch_metadata(Some(&name), Duration::from_secs(5))
+                .map_err(|err| format!("metadata request failed: {err}"));
+            if let Ok(metadata) = &metadata {
+                let ready = metadata.topics().iter().any(|t| {
+                    t.name() == name
+                        && t.error().is_none()
+                        && t.partitions().len() == wanted
+                        && t.partitions().iter().all(|p| p.leader() >= 0)
+                });
+                if ready {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(match metadata {
+                    Err(err) => err,
+                    Ok(_) => "no leaders for all partitions after 30s".to_string(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+    .await;
+    match checked {
+        Ok(Ok(())) => topic,
+        Ok(Err(why)) => panic!("Kafka: topic {topic} not ready: {why}"),
+        Err(join) => panic!("Kafka: metadata task for {topic} failed: {join}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// NATS JetStream
+
+/// A JetStream stream created for one test.
+pub struct TestStream {
+    pub client: async_nats::Client,
+    pub jetstream: async_nats::jetstream::Context,
+    /// Stream name, `TEST_<random>`.
+    pub name: String,
+    /// The stream captures `<subject_prefix>.>`.
+    pub subject_prefix: String,
+}
+
+/// Connects to the rig's NATS server, failing fast when it is down.
+pub async fn nats_connect() -> async_nats::Client {
+    let rig = Rig::load();
+    let addr = host_port(rig.nats_url());
+    require_listening("NATS", addr).await;
+    let connecting = async_nats::ConnectOptions::new()
+        .connection_timeout(CONNECT_TIMEOUT)
+        .connect(rig.nats_url());
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(err)) => panic!("NATS at {addr} refused the test connection ({err}): {START_HINT}"),
+        Err(_) => panic!(
+            "NATS at {addr} did not finish the handshake in {HANDSHAKE_TIMEOUT:?}: {START_HINT}"
+        ),
+    }
+}
+
+/// Creates stream `TEST_<random>` capturing subjects `test.<random>.>`.
+pub async fn fresh_stream() -> TestStream {
+    let client = nats_connect().await;
+    let jetstream = async_nats::jetstream::new(client.clone());
+    let suffix = unique_suffix();
+    let name = format!("TEST_{suffix}");
+    let subject_prefix = format!("test.{suffix}");
+    jetstream
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{subject_prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|err| {
+            panic!("NATS: creating JetStream stream {name} failed (is JetStream enabled?): {err}")
+        });
+    TestStream {
+        client,
+        jetstream,
+        name,
+        subject_prefix,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RabbitMQ
+
+/// A queue declared for one test, with the connection and channel that declared it.
+pub struct TestQueue {
+    pub connection: lapin::Connection,
+    pub channel: lapin::Channel,
+    /// Queue name, `test-<random>`.
+    pub name: String,
+}
+
+/// Connects to the rig's RabbitMQ node, failing fast when it is down.
+pub async fn amqp_connect() -> lapin::Connection {
+    let rig = Rig::load();
+    let addr = host_port(rig.amqp_url());
+    require_listening("RabbitMQ", addr).await;
+    let connecting =
+        lapin::Connection::connect(rig.amqp_url(), lapin::ConnectionProperties::default());
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting).await {
+        Ok(Ok(connection)) => connection,
+        Ok(Err(err)) => {
+            panic!("RabbitMQ at {addr} refused the test connection ({err}): {START_HINT}")
+        }
+        Err(_) => panic!(
+            "RabbitMQ at {addr} did not finish the handshake in {HANDSHAKE_TIMEOUT:?}: {START_HINT}"
+        ),
+    }
+}
+
+/// Declares durable queue `test-<random>` on a new connection and channel.
+pub async fn fresh_queue() -> TestQueue {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+
+    let connection = amqp_connect().await;
+    let channel = connection
+        .create_channel()
+        .await
+        .unwrap_or_else(|err| panic!("RabbitMQ: opening a channel failed: {err}"));
+    let name = format!("test-{}", unique_suffix());
+    channel
+        .queue_declare(
+            name.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|err| panic!("RabbitMQ: declaring queue {name} failed: {err}"));
+    TestQueue {
+        connection,
+        channel,
+        name,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kubernetes
+
+/// A client for the rig's kube-apiserver (admin credentials from the rig kubeconfig).
+///
+/// Built per test: a `kube::Client` belongs to the tokio runtime it was made on, and
+/// every `#[tokio::test]` has its own.
+pub async fn kube_client() -> kube::Client {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+
+    let rig = Rig::load();
+    let kubeconfig = Kubeconfig::read_from(rig.kubeconfig()).unwrap_or_else(|err| {
+        panic!(
+            "cannot read the rig kubeconfig {} ({err}): {START_HINT}",
+            rig.kubeconfig().display()
+        )
+    });
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap_or_else(|err| {
+                panic!(
+                    "rig kubeconfig {} is unusable ({err}): {START_HINT}",
+                    rig.kubeconfig().display()
+                )
+            });
+    config.connect_timeout = Some(CONNECT_TIMEOUT);
+    config.read_timeout = Some(Duration::from_secs(60));
+    let authority = config
+        .cluster_url
+        .authority()
+        .map_or_else(|| config.cluster_url.to_string(), |a| a.to_string());
+    require_listening("kube-apiserver", &authority).await;
+    let client = kube::Client::try_from(config)
+        .unwrap_or_else(|err| panic!("cannot build a Kubernetes client: {err}"));
+    if let Err(err) = client.apiserver_version().await {
+        panic!("kube-apiserver at {authority} does not answer ({err}): {START_HINT}");
+    }
+    client
+}
+
+/// Creates namespace `test-<random>` and returns its name.
+pub async fn fresh_namespace(client: &kube::Client) -> String {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{Api, ObjectMeta, PostParams};
+
+    let name = format!("test-{}", unique_suffix());
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some([("outbox.dev/test".to_string(), "true".to_string())].into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap_or_else(|err| panic!("Kubernetes: creating namespace {name} failed: {err}"));
+    name
+}
+
+/// Best-effort deletion of a test namespace (kube-controller-manager finishes it).
+pub async fn delete_namespace(client: &kube::Client, name: &str) {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{Api, DeleteParams};
+
+    let _ = Api::<Namespace>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Command-line tools
+
+/// Runs a rig tool with `args` (and no stdin) and returns its output; panics only if it
+/// cannot be started at all.
+pub fn run_tool(tool: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(tool)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {}: {err}", tool.display()))
+}
+
+/// Output of a finished tool as one readable block, for assertion messages.
+pub fn describe_output(output: &std::process::Output) -> String {
+    format!(
+        "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
