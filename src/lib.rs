@@ -3,5 +3,7 @@
 
 pub mod api;
 pub mod error;
+pub mod relay;
+pub mod telemetry;
 
 pub use error::{Error, Result};

@@ -235,6 +235,11 @@ record_pid rabbitmq "$(cat "$RMQ_DIR/rabbitmq.pid")"
 env_set OUTBOX_RIG_AMQP_URL "amqp://guest:guest@127.0.0.1:$RMQ_PORT/%2f"
 env_set OUTBOX_RIG_RABBITMQ_MGMT_URL ""
 
+# Where the server binaries are, for tests that start a private instance of their own
+# (to stop or restart it without disturbing the tests that share the rig).
+env_set OUTBOX_RIG_PG_BIN "$PG"
+env_set OUTBOX_RIG_KAFKA_LIBS "$KAFKA_HOME/libs"
+env_set OUTBOX_RIG_NATS_SERVER "$(command -v nats-server)"
 env_set OUTBOX_RIG_HELM "$BIN/helm-$HELM_VERSION"
 env_set OUTBOX_RIG_KUBECTL "$BIN/kubectl-$K8S_VERSION"
 env_set OUTBOX_RIG_PROMTOOL "$(command -v promtool)"

@@ -1,0 +1,3 @@
+//! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
+
+pub mod config;
