@@ -56,7 +56,11 @@ fn values_schema_rejects_bad_values() {
             "/replicaCount",
         ),
         // Not a namespace name.
-        ("namespace.yaml", "watchNamespace: Apps_1\n", "/watchNamespace"),
+        (
+            "namespace.yaml",
+            "watchNamespace: Apps_1\n",
+            "/watchNamespace",
+        ),
         (
             "pull-policy.yaml",
             "image:\n  pullPolicy: Sometimes\n",
@@ -83,7 +87,11 @@ fn values_schema_rejects_bad_values() {
 fn chart_crd_is_the_one_the_api_types_generate() {
     let expected = serde_json::to_value(OutboxRelay::crd()).unwrap();
     let generated = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("outboxrelay.yaml");
-    fs::write(&generated, serde_yaml::to_string(&OutboxRelay::crd()).unwrap()).unwrap();
+    fs::write(
+        &generated,
+        serde_yaml::to_string(&OutboxRelay::crd()).unwrap(),
+    )
+    .unwrap();
 
     let shipped_path = chart_dir().join("crds/outboxrelay.yaml");
     let shipped = fs::read_to_string(&shipped_path)
@@ -191,7 +199,10 @@ fn operator_pod_is_restricted_and_configured_from_values() {
     assert_eq!(deployment["spec"]["replicas"], 2);
     let pod = &deployment["spec"]["template"]["spec"];
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
-    assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
+    assert_eq!(
+        pod["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
     let container = &pod["containers"][0];
     let security = &container["securityContext"];
     assert_eq!(security["allowPrivilegeEscalation"], false);
@@ -213,9 +224,18 @@ fn operator_pod_is_restricted_and_configured_from_values() {
         .collect();
     assert_eq!(args.first(), Some(&"controller"));
     // Relays follow the operator's image unless told otherwise.
-    assert!(args.contains(&"--relay-image=registry.example/outbox:9.9.9"), "{args:?}");
+    assert!(
+        args.contains(&"--relay-image=registry.example/outbox:9.9.9"),
+        "{args:?}"
+    );
     assert!(args.contains(&"--leader-elect=true"), "{args:?}");
-    assert!(args.contains(&"--lease-name=ops-outbox-operator"), "{args:?}");
+    assert!(
+        args.contains(&"--lease-name=ops-outbox-operator"),
+        "{args:?}"
+    );
     // All namespaces by default: no --namespace flag.
-    assert!(!args.iter().any(|arg| arg.starts_with("--namespace")), "{args:?}");
+    assert!(
+        !args.iter().any(|arg| arg.starts_with("--namespace")),
+        "{args:?}"
+    );
 }

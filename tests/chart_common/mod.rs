@@ -9,13 +9,15 @@
 // Each test file compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
 
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures::FutureExt;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, PostParams};
@@ -108,7 +110,10 @@ pub fn kinds_and_names(manifest: &str) -> Vec<(String, String)> {
         .map(|doc| {
             (
                 doc["kind"].as_str().unwrap_or_default().to_string(),
-                doc["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+                doc["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
             )
         })
         .collect()
@@ -133,7 +138,11 @@ pub fn apply_dry_run_server(manifest: &str) -> std::process::Output {
 
 /// `helm install` of the chart (no `--wait`: the rig has no kubelet, pods stay Pending).
 pub fn install(release: &str, namespace: &str, args: &[&str]) {
-    let chart = chart_dir();
+    install_from(&chart_dir(), release, namespace, args);
+}
+
+/// `helm install` of the chart found at `chart` (a modified copy, say).
+pub fn install_from(chart: &Path, release: &str, namespace: &str, args: &[&str]) {
     let mut all = vec![
         "install",
         release,
@@ -145,6 +154,25 @@ pub fn install(release: &str, namespace: &str, args: &[&str]) {
     ];
     all.extend_from_slice(args);
     expect_success(&format!("helm install {release} {args:?}"), helm(&all));
+}
+
+/// A copy of the chart in `into`, for tests that must change it.
+pub fn copy_chart(into: &Path) -> PathBuf {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).expect("create chart copy folder");
+        for entry in std::fs::read_dir(from).expect("read chart folder") {
+            let entry = entry.expect("chart folder entry");
+            let target = to.join(entry.file_name());
+            if entry.file_type().expect("file type").is_dir() {
+                copy(&entry.path(), &target);
+            } else {
+                std::fs::copy(entry.path(), &target).expect("copy chart file");
+            }
+        }
+    }
+    let target = into.join(CHART_NAME);
+    copy(&chart_dir(), &target);
+    target
 }
 
 /// `helm uninstall` (waits until Helm has deleted what it installed).
@@ -174,6 +202,29 @@ pub async fn get_crd(client: &kube::Client) -> Option<CustomResourceDefinition> 
         .get_opt(CRD_NAME)
         .await
         .unwrap_or_else(|err| panic!("Kubernetes: reading CRD {CRD_NAME} failed: {err}"))
+}
+
+/// Runs `body` with a client and `count` fresh namespaces, deleting the namespaces
+/// afterwards also when `body` panics.
+pub async fn with_namespaces<F, Fut>(count: usize, body: F)
+where
+    F: FnOnce(kube::Client, Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let client = common::kube_client().await;
+    let mut namespaces = Vec::new();
+    for _ in 0..count {
+        namespaces.push(common::fresh_namespace(&client).await);
+    }
+    let outcome = AssertUnwindSafe(body(client.clone(), namespaces.clone()))
+        .catch_unwind()
+        .await;
+    for namespace in &namespaces {
+        common::delete_namespace(&client, namespace).await;
+    }
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -221,7 +272,11 @@ impl<'a> Access<'a> {
 
 impl std::fmt::Display for Access<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let group = if self.group.is_empty() { "core" } else { self.group };
+        let group = if self.group.is_empty() {
+            "core"
+        } else {
+            self.group
+        };
         write!(f, "{} {group}/{}", self.verb, self.resource)?;
         if let Some(sub) = self.subresource {
             write!(f, "/{sub}")?;
@@ -360,8 +415,9 @@ impl ServiceAccountIdentity {
                 .await
                 .unwrap_or_else(|err| panic!("rig kubeconfig is unusable: {err}"));
         // Keep the cluster (URL, CA); replace who we are.
-        config.auth_info = serde_json::from_value::<AuthInfo>(serde_json::json!({ "token": token }))
-            .expect("an AuthInfo with a token");
+        config.auth_info =
+            serde_json::from_value::<AuthInfo>(serde_json::json!({ "token": token }))
+                .expect("an AuthInfo with a token");
         config.connect_timeout = Some(common::CONNECT_TIMEOUT);
         config.read_timeout = Some(Duration::from_secs(60));
         kube::Client::try_from(config)
@@ -379,7 +435,11 @@ pub fn watched_namespace_accesses(namespace: &str) -> Vec<Access<'_>> {
     for verb in ["get", "patch", "update"] {
         accesses.push(Access::new(verb, "outbox.dev", "outboxrelays/status"));
     }
-    accesses.push(Access::new("update", "outbox.dev", "outboxrelays/finalizers"));
+    accesses.push(Access::new(
+        "update",
+        "outbox.dev",
+        "outboxrelays/finalizers",
+    ));
     let owned = [
         ("", "configmaps"),
         ("", "services"),
@@ -433,7 +493,11 @@ pub fn forbidden_accesses(namespace: &str) -> Vec<Access<'_>> {
         Access::new("update", "", "secrets").in_namespace(namespace),
         Access::new("create", "rbac.authorization.k8s.io", "clusterroles"),
         Access::new("create", "rbac.authorization.k8s.io", "rolebindings").in_namespace(namespace),
-        Access::new("create", "apiextensions.k8s.io", "customresourcedefinitions"),
+        Access::new(
+            "create",
+            "apiextensions.k8s.io",
+            "customresourcedefinitions",
+        ),
         Access::new("delete", "outbox.dev", "outboxrelays").in_namespace(namespace),
         Access::new("create", "", "pods").in_namespace(namespace),
         Access::new("create", "", "serviceaccounts/token").in_namespace(namespace),
