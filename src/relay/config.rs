@@ -740,4 +740,50 @@ spec:
         };
         assert!(pattern(&long_a));
     }
+
+    #[test]
+    fn every_bad_field_is_named_and_secrets_are_not_printed() {
+        let yaml = "relay: {namespace: '', name: r}
+database: {urlEnv: DB}
+table: {name: \"bad-name\", headers: [\"id\"]}
+mode: {polling: {interval: 5x, batchSize: 0}}
+broker: {kafka: {bootstrapServers: k, topic: \"has space\", properties: {acks: \"1\"}}}
+ordering: {partitions: 0}
+retention: {publishedRows: 0s}
+failure: {maxAttempts: 0}
+listen: nowhere
+";
+        let config: RelayConfig = serde_yaml::from_str(yaml).unwrap();
+        let Err(err) = config.validate_with(|_| None) else {
+            panic!("invalid config accepted");
+        };
+        let text = err.to_string();
+        for field in [
+            "relay.namespace",
+            "database.urlEnv",
+            "table.name",
+            "table.headers[0]",
+            "mode.polling.interval",
+            "mode.polling.batchSize",
+            "broker.kafka.topic",
+            "broker.kafka.properties.acks",
+            "ordering.partitions",
+            "retention.publishedRows",
+            "failure.maxAttempts",
+            "listen",
+        ] {
+            assert!(text.contains(field), "{field} missing from:\n{text}");
+        }
+        let good = "relay: {namespace: n, name: r}
+database: {}
+mode: {polling: {}}
+broker: {rabbitmq: {exchange: x, routingKey: \"{aggregateType}\"}}
+";
+        let config: RelayConfig = serde_yaml::from_str(good).unwrap();
+        let settings = config
+            .validate_with(|v| Some(format!("amqp://u:s3cret@h/{v}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.batch_size, 500);
+        assert_eq!(settings.dead_letter_table, "outbox_dead_letter");
+    }
 }
