@@ -11,6 +11,9 @@ pub enum Error {
         /// The tracking issue number.
         issue: u32,
     },
+    /// The relay (`outbox-operator relay`) failed.
+    #[error(transparent)]
+    Relay(#[from] crate::relay::RelayError),
 }
 
 impl Error {
@@ -18,6 +21,7 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::NotImplemented { .. } => "not_implemented",
+            Error::Relay(_) => "relay",
         }
     }
 }

@@ -2,7 +2,9 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod broker;
 pub mod error;
+pub mod postgres;
 pub mod relay;
 pub mod telemetry;
 

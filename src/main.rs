@@ -41,12 +41,32 @@ enum Command {
     },
 }
 
+/// Runs the relay on its own runtime; exit 0 after a clean shutdown, 2 on any error.
+fn run_relay(config: &std::path::Path) -> ExitCode {
+    let result = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime
+            .block_on(outbox_operator::relay::run(config))
+            .map_err(Error::from),
+        Err(err) => {
+            eprintln!("cannot start the async runtime: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("{err}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Each role arrives with its own issue; until then the CLI says which one.
     let (what, issue) = match cli.command {
         Command::Controller => ("controller", 3),
-        Command::Relay { config: _ } => ("relay", 4),
+        Command::Relay { config } => return run_relay(&config),
         Command::Crd => ("crd", 3),
         Command::Render { file: _ } => ("render", 3),
         Command::Check { file: _ } => ("check", 3),

@@ -197,6 +197,9 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// Several fields are invalid: one line each.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Many(Vec<ConfigError>),
 }
 
 impl RelayConfig {
@@ -296,6 +299,332 @@ impl RelayConfig {
     /// The file's text, as the ConfigMap holds it.
     pub fn to_yaml(&self) -> Result<String, serde_yaml::Error> {
         serde_yaml::to_string(self)
+    }
+}
+
+/// The broker half of [`Settings`], with secrets resolved from the environment.
+pub enum BrokerSettings {
+    /// Kafka, with SASL user name and password when configured.
+    Kafka {
+        /// The file's settings.
+        config: KafkaConfig,
+        /// User name and password.
+        sasl: Option<(String, String)>,
+    },
+    /// NATS JetStream.
+    Nats(NatsConfig),
+    /// RabbitMQ.
+    RabbitMq {
+        /// AMQP URI (secret).
+        url: String,
+        /// Exchange.
+        exchange: String,
+        /// Routing-key template.
+        routing_key: String,
+    },
+}
+
+/// A validated configuration: durations parsed, secrets read, limits checked. It has no
+/// `Debug`, because it holds secrets.
+pub struct Settings {
+    /// The file as read.
+    pub config: RelayConfig,
+    /// Pause after a poll that found less than a full batch.
+    pub interval: std::time::Duration,
+    /// Rows per batch.
+    pub batch_size: i64,
+    /// Age after which published rows are deleted.
+    pub retention: std::time::Duration,
+    /// Attempts before a row is exhausted.
+    pub max_attempts: u32,
+    /// Dead-letter table name (same schema as the outbox table).
+    pub dead_letter_table: String,
+    /// Address of the HTTP server.
+    pub listen: std::net::SocketAddr,
+    /// PostgreSQL URL (secret).
+    pub database_url: String,
+    /// The broker.
+    pub broker: BrokerSettings,
+}
+
+/// Librdkafka settings the relay fixes, so `properties` may not weaken or bypass them.
+const FIXED_KAFKA_PROPERTIES: [&str; 5] = [
+    "acks",
+    "request.required.acks",
+    "enable.idempotence",
+    "security.protocol",
+    "max.in.flight.requests.per.connection",
+];
+
+impl RelayConfig {
+    /// Validates every field against the process environment.
+    pub fn validate(&self) -> Result<Settings, ConfigError> {
+        self.validate_with(|name| std::env::var(name).ok())
+    }
+
+    /// Validates every field; `env` looks up environment variables. Reports every
+    /// problem, each naming its field.
+    pub fn validate_with(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, ConfigError> {
+        use crate::api::{Mode, OnExhausted, parse_duration};
+        use crate::broker::{BrokerKind, check_template};
+        use crate::postgres::check_identifier;
+
+        let mut errors = Vec::new();
+        let mut invalid = |field: &str, message: String| {
+            errors.push(ConfigError::Invalid {
+                field: field.to_owned(),
+                message,
+            })
+        };
+        if self.relay.namespace.is_empty() {
+            invalid("relay.namespace", "must not be empty".to_owned());
+        }
+        if self.relay.name.is_empty() {
+            invalid("relay.name", "must not be empty".to_owned());
+        }
+        let secret = |invalid: &mut dyn FnMut(&str, String), field: &str, var: &str| match env(var)
+            .filter(|v| !v.is_empty())
+        {
+            Some(value) => value,
+            None => {
+                invalid(
+                    field,
+                    format!("environment variable {var} is not set or empty"),
+                );
+                String::new()
+            }
+        };
+        let database_url = secret(&mut invalid, "database.urlEnv", &self.database.url_env);
+        if matches!(
+            self.database.ssl_mode,
+            SslMode::Require | SslMode::VerifyFull
+        ) {
+            invalid(
+                "database.sslMode",
+                "TLS to PostgreSQL is not supported by this relay yet; use disable or prefer"
+                    .to_owned(),
+            );
+        }
+        let t = &self.table;
+        let c = &t.columns;
+        let identifiers = [
+            ("table.schema", &t.schema),
+            ("table.name", &t.name),
+            ("table.columns.id", &c.id),
+            ("table.columns.aggregateType", &c.aggregate_type),
+            ("table.columns.aggregateId", &c.aggregate_id),
+            ("table.columns.type", &c.r#type),
+            ("table.columns.payload", &c.payload),
+            ("table.columns.createdAt", &c.created_at),
+            ("table.columns.publishedAt", &c.published_at),
+        ];
+        for (field, value) in identifiers {
+            if let Err(message) = check_identifier(value) {
+                invalid(field, message);
+            }
+        }
+        for (i, header) in t.headers.iter().enumerate() {
+            if let Err(message) = check_identifier(header) {
+                invalid(&format!("table.headers[{i}]"), message);
+            }
+            if ["id", "type", "aggregateType"].contains(&header.as_str()) {
+                invalid(
+                    &format!("table.headers[{i}]"),
+                    format!("`{header}` is a header the relay sets itself"),
+                );
+            }
+        }
+        let mut interval = std::time::Duration::from_millis(500);
+        let mut batch_size = 500;
+        match self.mode.get() {
+            Some(Mode::Polling(p)) => {
+                match parse_duration(&p.interval) {
+                    Ok(d) => interval = d,
+                    Err(e) => invalid("mode.polling.interval", e.to_string()),
+                }
+                if !(1..=10_000).contains(&p.batch_size) {
+                    invalid(
+                        "mode.polling.batchSize",
+                        format!("{} is not between 1 and 10000", p.batch_size),
+                    );
+                }
+                batch_size = i64::from(p.batch_size);
+            }
+            Some(Mode::LogTailing(_)) => invalid(
+                "mode.logTailing",
+                "this relay build implements polling only; log tailing arrives with its own issue"
+                    .to_owned(),
+            ),
+            None => invalid(
+                "mode",
+                "set exactly one of polling and logTailing".to_owned(),
+            ),
+        }
+        if self.mode.polling.is_some() && self.mode.log_tailing.is_some() {
+            invalid(
+                "mode",
+                "set exactly one of polling and logTailing".to_owned(),
+            );
+        }
+        let broker = match (&self.broker.kafka, &self.broker.nats, &self.broker.rabbitmq) {
+            (Some(k), None, None) => {
+                if k.bootstrap_servers.trim().is_empty() {
+                    invalid(
+                        "broker.kafka.bootstrapServers",
+                        "must not be empty".to_owned(),
+                    );
+                }
+                if let Err(message) = check_template(BrokerKind::Kafka, &k.topic) {
+                    invalid("broker.kafka.topic", format!("`{}` {message}", k.topic));
+                }
+                for key in k.properties.keys() {
+                    if FIXED_KAFKA_PROPERTIES.contains(&key.as_str())
+                        || key.starts_with("sasl.")
+                        || key.starts_with("ssl.")
+                        || key == "bootstrap.servers"
+                    {
+                        invalid(
+                            &format!("broker.kafka.properties.{key}"),
+                            "is fixed by the relay (delivery guarantees) or set through tls/sasl"
+                                .to_owned(),
+                        );
+                    }
+                }
+                if let Some(ca) = &k.tls_ca_file
+                    && !Path::new(ca).is_file()
+                {
+                    invalid(
+                        "broker.kafka.tlsCaFile",
+                        format!("{ca} is not a readable file"),
+                    );
+                }
+                let sasl = k.sasl.as_ref().map(|s| {
+                    (
+                        secret(
+                            &mut invalid,
+                            "broker.kafka.sasl.usernameEnv",
+                            &s.username_env,
+                        ),
+                        secret(
+                            &mut invalid,
+                            "broker.kafka.sasl.passwordEnv",
+                            &s.password_env,
+                        ),
+                    )
+                });
+                Some(BrokerSettings::Kafka {
+                    config: k.clone(),
+                    sasl,
+                })
+            }
+            (None, Some(n), None) => {
+                if n.url.trim().is_empty() {
+                    invalid("broker.nats.url", "must not be empty".to_owned());
+                }
+                if let Err(message) = check_template(BrokerKind::Nats, &n.subject) {
+                    invalid("broker.nats.subject", format!("`{}` {message}", n.subject));
+                }
+                if let Some(path) = &n.credentials_file
+                    && !Path::new(path).is_file()
+                {
+                    invalid(
+                        "broker.nats.credentialsFile",
+                        format!("{path} is not a readable file"),
+                    );
+                }
+                Some(BrokerSettings::Nats(n.clone()))
+            }
+            (None, None, Some(r)) => {
+                let url = secret(&mut invalid, "broker.rabbitmq.urlEnv", &r.url_env);
+                if !url.is_empty() && !url.starts_with("amqp://") && !url.starts_with("amqps://") {
+                    invalid(
+                        "broker.rabbitmq.urlEnv",
+                        format!("${} does not hold an amqp:// or amqps:// URI", r.url_env),
+                    );
+                }
+                if r.exchange.len() > 255 {
+                    invalid(
+                        "broker.rabbitmq.exchange",
+                        "is longer than 255 bytes".to_owned(),
+                    );
+                }
+                if let Err(message) = check_template(BrokerKind::Amqp, &r.routing_key) {
+                    invalid("broker.rabbitmq.routingKey", message);
+                }
+                Some(BrokerSettings::RabbitMq {
+                    url,
+                    exchange: r.exchange.clone(),
+                    routing_key: r.routing_key.clone(),
+                })
+            }
+            _ => {
+                invalid(
+                    "broker",
+                    "set exactly one of kafka, nats and rabbitmq".to_owned(),
+                );
+                None
+            }
+        };
+        if !(1..=1024).contains(&self.ordering.partitions) {
+            invalid(
+                "ordering.partitions",
+                format!("{} is not between 1 and 1024", self.ordering.partitions),
+            );
+        }
+        let retention = match parse_duration(&self.retention.published_rows) {
+            Ok(d) => d,
+            Err(e) => {
+                invalid("retention.publishedRows", e.to_string());
+                std::time::Duration::from_secs(86_400)
+            }
+        };
+        let max_attempts = match u32::try_from(self.failure.max_attempts) {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                invalid(
+                    "failure.maxAttempts",
+                    format!("{} is not between 1 and 1000", self.failure.max_attempts),
+                );
+                1
+            }
+        };
+        let dead_letter_table = self
+            .failure
+            .dead_letter_table
+            .clone()
+            .unwrap_or_else(|| format!("{}_dead_letter", t.name));
+        if self.failure.on_exhausted == OnExhausted::DeadLetter
+            && let Err(message) = check_identifier(&dead_letter_table)
+        {
+            invalid("failure.deadLetterTable", message);
+        }
+        let listen = match self.listen.parse::<std::net::SocketAddr>() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                invalid(
+                    "listen",
+                    format!("`{}` is not an address like 0.0.0.0:8080", self.listen),
+                );
+                None
+            }
+        };
+        match (broker, listen) {
+            (Some(broker), Some(listen)) if errors.is_empty() => Ok(Settings {
+                config: self.clone(),
+                interval,
+                batch_size,
+                retention,
+                max_attempts,
+                dead_letter_table,
+                listen,
+                database_url,
+                broker,
+            }),
+            _ => Err(ConfigError::Many(errors)),
+        }
     }
 }
 
@@ -410,5 +739,51 @@ spec:
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
         };
         assert!(pattern(&long_a));
+    }
+
+    #[test]
+    fn every_bad_field_is_named_and_secrets_are_not_printed() {
+        let yaml = "relay: {namespace: '', name: r}
+database: {urlEnv: DB}
+table: {name: \"bad-name\", headers: [\"id\"]}
+mode: {polling: {interval: 5x, batchSize: 0}}
+broker: {kafka: {bootstrapServers: k, topic: \"has space\", properties: {acks: \"1\"}}}
+ordering: {partitions: 0}
+retention: {publishedRows: 0s}
+failure: {maxAttempts: 0}
+listen: nowhere
+";
+        let config: RelayConfig = serde_yaml::from_str(yaml).unwrap();
+        let Err(err) = config.validate_with(|_| None) else {
+            panic!("invalid config accepted");
+        };
+        let text = err.to_string();
+        for field in [
+            "relay.namespace",
+            "database.urlEnv",
+            "table.name",
+            "table.headers[0]",
+            "mode.polling.interval",
+            "mode.polling.batchSize",
+            "broker.kafka.topic",
+            "broker.kafka.properties.acks",
+            "ordering.partitions",
+            "retention.publishedRows",
+            "failure.maxAttempts",
+            "listen",
+        ] {
+            assert!(text.contains(field), "{field} missing from:\n{text}");
+        }
+        let good = "relay: {namespace: n, name: r}
+database: {}
+mode: {polling: {}}
+broker: {rabbitmq: {exchange: x, routingKey: \"{aggregateType}\"}}
+";
+        let config: RelayConfig = serde_yaml::from_str(good).unwrap();
+        let settings = config
+            .validate_with(|v| Some(format!("amqp://u:s3cret@h/{v}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.batch_size, 500);
+        assert_eq!(settings.dead_letter_table, "outbox_dead_letter");
     }
 }

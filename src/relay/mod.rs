@@ -1,3 +1,113 @@
 //! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
 
 pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod ownership;
+mod publisher;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use tokio::sync::watch;
+
+use crate::broker::amqp::AmqpBroker;
+use crate::broker::kafka::KafkaBroker;
+use crate::broker::nats::NatsBroker;
+use crate::broker::{Broker, BrokerKind};
+use config::{BrokerSettings, ConfigError, RelayConfig};
+
+/// Why the relay stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The configuration file is unreadable or invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The HTTP server cannot listen.
+    #[error("cannot serve /metrics on {addr}: {source}")]
+    Listen {
+        /// The configured address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The broker client cannot be built or is permanently broken.
+    #[error("broker: {0}")]
+    Broker(String),
+    /// Signal handlers cannot be installed.
+    #[error("cannot install the SIGTERM handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// Runs the relay until SIGTERM or SIGINT; returns once the in-flight batch is finished
+/// or rolled back and every lock is released.
+pub async fn run(path: &Path) -> Result<(), RelayError> {
+    crate::telemetry::init_logging();
+    let config = RelayConfig::load(path)?;
+    let settings = config.validate()?;
+    let identity = settings.config.relay.clone();
+    let health = Arc::new(http::Health {
+        metrics: metrics::Metrics::new(&identity.namespace, &identity.name),
+        ready: AtomicBool::new(false),
+    });
+    let addr = http::serve(settings.listen, health.clone())
+        .await
+        .map_err(|source| RelayError::Listen {
+            addr: settings.listen,
+            source,
+        })?;
+    let (broker, kind, template): (Arc<dyn Broker>, BrokerKind, String) = match &settings.broker {
+        BrokerSettings::Kafka { config, sasl } => (
+            Arc::new(
+                KafkaBroker::new(config, sasl.clone())
+                    .map_err(|e| RelayError::Broker(e.message))?,
+            ),
+            BrokerKind::Kafka,
+            config.topic.clone(),
+        ),
+        BrokerSettings::Nats(config) => (
+            Arc::new(
+                NatsBroker::new(config)
+                    .await
+                    .map_err(|e| RelayError::Broker(e.message))?,
+            ),
+            BrokerKind::Nats,
+            config.subject.clone(),
+        ),
+        BrokerSettings::RabbitMq {
+            url,
+            exchange,
+            routing_key,
+        } => (
+            Arc::new(AmqpBroker::new(url.clone(), exchange.clone())),
+            BrokerKind::Amqp,
+            routing_key.clone(),
+        ),
+    };
+    tracing::info!(
+        relay_namespace = %identity.namespace,
+        relay_name = %identity.name,
+        database = %crate::postgres::redact_url(&settings.database_url),
+        listen = %addr,
+        broker = ?kind,
+        partitions = settings.config.ordering.partitions,
+        "relay starting"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(RelayError::Signal)?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutdown requested: finishing the in-flight batch");
+        let _ = stop_tx.send(true);
+    });
+    let result = publisher::Publisher::new(settings, broker, kind, template, health, stop_rx)
+        .run()
+        .await;
+    tracing::info!("relay stopped");
+    result
+}

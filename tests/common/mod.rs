@@ -596,3 +596,479 @@ pub fn describe_output(output: &std::process::Output) -> String {
         String::from_utf8_lossy(&output.stderr)
     )
 }
+
+// ---------------------------------------------------------------------------------------
+// Relay: outbox tables, config files, the real binary, and what brokers received
+
+/// Creates `public.outbox` (Debezium column names plus a `traceparent` header column)
+/// with the partition index for `partitions`, as examples/schema.sql documents it.
+pub async fn create_outbox_table(client: &tokio_postgres::Client, partitions: i32) {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.outbox (
+                id bigserial PRIMARY KEY,
+                aggregatetype text NOT NULL,
+                aggregateid text NOT NULL,
+                type text NOT NULL,
+                payload jsonb,
+                traceparent text,
+                created_at timestamptz NOT NULL DEFAULT now(),
+                published_at timestamptz);
+             CREATE INDEX outbox_unpublished_p{partitions} ON public.outbox
+                (((hashtextextended(coalesce(\"aggregateid\"::text, ''), 0) & 9223372036854775807) % {partitions}), \"id\")
+                WHERE \"published_at\" IS NULL;"
+        ))
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: creating the outbox table failed: {err}"));
+}
+
+/// Inserts one outbox row in its own statement and returns its id.
+pub async fn insert_row(
+    client: &impl tokio_postgres::GenericClient,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    payload: &serde_json::Value,
+) -> i64 {
+    client
+        .query_one(
+            "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
+             VALUES ($1, $2, 'Happened', ($3::text)::jsonb, '00-trace-01') RETURNING id",
+            &[&aggregate_type, &aggregate_id, &payload.to_string()],
+        )
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: inserting an outbox row failed: {err}"))
+        .get(0)
+}
+
+/// Number of rows still waiting to be published.
+pub async fn unpublished_rows(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM public.outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .map(|r| r.get(0))
+        .unwrap_or(-1)
+}
+
+/// Which broker a relay under test publishes to, and where.
+#[derive(Clone, Debug)]
+pub enum RelayBroker {
+    /// Kafka topic (used as a literal topic template).
+    Kafka { bootstrap: String, topic: String },
+    /// NATS subject (literal) captured by a stream.
+    Nats { url: String, subject: String },
+    /// RabbitMQ exchange and routing key.
+    Amqp {
+        url: String,
+        exchange: String,
+        routing_key: String,
+    },
+}
+
+/// Options of a relay config file; `Default` is a fast-polling perAggregate relay.
+#[derive(Clone, Debug)]
+pub struct RelayOptions {
+    pub partitions: i32,
+    pub batch_size: i32,
+    pub interval: &'static str,
+    pub ordering: &'static str,
+    pub max_attempts: i32,
+    pub on_exhausted: &'static str,
+    pub retention: &'static str,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        Self {
+            partitions: 4,
+            batch_size: 100,
+            interval: "50ms",
+            ordering: "perAggregate",
+            max_attempts: 10,
+            on_exhausted: "block",
+            retention: "24h",
+        }
+    }
+}
+
+/// The YAML of a relay config file for `broker` and `options`.
+pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String {
+    let broker_yaml = match broker {
+        RelayBroker::Kafka { bootstrap, topic } => {
+            format!("kafka: {{bootstrapServers: \"{bootstrap}\", topic: \"{topic}\"}}")
+        }
+        RelayBroker::Nats { url, subject } => {
+            format!("nats: {{url: \"{url}\", subject: \"{subject}\"}}")
+        }
+        RelayBroker::Amqp {
+            exchange,
+            routing_key,
+            ..
+        } => format!(
+            "rabbitmq: {{urlEnv: OUTBOX_RABBITMQ_URL, exchange: \"{exchange}\", routingKey: \"{routing_key}\"}}"
+        ),
+    };
+    let RelayOptions {
+        partitions,
+        batch_size,
+        interval,
+        ordering,
+        max_attempts,
+        on_exhausted,
+        retention,
+    } = options;
+    format!(
+        "relay: {{namespace: test, name: relay}}
+database: {{urlEnv: OUTBOX_DATABASE_URL, sslMode: disable}}
+table: {{schema: public, name: outbox, headers: [traceparent]}}
+mode: {{polling: {{interval: {interval}, batchSize: {batch_size}, afterPublish: mark}}}}
+broker: {{{broker_yaml}}}
+ordering: {{mode: {ordering}, partitions: {partitions}}}
+retention: {{publishedRows: {retention}}}
+failure: {{maxAttempts: {max_attempts}, onExhausted: {on_exhausted}}}
+listen: 127.0.0.1:0
+"
+    )
+}
+
+/// A running `outbox-operator relay` process; SIGKILLed when dropped (also on panic).
+pub struct RelayProcess {
+    pub child: std::process::Child,
+    pub stderr_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl RelayProcess {
+    /// Writes `yaml` to a file and starts the real binary on it, with the database URL
+    /// (and the AMQP URL for RabbitMQ) in the environment. Logs go to a file.
+    pub fn start(yaml: &str, database_url: &str, broker: &RelayBroker) -> RelayProcess {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
+        let config = dir.path().join("relay.yaml");
+        std::fs::write(&config, yaml).unwrap_or_else(|err| panic!("write config: {err}"));
+        let stderr_path = dir.path().join("relay.log");
+        let stderr = std::fs::File::create(&stderr_path)
+            .unwrap_or_else(|err| panic!("create log file: {err}"));
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"));
+        command
+            .arg("relay")
+            .arg("--config")
+            .arg(&config)
+            .env("OUTBOX_DATABASE_URL", database_url)
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr);
+        if let RelayBroker::Amqp { url, .. } = broker {
+            command.env("OUTBOX_RABBITMQ_URL", url);
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|err| panic!("cannot start the relay binary: {err}"));
+        RelayProcess {
+            child,
+            stderr_path,
+            _dir: dir,
+        }
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM; returns the exit status once the process has exited (panics after
+    /// `timeout`).
+    pub fn terminate(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status();
+        let started = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            if started.elapsed() > timeout {
+                panic!(
+                    "relay did not exit within {timeout:?} of SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Everything the relay logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One message as a consumer saw it.
+#[derive(Clone, Debug)]
+pub struct Received {
+    /// The outbox row id (Kafka header `id`, `Nats-Msg-Id`, AMQP `message_id`).
+    pub id: i64,
+    /// Aggregate id (Kafka key; header-less brokers: from the payload's `aggregate`).
+    pub aggregate: String,
+    /// Headers, as strings.
+    pub headers: HashMap<String, String>,
+    /// Payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// Reads every message of a Kafka topic from the beginning up to the high watermarks.
+pub fn consume_kafka(topic: &str) -> Vec<Received> {
+    use rdkafka::Message;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Headers;
+
+    let consumer: BaseConsumer = kafka_config()
+        .set("group.id", format!("verify-{}", unique_suffix()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap_or_else(|err| panic!("Kafka consumer: {err}"));
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .unwrap_or_else(|err| panic!("Kafka metadata: {err}"));
+    let partitions: Vec<i32> = metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| p.id())
+        .collect();
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    let mut remaining = HashMap::new();
+    for p in &partitions {
+        let (_, high) = consumer
+            .fetch_watermarks(topic, *p, Duration::from_secs(10))
+            .unwrap_or_else(|err| panic!("Kafka watermarks: {err}"));
+        if high > 0 {
+            remaining.insert(*p, high);
+        }
+        assignment
+            .add_partition_offset(topic, *p, rdkafka::Offset::Beginning)
+            .unwrap_or_else(|err| panic!("assign: {err}"));
+    }
+    consumer
+        .assign(&assignment)
+        .unwrap_or_else(|err| panic!("Kafka assign: {err}"));
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !remaining.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "Kafka: consuming {topic} timed out"
+        );
+        let Some(result) = consumer.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let message = result.unwrap_or_else(|err| panic!("Kafka consume: {err}"));
+        let mut headers = HashMap::new();
+        if let Some(h) = message.headers() {
+            for header in h.iter() {
+                headers.insert(
+                    header.key.to_owned(),
+                    String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned(),
+                );
+            }
+        }
+        let id = headers
+            .get("id")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("Kafka message without a numeric id header"));
+        out.push(Received {
+            id,
+            aggregate: String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned(),
+            headers,
+            payload: message.payload().unwrap_or_default().to_vec(),
+        });
+        if let Some(high) = remaining.get(&message.partition()).copied()
+            && message.offset() + 1 >= high
+        {
+            remaining.remove(&message.partition());
+        }
+    }
+    out
+}
+
+/// Reads every message of a JetStream stream, in stream order.
+pub async fn consume_nats(stream: &TestStream) -> Vec<Received> {
+    let mut s = stream
+        .jetstream
+        .get_stream(&stream.name)
+        .await
+        .unwrap_or_else(|err| panic!("NATS get_stream: {err}"));
+    let info = s
+        .info()
+        .await
+        .unwrap_or_else(|err| panic!("NATS stream info: {err}"));
+    let last = info.state.last_sequence;
+    let mut out = Vec::new();
+    for seq in 1..=last {
+        let Ok(message) = s.get_raw_message(seq).await else {
+            continue;
+        };
+        let mut headers = HashMap::new();
+        for (name, values) in message.headers.iter() {
+            if let Some(v) = values.first() {
+                headers.insert(name.to_string(), v.to_string());
+            }
+        }
+        let id = headers
+            .get("Nats-Msg-Id")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("NATS message without Nats-Msg-Id"));
+        let payload = message.payload.to_vec();
+        out.push(Received {
+            id,
+            aggregate: aggregate_of(&payload),
+            headers,
+            payload,
+        });
+    }
+    out
+}
+
+/// Drains a RabbitMQ queue (basic.get until empty).
+pub async fn consume_amqp(queue: &TestQueue) -> Vec<Received> {
+    use lapin::options::BasicGetOptions;
+    let mut out = Vec::new();
+    loop {
+        let got = queue
+            .channel
+            .basic_get(queue.name.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap_or_else(|err| panic!("RabbitMQ basic_get: {err}"));
+        let Some(message) = got else {
+            return out;
+        };
+        let props = &message.delivery.properties;
+        let id = props
+            .message_id()
+            .as_ref()
+            .and_then(|v| v.as_str().parse().ok())
+            .unwrap_or_else(|| panic!("AMQP message without a numeric message_id"));
+        let mut headers = HashMap::new();
+        if let Some(table) = props.headers() {
+            for (k, v) in table {
+                if let lapin::types::AMQPValue::LongString(s) = v {
+                    headers.insert(
+                        k.as_str().to_owned(),
+                        String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                    );
+                }
+            }
+        }
+        let payload = message.delivery.data.clone();
+        out.push(Received {
+            id,
+            aggregate: aggregate_of(&payload),
+            headers,
+            payload,
+        });
+    }
+}
+
+/// The `aggregate` field tests put into every payload.
+pub fn aggregate_of(payload: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(payload)
+        .ok()
+        .and_then(|v| {
+            v.get("aggregate")
+                .and_then(|a| a.as_str())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default()
+}
+
+/// Declares a topic exchange `test-x-<random>` bound to `queue` for every routing key.
+pub async fn fresh_exchange_for(queue: &TestQueue) -> String {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use lapin::types::FieldTable;
+    let exchange = format!("test-x-{}", unique_suffix());
+    queue
+        .channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|err| panic!("RabbitMQ exchange_declare: {err}"));
+    queue
+        .channel
+        .queue_bind(
+            queue.name.as_str().into(),
+            exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|err| panic!("RabbitMQ queue_bind: {err}"));
+    exchange
+}
+
+/// What a delivery check found: counted, then asserted by the caller.
+#[derive(Debug, Default)]
+pub struct DeliveryReport {
+    pub received: usize,
+    pub distinct: usize,
+    pub duplicates: usize,
+    pub missing: Vec<i64>,
+    pub orphans: Vec<i64>,
+    pub order_violations: Vec<String>,
+}
+
+/// Compares what a consumer saw with the committed and aborted row ids. Order: for each
+/// aggregate, the first deliveries of its rows must come in ascending id order.
+pub fn check_delivery(
+    received: &[Received],
+    committed: &std::collections::BTreeSet<i64>,
+    aborted: &std::collections::BTreeSet<i64>,
+) -> DeliveryReport {
+    let mut seen = std::collections::HashSet::new();
+    let mut last_first: HashMap<&str, i64> = HashMap::new();
+    let mut report = DeliveryReport {
+        received: received.len(),
+        ..Default::default()
+    };
+    for message in received {
+        if !seen.insert(message.id) {
+            report.duplicates += 1;
+            continue;
+        }
+        if !committed.contains(&message.id) || aborted.contains(&message.id) {
+            report.orphans.push(message.id);
+        }
+        let last = last_first.entry(message.aggregate.as_str()).or_insert(0);
+        if message.id < *last {
+            report.order_violations.push(format!(
+                "aggregate {}: row {} delivered after row {}",
+                message.aggregate, message.id, last
+            ));
+        }
+        *last = message.id.max(*last);
+    }
+    report.distinct = seen.len();
+    report.missing = committed
+        .iter()
+        .filter(|id| !seen.contains(id))
+        .copied()
+        .collect();
+    report
+}

@@ -1,0 +1,229 @@
+//! Brokers behind one trait: how an outbox row becomes a message (a pure, tested
+//! function) and how each broker publishes it and confirms it.
+
+pub mod amqp;
+pub mod kafka;
+pub mod nats;
+
+use futures::future::BoxFuture;
+
+use crate::postgres::OutboxRow;
+
+/// Placeholder in topic, subject and routing-key templates.
+pub const AGGREGATE_TYPE_PLACEHOLDER: &str = "{aggregateType}";
+
+/// Which broker a message is built for: each has its own rules for names and headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// Apache Kafka.
+    Kafka,
+    /// NATS JetStream.
+    Nats,
+    /// RabbitMQ.
+    Amqp,
+}
+
+/// A message ready for a broker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    /// Topic, subject or routing key.
+    pub destination: String,
+    /// Message key: the aggregate id.
+    pub key: Option<String>,
+    /// Message id: the outbox row id.
+    pub id: String,
+    /// Headers: `id`, `type`, `aggregateType` and the configured header columns.
+    pub headers: Vec<(String, String)>,
+    /// Payload bytes as stored.
+    pub payload: Vec<u8>,
+}
+
+/// Why a publish failed, and whether the row itself is at fault.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct PublishError {
+    /// `true` when the broker refused this message (too large, invalid name, no route):
+    /// retrying it counts against `failure.maxAttempts`. `false` for outages
+    /// (timeouts, lost connections), which are retried without counting, so a broker
+    /// outage never dead-letters or blocks rows.
+    pub row_fault: bool,
+    /// What happened, without credentials.
+    pub message: String,
+}
+
+impl PublishError {
+    /// The row cannot be published as it is.
+    pub fn row(message: impl Into<String>) -> Self {
+        Self {
+            row_fault: true,
+            message: message.into(),
+        }
+    }
+    /// The broker is unavailable; try again later.
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self {
+            row_fault: false,
+            message: message.into(),
+        }
+    }
+}
+
+/// A broker the relay publishes to. `publish` returns once the broker has
+/// acknowledged the message durably (Kafka acks=all, JetStream PubAck, AMQP confirm).
+pub trait Broker: Send + Sync {
+    /// Publishes one message and waits for its acknowledgement.
+    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>>;
+
+    /// True when the client can never publish again and the process must restart.
+    fn is_broken(&self) -> bool {
+        false
+    }
+}
+
+/// Builds the message for `row`: destination from `template`, key = aggregate id,
+/// message id = row id, headers `id`, `type`, `aggregateType` plus header columns.
+/// Names and headers the broker would refuse are reported as row faults here, before
+/// anything is sent.
+pub fn build_message(
+    kind: BrokerKind,
+    template: &str,
+    row: &OutboxRow,
+) -> Result<Message, PublishError> {
+    let destination = template.replace(AGGREGATE_TYPE_PLACEHOLDER, &row.aggregate_type);
+    check_destination(kind, &destination).map_err(|why| {
+        PublishError::row(format!(
+            "row {}: destination `{destination}` (from aggregate type `{}`) {why}",
+            row.id, row.aggregate_type
+        ))
+    })?;
+    let id = row.id.to_string();
+    let mut headers = vec![("id".to_owned(), id.clone())];
+    if let Some(t) = &row.event_type {
+        headers.push(("type".to_owned(), t.clone()));
+    }
+    headers.push(("aggregateType".to_owned(), row.aggregate_type.clone()));
+    headers.extend(row.headers.iter().cloned());
+    if kind == BrokerKind::Nats {
+        // NATS headers are text lines: a line break would end the header block.
+        if let Some((name, _)) = headers.iter().find(|(_, v)| v.contains(['\r', '\n'])) {
+            return Err(PublishError::row(format!(
+                "row {}: header `{name}` contains a line break, which NATS headers cannot carry",
+                row.id
+            )));
+        }
+    }
+    Ok(Message {
+        destination,
+        key: row.aggregate_id.clone(),
+        id,
+        headers,
+        payload: row.payload.clone(),
+    })
+}
+
+/// Checks a rendered topic, subject or routing key.
+pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), String> {
+    match kind {
+        BrokerKind::Kafka => {
+            let valid_chars = destination
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+            if destination.is_empty() || destination.len() > 249 {
+                Err("is not 1 to 249 characters long".to_owned())
+            } else if !valid_chars || destination == "." || destination == ".." {
+                Err("is not a valid Kafka topic (letters, digits, '.', '_', '-')".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+        BrokerKind::Nats => {
+            if destination.is_empty()
+                || destination.contains(|c: char| c.is_whitespace() || c == '*' || c == '>')
+                || destination.split('.').any(str::is_empty)
+            {
+                Err("is not a valid NATS subject (no spaces, wildcards or empty tokens)".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+        BrokerKind::Amqp => {
+            if destination.len() > 255 {
+                Err("is longer than 255 bytes, the AMQP routing-key limit".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Checks a template before any row is seen: it must yield a valid name for a typical
+/// aggregate type.
+pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), String> {
+    check_destination(kind, &template.replace(AGGREGATE_TYPE_PLACEHOLDER, "Order"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> OutboxRow {
+        OutboxRow {
+            id: 42,
+            aggregate_type: "Order".into(),
+            aggregate_id: Some("o-1".into()),
+            event_type: Some("OrderCreated".into()),
+            payload: br#"{"a":1}"#.to_vec(),
+            headers: vec![("traceparent".into(), "00-abc-01".into())],
+            partition: 1,
+            created_at: None,
+        }
+    }
+
+    #[test]
+    fn a_row_becomes_a_message_with_id_key_and_headers() {
+        let m = build_message(BrokerKind::Kafka, "outbox.event.{aggregateType}", &row()).unwrap();
+        assert_eq!(m.destination, "outbox.event.Order");
+        assert_eq!(m.key.as_deref(), Some("o-1"));
+        assert_eq!(m.id, "42");
+        assert_eq!(m.payload, br#"{"a":1}"#);
+        assert_eq!(
+            m.headers,
+            vec![
+                ("id".into(), "42".into()),
+                ("type".into(), "OrderCreated".into()),
+                ("aggregateType".into(), "Order".into()),
+                ("traceparent".into(), "00-abc-01".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn names_the_broker_refuses_are_row_faults() {
+        let mut r = row();
+        r.aggregate_type = "has space".into();
+        let err = build_message(BrokerKind::Kafka, "{aggregateType}", &r).unwrap_err();
+        assert!(err.row_fault && err.message.contains("row 42"), "{err}");
+        let err = build_message(BrokerKind::Nats, "outbox.{aggregateType}", &r).unwrap_err();
+        assert!(err.row_fault, "{err}");
+        r.aggregate_type = String::new();
+        assert!(build_message(BrokerKind::Nats, "outbox.{aggregateType}", &r).is_err());
+        assert!(build_message(BrokerKind::Amqp, "{aggregateType}", &r).is_ok());
+        r.aggregate_type = "x".repeat(300);
+        assert!(build_message(BrokerKind::Amqp, "{aggregateType}", &r).is_err());
+    }
+
+    #[test]
+    fn nats_headers_cannot_break_lines() {
+        let mut r = row();
+        r.headers = vec![("traceparent".into(), "a\r\nb".into())];
+        assert!(build_message(BrokerKind::Nats, "o.{aggregateType}", &r).is_err());
+        assert!(build_message(BrokerKind::Kafka, "o.{aggregateType}", &r).is_ok());
+    }
+
+    #[test]
+    fn templates_are_checked() {
+        assert!(check_template(BrokerKind::Kafka, "outbox.event.{aggregateType}").is_ok());
+        assert!(check_template(BrokerKind::Kafka, "bad topic").is_err());
+        assert!(check_template(BrokerKind::Nats, "outbox.>").is_err());
+    }
+}

@@ -1,0 +1,607 @@
+//! SQL for the polling relay: the outbox table's batch select, mark and delete, the
+//! partition expression, advisory locks for partition ownership, retention and backlog.
+//!
+//! Every user identifier passes [`check_identifier`] when the configuration is validated
+//! and is double-quoted here, so no SQL is ever built from unchecked text.
+//!
+//! # Partitions
+//!
+//! A row belongs to partition
+//!
+//! ```sql
+//! ((hashtextextended(coalesce("aggregateid"::text, ''), 0) & 9223372036854775807) % N)
+//! ```
+//!
+//! `hashtextextended` is PostgreSQL's own stable 64-bit text hash (used by hash
+//! partitioning, stable across releases and platforms). The mask clears the sign bit
+//! instead of `abs()`, which would overflow on `i64::MIN`; `coalesce` keeps rows with a
+//! NULL aggregate id publishable (they all land in one partition). The filter uses an
+//! index only when the index expression is written exactly like this, so users create
+//! (see [`partition_index_ddl`] and `examples/schema.sql`):
+//!
+//! ```sql
+//! CREATE INDEX outbox_unpublished_by_partition ON public.outbox
+//!   (((hashtextextended(coalesce("aggregateid"::text, ''), 0) & 9223372036854775807) % 4), "id")
+//!   WHERE "published_at" IS NULL;
+//! ```
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use crate::api::{AfterPublish, SslMode};
+
+/// The PostgreSQL problems the relay reports.
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    /// A statement or the connection failed; the text never contains the URL.
+    #[error("PostgreSQL: {what}: {source}")]
+    Db {
+        /// What the relay was doing.
+        what: &'static str,
+        /// The driver's error (server message or I/O error).
+        source: tokio_postgres::Error,
+    },
+    /// The table does not have the shape the configuration names.
+    #[error("outbox table: {0}")]
+    Schema(String),
+    /// The connection URL cannot be used.
+    #[error("database URL (from ${env}): {message}")]
+    Url {
+        /// The variable that held it.
+        env: String,
+        /// Why, without the URL itself.
+        message: String,
+    },
+}
+
+fn db(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> PgError {
+    move |source| PgError::Db { what, source }
+}
+
+/// Checks a user-supplied SQL identifier against `^[A-Za-z_][A-Za-z0-9_]{0,62}$`.
+pub fn check_identifier(value: &str) -> Result<(), String> {
+    let mut chars = value.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if first_ok && rest_ok && value.len() <= 63 {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{value}` is not a SQL identifier (letters, digits and _, not starting with a digit, at most 63)"
+        ))
+    }
+}
+
+/// Double-quotes an identifier that passed [`check_identifier`] (it holds no quote).
+pub fn quote(ident: &str) -> String {
+    format!("\"{ident}\"")
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparseable URL>".to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    // The query string may carry `password=`; drop it entirely.
+    let path = tail.split('?').next().unwrap_or_default();
+    let host = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{user}:***@{host}")
+        }
+        None => authority.to_owned(),
+    };
+    format!("{scheme}://{host}{path}")
+}
+
+/// The partition expression for `aggregate_id` with `partitions` partitions (see the
+/// module documentation for why it is written this way).
+pub fn partition_expr(aggregate_id: &str, partitions: i32) -> String {
+    format!(
+        "((hashtextextended(coalesce({}::text, ''), 0) & 9223372036854775807) % {partitions})",
+        quote(aggregate_id)
+    )
+}
+
+/// The index users create so each partition's oldest unpublished rows are found by an
+/// index scan, in the form the planner matches against the relay's filter.
+pub fn partition_index_ddl(
+    schema: &str,
+    table: &str,
+    aggregate_id: &str,
+    id: &str,
+    published_at: &str,
+    partitions: i32,
+) -> String {
+    format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {}.{} ({}, {}) WHERE {} IS NULL",
+        quote(&format!("{table}_unpublished_p{partitions}")),
+        quote(schema),
+        quote(table),
+        partition_expr(aggregate_id, partitions),
+        quote(id),
+        quote(published_at)
+    )
+}
+
+/// Connects with a short timeout and spawns the connection task. TLS is refused at
+/// validation (see `RelayConfig::validate`), so plain TCP is all that is needed here.
+pub async fn connect(url: &str, env: &str, ssl_mode: SslMode) -> Result<Client, PgError> {
+    let mut config: tokio_postgres::Config = url.parse().map_err(|_| PgError::Url {
+        env: env.to_owned(),
+        // The parser's message can quote the input, which may hold the password.
+        message: "not a valid postgres:// URL or key=value connection string".to_owned(),
+    })?;
+    let _ = ssl_mode;
+    config
+        .ssl_mode(tokio_postgres::config::SslMode::Disable)
+        .connect_timeout(Duration::from_secs(5))
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .application_name("outbox-relay");
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db("connect"))?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            tracing::warn!(error = %err, "PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// Advisory-lock key space of one outbox table. Keys are two int4s: the table's
+/// `class` (a stable hash of `schema.table`) and a number below.
+///
+/// Partition locks use their partition number (0..1024); member locks, which let the
+/// replicas count each other, use [`MEMBER_BASE`]+slot; the retention lock uses
+/// [`RETENTION_KEY`].
+pub const MEMBER_BASE: i32 = 1_000_000;
+/// Upper bound on replicas sharing one table.
+pub const MAX_MEMBERS: i32 = 1024;
+/// Lock held by the one process that runs retention.
+pub const RETENTION_KEY: i32 = 2_000_000;
+
+/// A stable lock class for `schema.table` (FNV-1a; positive so it reads back from
+/// `pg_locks.classid` unchanged).
+pub fn lock_class(schema: &str, table: &str) -> i32 {
+    let hash = format!("outbox-relay:{schema}.{table}")
+        .bytes()
+        .fold(0x811c_9dc5_u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+        });
+    i32::try_from(hash & 0x7fff_ffff).unwrap_or(0)
+}
+
+/// Takes a session advisory lock without waiting; true when this session now holds it.
+pub async fn try_lock(client: &Client, class: i32, key: i32) -> Result<bool, PgError> {
+    let row = client
+        .query_one("SELECT pg_try_advisory_lock($1, $2)", &[&class, &key])
+        .await
+        .map_err(db("taking an advisory lock"))?;
+    Ok(row.get(0))
+}
+
+/// Releases a session advisory lock this session holds.
+pub async fn unlock(client: &Client, class: i32, key: i32) -> Result<(), PgError> {
+    client
+        .query_one("SELECT pg_advisory_unlock($1, $2)", &[&class, &key])
+        .await
+        .map_err(db("releasing an advisory lock"))?;
+    Ok(())
+}
+
+/// Releases every advisory lock of this session (clean shutdown).
+pub async fn unlock_all(client: &Client) -> Result<(), PgError> {
+    client
+        .batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .map_err(db("releasing advisory locks"))
+}
+
+/// The member slots currently held (by live sessions) for this table, sorted.
+pub async fn live_members(client: &Client, class: i32) -> Result<Vec<i32>, PgError> {
+    let rows = client
+        .query(
+            "SELECT objid::int8 FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND classid::int8 = $1::int8 AND objid::int8 >= $2::int8 AND objid::int8 < $3::int8 \
+             ORDER BY 1",
+            &[
+                &i64::from(class),
+                &i64::from(MEMBER_BASE),
+                &i64::from(MEMBER_BASE + MAX_MEMBERS),
+            ],
+        )
+        .await
+        .map_err(db("listing relay members"))?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| i32::try_from(r.get::<_, i64>(0)).ok())
+        .collect())
+}
+
+/// Column names of the outbox table, already checked.
+#[derive(Debug, Clone)]
+pub struct Columns {
+    /// Row id (bigint-compatible).
+    pub id: String,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Payload.
+    pub payload: String,
+    /// Insertion time, when the table has it.
+    pub created_at: Option<String>,
+    /// Publication time (mark mode).
+    pub published_at: String,
+    /// Extra header columns.
+    pub headers: Vec<String>,
+}
+
+/// One outbox row as the relay publishes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    /// Row id: the message id.
+    pub id: i64,
+    /// Aggregate type (empty when NULL).
+    pub aggregate_type: String,
+    /// Aggregate id: the message key.
+    pub aggregate_id: Option<String>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Payload bytes as stored (text forms as UTF-8).
+    pub payload: Vec<u8>,
+    /// Configured header columns that are not NULL.
+    pub headers: Vec<(String, String)>,
+    /// The row's partition.
+    pub partition: i64,
+    /// Insertion time as Unix seconds, when the table has a created-at column.
+    pub created_at: Option<f64>,
+}
+
+/// The SQL of one outbox table, built once from the validated configuration and the
+/// table's actual columns.
+#[derive(Debug, Clone)]
+pub struct OutboxTable {
+    /// `"schema"."table"`.
+    qualified: String,
+    /// `"schema"."dead_letter"`.
+    dead_letter: String,
+    columns: Columns,
+    /// Every column of the table, quoted, for the dead-letter copy.
+    all_columns: Vec<String>,
+    after_publish: AfterPublish,
+    partitions: i32,
+    select_sql: String,
+}
+
+impl OutboxTable {
+    /// Reads the table's columns and builds its SQL. Fails with one line naming what is
+    /// missing when the table or a configured column does not exist.
+    pub async fn inspect(
+        client: &Client,
+        schema: &str,
+        table: &str,
+        dead_letter_table: &str,
+        mut columns: Columns,
+        after_publish: AfterPublish,
+        partitions: i32,
+    ) -> Result<Self, PgError> {
+        let rows = client
+            .query(
+                "SELECT column_name::text, data_type::text FROM information_schema.columns \
+                 WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+                &[&schema, &table],
+            )
+            .await
+            .map_err(db("reading the outbox table's columns"))?;
+        let existing: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        if existing.is_empty() {
+            return Err(PgError::Schema(format!(
+                "table {schema}.{table} does not exist or the relay's user cannot see it"
+            )));
+        }
+        let type_of = |name: &str| {
+            existing
+                .iter()
+                .find(|(c, _)| c == name)
+                .map(|(_, t)| t.clone())
+        };
+        let mut required = vec![
+            ("table.columns.id", columns.id.clone()),
+            (
+                "table.columns.aggregateType",
+                columns.aggregate_type.clone(),
+            ),
+            ("table.columns.aggregateId", columns.aggregate_id.clone()),
+            ("table.columns.type", columns.event_type.clone()),
+            ("table.columns.payload", columns.payload.clone()),
+        ];
+        if after_publish == AfterPublish::Mark {
+            required.push(("table.columns.publishedAt", columns.published_at.clone()));
+        }
+        for header in &columns.headers {
+            required.push(("table.headers", header.clone()));
+        }
+        let missing: Vec<String> = required
+            .iter()
+            .filter(|(_, c)| type_of(c).is_none())
+            .map(|(field, c)| format!("{field}: column {c} is missing"))
+            .collect();
+        if !missing.is_empty() {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: {}",
+                missing.join("; ")
+            )));
+        }
+        // createdAt is optional: without it there is no age or lag metric.
+        if columns
+            .created_at
+            .as_deref()
+            .is_some_and(|c| type_of(c).is_none())
+        {
+            columns.created_at = None;
+        }
+        let payload_is_bytea = type_of(&columns.payload).as_deref() == Some("bytea");
+        let payload = if payload_is_bytea {
+            quote(&columns.payload)
+        } else {
+            format!("convert_to({}::text, 'UTF8')", quote(&columns.payload))
+        };
+        let created = columns.created_at.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM {})::float8", quote(c)),
+        );
+        let headers: String = columns
+            .headers
+            .iter()
+            .map(|h| format!(", {}::text", quote(h)))
+            .collect();
+        let qualified = format!("{}.{}", quote(schema), quote(table));
+        let unpublished = match after_publish {
+            AfterPublish::Mark => format!("{} IS NULL AND ", quote(&columns.published_at)),
+            AfterPublish::Delete => String::new(),
+        };
+        let pexpr = partition_expr(&columns.aggregate_id, partitions);
+        // ORDER BY id: always from the oldest unpublished row, never from a remembered
+        // position, because rows commit out of id order. SKIP LOCKED: rows a concurrent
+        // batch holds (ordering none, or a dying owner's open transaction) are left alone
+        // instead of waited for.
+        let select_sql = format!(
+            "SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+             {pexpr}, {created}{headers} \
+             FROM {qualified} WHERE {unpublished}{pexpr} = ANY($1::int8[]) \
+             ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+            id = quote(&columns.id),
+            at = quote(&columns.aggregate_type),
+            aid = quote(&columns.aggregate_id),
+            ty = quote(&columns.event_type),
+        );
+        Ok(Self {
+            qualified,
+            dead_letter: format!("{}.{}", quote(schema), quote(dead_letter_table)),
+            all_columns: existing.iter().map(|(c, _)| quote(c)).collect(),
+            columns,
+            after_publish,
+            partitions,
+            select_sql,
+        })
+    }
+
+    /// Number of partitions rows are hashed into.
+    pub fn partitions(&self) -> i32 {
+        self.partitions
+    }
+
+    /// The oldest unpublished rows of `partitions`, locked for this transaction.
+    pub async fn select_batch(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        partitions: &BTreeSet<i64>,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        let partitions: Vec<i64> = partitions.iter().copied().collect();
+        let rows = tx
+            .query(&self.select_sql, &[&partitions, &limit])
+            .await
+            .map_err(db("selecting a batch"))?;
+        Ok(rows
+            .iter()
+            .map(|r| OutboxRow {
+                id: r.get(0),
+                aggregate_type: r.get(1),
+                aggregate_id: r.get(2),
+                event_type: r.get(3),
+                payload: r.get::<_, Option<Vec<u8>>>(4).unwrap_or_default(),
+                partition: r.get(5),
+                created_at: r.get(6),
+                headers: self
+                    .columns
+                    .headers
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, name)| {
+                        r.get::<_, Option<String>>(7 + i).map(|v| (name.clone(), v))
+                    })
+                    .collect(),
+            })
+            .collect())
+    }
+
+    /// Marks (`published_at = now()`) or deletes published rows, per `afterPublish`.
+    pub async fn finish_published(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        ids: &[i64],
+    ) -> Result<(), PgError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let sql = match self.after_publish {
+            AfterPublish::Mark => format!(
+                "UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[])",
+                self.qualified,
+                quote(&self.columns.published_at),
+                quote(&self.columns.id)
+            ),
+            AfterPublish::Delete => format!(
+                "DELETE FROM {} WHERE {} = ANY($1::int8[])",
+                self.qualified,
+                quote(&self.columns.id)
+            ),
+        };
+        tx.execute(&sql, &[&ids])
+            .await
+            .map_err(db("marking published rows"))?;
+        Ok(())
+    }
+
+    /// Creates the dead-letter table when it does not exist: the outbox's columns plus
+    /// why and when the row was moved.
+    pub async fn ensure_dead_letter_table(&self, client: &Client) -> Result<(), PgError> {
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {} (LIKE {}, \
+                 dead_letter_reason text NOT NULL, \
+                 dead_lettered_at timestamptz NOT NULL DEFAULT now())",
+                self.dead_letter, self.qualified
+            ))
+            .await
+            .map_err(db("creating the dead-letter table"))
+    }
+
+    /// Moves one row to the dead-letter table, in the batch's transaction.
+    pub async fn dead_letter(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        id: i64,
+        reason: &str,
+    ) -> Result<(), PgError> {
+        let cols = self.all_columns.join(", ");
+        let id_col = quote(&self.columns.id);
+        tx.execute(
+            &format!(
+                "INSERT INTO {} ({cols}, dead_letter_reason) \
+                 SELECT {cols}, $2 FROM {} WHERE {id_col} = $1",
+                self.dead_letter, self.qualified
+            ),
+            &[&id, &reason],
+        )
+        .await
+        .map_err(db("copying a row to the dead-letter table"))?;
+        tx.execute(
+            &format!("DELETE FROM {} WHERE {id_col} = $1", self.qualified),
+            &[&id],
+        )
+        .await
+        .map_err(db("deleting a dead-lettered row"))?;
+        Ok(())
+    }
+
+    /// Deletes up to `limit` rows published before `older_than`; returns how many. Each
+    /// call is its own short statement, so retention never holds long locks.
+    pub async fn delete_published_before(
+        &self,
+        client: &Client,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<u64, PgError> {
+        if self.after_publish == AfterPublish::Delete {
+            return Ok(0);
+        }
+        let id = quote(&self.columns.id);
+        let at = quote(&self.columns.published_at);
+        client
+            .execute(
+                &format!(
+                    "DELETE FROM {t} WHERE {id} IN (SELECT {id} FROM {t} \
+                     WHERE {at} < now() - make_interval(secs => $1) \
+                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                    t = self.qualified
+                ),
+                &[&older_than.as_secs_f64(), &limit],
+            )
+            .await
+            .map_err(db("deleting old published rows"))
+    }
+
+    /// Rows waiting to be published and the age in seconds of the oldest (when the table
+    /// has a created-at column).
+    pub async fn backlog(&self, client: &Client) -> Result<(i64, Option<f64>), PgError> {
+        let unpublished = match self.after_publish {
+            AfterPublish::Mark => format!("WHERE {} IS NULL", quote(&self.columns.published_at)),
+            AfterPublish::Delete => String::new(),
+        };
+        let age = self.columns.created_at.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM now() - min({}))::float8", quote(c)),
+        );
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT count(*), {age} FROM {} {unpublished}",
+                    self.qualified
+                ),
+                &[],
+            )
+            .await
+            .map_err(db("measuring the backlog"))?;
+        Ok((row.get(0), row.get(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_checked() {
+        for good in ["outbox", "_x", "Outbox_2", &"a".repeat(63)] {
+            assert!(check_identifier(good).is_ok(), "{good}");
+        }
+        for bad in ["", "1a", "a-b", "a\"b", "a b", &"a".repeat(64), "é"] {
+            assert!(check_identifier(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:5432/orders?password=x"),
+            "postgres://app:***@db:5432/orders"
+        );
+        assert_eq!(
+            redact_url("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact_url("nats://h:4222"), "nats://h:4222");
+        assert!(!redact_url("host=db password=s3cret").contains("s3cret"));
+    }
+
+    #[test]
+    fn the_partition_expression_matches_the_documented_index() {
+        let ddl = partition_index_ddl("public", "outbox", "aggregateid", "id", "published_at", 4);
+        assert!(ddl.contains(&partition_expr("aggregateid", 4)), "{ddl}");
+        assert!(ddl.contains("WHERE \"published_at\" IS NULL"), "{ddl}");
+    }
+
+    #[test]
+    fn lock_classes_are_stable_positive_and_per_table() {
+        let a = lock_class("public", "outbox");
+        assert_eq!(a, lock_class("public", "outbox"));
+        assert!(a >= 0);
+        assert_ne!(a, lock_class("public", "outbox2"));
+    }
+}

@@ -1,0 +1,139 @@
+//! The relay's Prometheus metrics. Labels are bounded: the relay's namespace and name
+//! (constant labels) and an error kind; never row or aggregate ids.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// `kind` label of publish errors: `row` (the broker refused the message) or
+/// `unavailable` (outage, timeout).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// `row` or `unavailable`.
+    pub kind: &'static str,
+}
+
+/// Every metric the relay exports.
+pub struct Metrics {
+    /// Messages acknowledged by the broker and marked or deleted.
+    pub published: Counter,
+    /// Failed publishes.
+    pub publish_errors: Family<ErrorLabels, Counter>,
+    /// Rows moved to the dead-letter table.
+    pub dead_lettered: Counter,
+    /// Seconds per batch (select, publish, mark, commit).
+    pub batch_duration: Histogram,
+    /// Seconds from a row's insertion to its acknowledgement (needs createdAt).
+    pub end_to_end_lag: Histogram,
+    /// Rows waiting to be published.
+    pub backlog_rows: Gauge,
+    /// Age of the oldest unpublished row.
+    pub oldest_unpublished_age: Gauge<f64, AtomicU64>,
+    /// Partitions this process owns.
+    pub partitions_owned: Gauge,
+    /// Owned partitions stopped by an exhausted row (`failure.onExhausted: block`).
+    pub partitions_blocked: Gauge,
+    /// Unix time of the last successful batch.
+    pub last_success: Gauge<f64, AtomicU64>,
+    registry: Registry,
+}
+
+impl Metrics {
+    /// Registers every metric, labelled with the relay's namespace and name.
+    pub fn new(namespace: &str, name: &str) -> Self {
+        let mut registry = Registry::with_labels(
+            [
+                ("relay_namespace".into(), namespace.to_owned().into()),
+                ("relay_name".into(), name.to_owned().into()),
+            ]
+            .into_iter(),
+        );
+        let published = Counter::default();
+        let publish_errors = Family::<ErrorLabels, Counter>::default();
+        let dead_lettered = Counter::default();
+        let batch_duration = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let end_to_end_lag = Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        let backlog_rows = Gauge::default();
+        let oldest_unpublished_age = Gauge::<f64, AtomicU64>::default();
+        let partitions_owned = Gauge::default();
+        let partitions_blocked = Gauge::default();
+        let last_success = Gauge::<f64, AtomicU64>::default();
+        // Counters get their `_total` suffix from the library.
+        registry.register(
+            "outbox_relay_published",
+            "Messages acknowledged by the broker and marked published",
+            published.clone(),
+        );
+        registry.register(
+            "outbox_relay_publish_errors",
+            "Failed publishes, by kind (row or unavailable)",
+            publish_errors.clone(),
+        );
+        registry.register(
+            "outbox_relay_dead_lettered",
+            "Rows moved to the dead-letter table",
+            dead_lettered.clone(),
+        );
+        registry.register(
+            "outbox_relay_batch_duration_seconds",
+            "Duration of one batch transaction",
+            batch_duration.clone(),
+        );
+        registry.register(
+            "outbox_relay_end_to_end_lag_seconds",
+            "Time from a row's insertion to the broker's acknowledgement",
+            end_to_end_lag.clone(),
+        );
+        registry.register(
+            "outbox_relay_backlog_rows",
+            "Rows waiting to be published",
+            backlog_rows.clone(),
+        );
+        registry.register(
+            "outbox_relay_oldest_unpublished_age_seconds",
+            "Age of the oldest unpublished row",
+            oldest_unpublished_age.clone(),
+        );
+        registry.register(
+            "outbox_relay_partitions_owned",
+            "Partitions this relay process owns",
+            partitions_owned.clone(),
+        );
+        registry.register(
+            "outbox_relay_partitions_blocked",
+            "Owned partitions stopped by a row that exhausted its attempts",
+            partitions_blocked.clone(),
+        );
+        registry.register(
+            "outbox_relay_last_success_timestamp_seconds",
+            "Unix time of the last successful batch",
+            last_success.clone(),
+        );
+        Self {
+            published,
+            publish_errors,
+            dead_lettered,
+            batch_duration,
+            end_to_end_lag,
+            backlog_rows,
+            oldest_unpublished_age,
+            partitions_owned,
+            partitions_blocked,
+            last_success,
+            registry,
+        }
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,673 @@
+//! The polling publisher: one database session per process that holds the partition
+//! locks and runs the batches, with retries, pauses for failing rows and retention.
+//!
+//! # Why the batches run on the lock session
+//!
+//! Partition locks are session advisory locks. Running each batch transaction on that
+//! same connection means a lost connection ends the locks and the open transaction at
+//! the same instant: no other process can take a partition over while this one still
+//! holds its rows in an open transaction (with SKIP LOCKED it would skip them and
+//! publish later rows of the same aggregates first). Locks are released only between
+//! batches, after the commit.
+//!
+//! # Order inside a batch
+//!
+//! Rows of one aggregate form a chain that is published strictly one after the other:
+//! each publish waits for its acknowledgement before the next is sent, and a chain stops
+//! at its first failure, so a later event is never acknowledged while an earlier one is
+//! not. This holds for every broker alike (Kafka's idempotent producer would keep order
+//! per Kafka partition even when pipelined, but a rejected message in the middle would
+//! still let its successors through, and NATS/AMQP give no such guarantee). Different
+//! chains run concurrently, so a batch of many aggregates costs a few round trips.
+//! In `ordering.mode: none` every row is its own chain.
+//!
+//! # Attempts
+//!
+//! Failed attempts are counted in memory per process, only for failures that are the
+//! row's fault (the broker refused the message); outages are retried without counting.
+//! Trade-off: a restart or a takeover starts the count again, so a bad row may be tried
+//! up to `maxAttempts` times per process lifetime before it is blocked or dead-lettered;
+//! in exchange the outbox table needs no extra column and no extra write per failure.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio_postgres::Client;
+
+use super::RelayError;
+use super::config::Settings;
+use super::http::Health;
+use super::metrics::ErrorLabels;
+use super::ownership;
+use crate::api::{OnExhausted, OrderingMode};
+use crate::broker::{Broker, BrokerKind, PublishError, build_message};
+use crate::postgres::{
+    self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
+};
+
+/// Chains published at once within a batch.
+const CONCURRENT_CHAINS: usize = 64;
+/// How often ownership is rebalanced (and a dead replica's partitions taken over).
+const REBALANCE_EVERY: Duration = Duration::from_secs(1);
+/// How often backlog and oldest-age metrics are measured.
+const STATS_EVERY: Duration = Duration::from_secs(5);
+/// Rows per retention delete statement: short statements, short locks.
+const RETENTION_CHUNK: i64 = 1000;
+/// How long a partition blocked by an exhausted row waits before the row is tried again.
+const BLOCKED_RETRY: Duration = Duration::from_secs(60);
+/// Longest pause before retrying after an outage or a failed row.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// How long an in-flight batch may run after SIGTERM before it is rolled back.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
+
+/// Capped exponential backoff.
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+    fn step(&mut self) -> Duration {
+        let now = self.next;
+        self.next = (self.next * 2).min(MAX_BACKOFF);
+        now
+    }
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+/// A partition that waits before its failing row is tried again.
+struct Pause {
+    until: Instant,
+    exhausted: bool,
+}
+
+/// How a session ended.
+enum SessionEnd {
+    /// The database failed; reconnect.
+    Db(PgError),
+    /// Shutdown: the in-flight batch was abandoned (rolled back with the connection).
+    Abandoned,
+    /// Cannot go on.
+    Fatal(RelayError),
+}
+
+impl From<PgError> for SessionEnd {
+    fn from(err: PgError) -> Self {
+        SessionEnd::Db(err)
+    }
+}
+
+/// What a batch found.
+enum Outcome {
+    /// A full batch: poll again at once.
+    Full,
+    /// Less than a full batch: wait for the interval.
+    Partial,
+    /// The broker is unavailable: back off.
+    Unavailable,
+}
+
+/// One aggregate's rows of a batch and how far publishing got.
+struct ChainResult {
+    published: Vec<(i64, Option<f64>)>,
+    failed: Option<(OutboxRow, PublishError)>,
+}
+
+/// The polling publisher of one process.
+pub(super) struct Publisher {
+    settings: Settings,
+    broker: Arc<dyn Broker>,
+    kind: BrokerKind,
+    template: String,
+    health: Arc<Health>,
+    stop: watch::Receiver<bool>,
+    class: i32,
+    attempts: HashMap<i64, u32>,
+    paused: HashMap<i64, Pause>,
+}
+
+impl Publisher {
+    pub(super) fn new(
+        settings: Settings,
+        broker: Arc<dyn Broker>,
+        kind: BrokerKind,
+        template: String,
+        health: Arc<Health>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        let class =
+            postgres::lock_class(&settings.config.table.schema, &settings.config.table.name);
+        Self {
+            settings,
+            broker,
+            kind,
+            template,
+            health,
+            stop,
+            class,
+            attempts: HashMap::new(),
+            paused: HashMap::new(),
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Sleeps for `pause`, waking early on shutdown.
+    async fn nap(&self, pause: Duration) {
+        let mut stop = self.stop.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => {}
+        }
+    }
+
+    fn per_aggregate(&self) -> bool {
+        self.settings.config.ordering.mode == OrderingMode::PerAggregate
+    }
+
+    /// Connects, runs sessions and reconnects with backoff until shutdown.
+    pub(super) async fn run(mut self) -> Result<(), RelayError> {
+        let mut backoff = Backoff::new();
+        let env = self.settings.config.database.url_env.clone();
+        while !self.stopping() {
+            let connected = postgres::connect(
+                &self.settings.database_url,
+                &env,
+                self.settings.config.database.ssl_mode,
+            )
+            .await;
+            let mut client = match connected {
+                Ok(client) => client,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot connect to PostgreSQL; retrying");
+                    self.nap(backoff.step()).await;
+                    continue;
+                }
+            };
+            let ended = self.session(&mut client, &mut backoff).await;
+            self.health.ready.store(false, Ordering::Relaxed);
+            self.health.metrics.partitions_owned.set(0);
+            match ended {
+                Ok(()) => {
+                    // Locks go with the session anyway; releasing them explicitly hands
+                    // the partitions over at once rather than when the socket closes.
+                    if let Err(err) = postgres::unlock_all(&client).await {
+                        tracing::warn!(error = %err, "releasing locks at shutdown failed");
+                    }
+                    return Ok(());
+                }
+                Err(SessionEnd::Abandoned) => {
+                    tracing::warn!("in-flight batch rolled back at shutdown");
+                    return Ok(());
+                }
+                Err(SessionEnd::Fatal(err)) => return Err(err),
+                Err(SessionEnd::Db(err)) => {
+                    tracing::warn!(error = %err, "database session lost; reconnecting");
+                    drop(client);
+                    self.nap(backoff.step()).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One database session: inspect the table, join as a member, then rebalance and
+    /// run batches until shutdown or an error.
+    async fn session(
+        &mut self,
+        client: &mut Client,
+        backoff: &mut Backoff,
+    ) -> Result<(), SessionEnd> {
+        let config = &self.settings.config;
+        let t = &config.table;
+        let columns = Columns {
+            id: t.columns.id.clone(),
+            aggregate_type: t.columns.aggregate_type.clone(),
+            aggregate_id: t.columns.aggregate_id.clone(),
+            event_type: t.columns.r#type.clone(),
+            payload: t.columns.payload.clone(),
+            created_at: Some(t.columns.created_at.clone()),
+            published_at: t.columns.published_at.clone(),
+            headers: t.headers.clone(),
+        };
+        let after_publish = config
+            .mode
+            .polling
+            .as_ref()
+            .map(|p| p.after_publish)
+            .unwrap_or_default();
+        let table = OutboxTable::inspect(
+            client,
+            &t.schema,
+            &t.name,
+            &self.settings.dead_letter_table,
+            columns,
+            after_publish,
+            config.ordering.partitions,
+        )
+        .await?;
+        if config.failure.on_exhausted == OnExhausted::DeadLetter {
+            table.ensure_dead_letter_table(client).await?;
+        }
+        let member = self.join(client).await?;
+        self.health.ready.store(true, Ordering::Relaxed);
+        tracing::info!(member, "connected to PostgreSQL");
+        let partitions = usize::try_from(table.partitions()).unwrap_or(1);
+        let retention_every =
+            (self.settings.retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let mut owned = BTreeSet::new();
+        let mut holds_retention = false;
+        let mut next_rebalance = Instant::now();
+        let mut next_stats = Instant::now();
+        let mut next_retention = Instant::now() + retention_every;
+        loop {
+            if self.stopping() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if self.per_aggregate() && now >= next_rebalance {
+                self.rebalance(client, member, partitions, &mut owned)
+                    .await?;
+                next_rebalance = now + REBALANCE_EVERY;
+            }
+            if now >= next_stats {
+                let (rows, age) = table.backlog(client).await?;
+                self.health.metrics.backlog_rows.set(rows);
+                self.health
+                    .metrics
+                    .oldest_unpublished_age
+                    .set(age.unwrap_or(0.0).max(0.0));
+                next_stats = now + STATS_EVERY;
+            }
+            if now >= next_retention {
+                if !holds_retention {
+                    holds_retention = postgres::try_lock(client, self.class, RETENTION_KEY).await?;
+                }
+                if holds_retention {
+                    self.retention(client, &table).await?;
+                }
+                next_retention = now + retention_every;
+            }
+            let candidates: BTreeSet<i64> = if self.per_aggregate() {
+                owned.clone()
+            } else {
+                (0..i64::from(table.partitions())).collect()
+            };
+            self.paused.retain(|_, p| p.until > now);
+            let blocked = self
+                .paused
+                .iter()
+                .filter(|(p, pause)| pause.exhausted && candidates.contains(p))
+                .count();
+            self.health
+                .metrics
+                .partitions_blocked
+                .set(i64::try_from(blocked).unwrap_or(0));
+            let active: BTreeSet<i64> = candidates
+                .into_iter()
+                .filter(|p| !self.paused.contains_key(p))
+                .collect();
+            if active.is_empty() {
+                self.nap(self.settings.interval.min(REBALANCE_EVERY)).await;
+                continue;
+            }
+            // After SIGTERM the in-flight batch gets SHUTDOWN_GRACE to finish; then it
+            // is dropped, and dropping the connection rolls it back.
+            let mut stop = self.stop.clone();
+            let grace = async move {
+                let _ = stop.wait_for(|s| *s).await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            };
+            let outcome = tokio::select! {
+                outcome = self.batch(client, &table, &active) => outcome?,
+                () = grace => return Err(SessionEnd::Abandoned),
+            };
+            match outcome {
+                Outcome::Full => backoff.reset(),
+                Outcome::Partial => {
+                    backoff.reset();
+                    self.nap(self.settings.interval).await;
+                }
+                Outcome::Unavailable => {
+                    if self.broker.is_broken() {
+                        return Err(SessionEnd::Fatal(RelayError::Broker(
+                            "the broker client failed permanently; restarting".to_owned(),
+                        )));
+                    }
+                    self.nap(backoff.step()).await;
+                }
+            }
+        }
+    }
+
+    /// Takes the lowest free member slot, so replicas can count each other.
+    async fn join(&self, client: &Client) -> Result<i32, SessionEnd> {
+        for slot in 0..MAX_MEMBERS {
+            if postgres::try_lock(client, self.class, MEMBER_BASE + slot).await? {
+                return Ok(slot);
+            }
+        }
+        Err(SessionEnd::Fatal(RelayError::Broker(format!(
+            "more than {MAX_MEMBERS} relay processes share this table"
+        ))))
+    }
+
+    /// Releases partitions above this process's share and takes free ones below it.
+    async fn rebalance(
+        &self,
+        client: &Client,
+        member: i32,
+        partitions: usize,
+        owned: &mut BTreeSet<i64>,
+    ) -> Result<(), PgError> {
+        let members = postgres::live_members(client, self.class).await?;
+        let rank = members
+            .iter()
+            .position(|m| *m == MEMBER_BASE + member)
+            .unwrap_or(0);
+        let target = ownership::target(partitions, members.len(), rank);
+        while owned.len() > target {
+            let Some(p) = owned.iter().next_back().copied() else {
+                break;
+            };
+            postgres::unlock(client, self.class, i32::try_from(p).unwrap_or(0)).await?;
+            owned.remove(&p);
+            tracing::info!(partition = p, "released partition to another replica");
+        }
+        if owned.len() < target {
+            for p in ownership::preference(partitions, members.len(), rank) {
+                if owned.len() >= target {
+                    break;
+                }
+                if owned.contains(&p) {
+                    continue;
+                }
+                if postgres::try_lock(client, self.class, i32::try_from(p).unwrap_or(0)).await? {
+                    owned.insert(p);
+                    tracing::info!(partition = p, "took partition");
+                }
+            }
+        }
+        self.health
+            .metrics
+            .partitions_owned
+            .set(i64::try_from(owned.len()).unwrap_or(0));
+        Ok(())
+    }
+
+    /// Deletes published rows older than the retention, in small statements.
+    async fn retention(&self, client: &Client, table: &OutboxTable) -> Result<(), PgError> {
+        loop {
+            let deleted = table
+                .delete_published_before(client, self.settings.retention, RETENTION_CHUNK)
+                .await?;
+            if deleted > 0 {
+                tracing::debug!(deleted, "deleted old published rows");
+            }
+            if deleted < u64::try_from(RETENTION_CHUNK).unwrap_or(0) || self.stopping() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// One batch: select, publish every chain, handle failures, mark, commit.
+    async fn batch(
+        &mut self,
+        client: &mut Client,
+        table: &OutboxTable,
+        active: &BTreeSet<i64>,
+    ) -> Result<Outcome, SessionEnd> {
+        let started = Instant::now();
+        let tx = client.transaction().await.map_err(|source| PgError::Db {
+            what: "starting a batch",
+            source,
+        })?;
+        let rows = table
+            .select_batch(&tx, active, self.settings.batch_size)
+            .await?;
+        let selected = rows.len();
+        if rows.is_empty() {
+            tx.commit().await.map_err(|source| PgError::Db {
+                what: "committing an empty batch",
+                source,
+            })?;
+            return Ok(Outcome::Partial);
+        }
+        let chains = chains(rows, self.per_aggregate());
+        let broker = self.broker.as_ref();
+        let (kind, template) = (self.kind, self.template.as_str());
+        let results: Vec<ChainResult> = futures::stream::iter(chains)
+            .map(|chain| publish_chain(broker, kind, template, chain))
+            .buffer_unordered(CONCURRENT_CHAINS)
+            .collect()
+            .await;
+        let mut ids = Vec::with_capacity(selected);
+        let mut lags = Vec::new();
+        let mut unavailable = false;
+        let now_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        for result in results {
+            for (id, created) in result.published {
+                ids.push(id);
+                if let Some(created) = created {
+                    lags.push((now_unix - created).max(0.0));
+                }
+            }
+            if let Some((row, err)) = result.failed
+                && self.handle_failure(&tx, table, &row, &err).await?
+            {
+                unavailable = true;
+            }
+        }
+        table.finish_published(&tx, &ids).await?;
+        tx.commit().await.map_err(|source| PgError::Db {
+            what: "committing a batch",
+            source,
+        })?;
+        let m = &self.health.metrics;
+        m.published.inc_by(u64::try_from(ids.len()).unwrap_or(0));
+        for lag in lags {
+            m.end_to_end_lag.observe(lag);
+        }
+        m.batch_duration.observe(started.elapsed().as_secs_f64());
+        if !ids.is_empty() {
+            m.last_success.set(now_unix);
+        }
+        if !self.attempts.is_empty() {
+            for id in &ids {
+                self.attempts.remove(id);
+            }
+        }
+        Ok(if unavailable {
+            Outcome::Unavailable
+        } else if i64::try_from(selected).unwrap_or(0) >= self.settings.batch_size {
+            Outcome::Full
+        } else {
+            Outcome::Partial
+        })
+    }
+
+    /// Counts a failed row; pauses, blocks or dead-letters it. Returns true when the
+    /// failure was an outage (the whole relay backs off).
+    async fn handle_failure(
+        &mut self,
+        tx: &tokio_postgres::Transaction<'_>,
+        table: &OutboxTable,
+        row: &OutboxRow,
+        err: &PublishError,
+    ) -> Result<bool, PgError> {
+        let m = &self.health.metrics;
+        if !err.row_fault {
+            m.publish_errors
+                .get_or_create(&ErrorLabels {
+                    kind: "unavailable",
+                })
+                .inc();
+            tracing::warn!(row = row.id, error = %err, "broker unavailable; will retry");
+            return Ok(true);
+        }
+        m.publish_errors
+            .get_or_create(&ErrorLabels { kind: "row" })
+            .inc();
+        let attempts = self.attempts.entry(row.id).or_insert(0);
+        *attempts += 1;
+        let attempts = *attempts;
+        if attempts < self.settings.max_attempts {
+            let pause = Duration::from_millis(200)
+                .saturating_mul(1 << attempts.min(8))
+                .min(MAX_BACKOFF);
+            tracing::warn!(
+                row = row.id,
+                partition = row.partition,
+                attempts,
+                error = %err,
+                "row refused by the broker; retrying its partition later"
+            );
+            self.paused.insert(
+                row.partition,
+                Pause {
+                    until: Instant::now() + pause,
+                    exhausted: false,
+                },
+            );
+            return Ok(false);
+        }
+        match self.settings.config.failure.on_exhausted {
+            OnExhausted::DeadLetter => {
+                table.dead_letter(tx, row.id, &err.message).await?;
+                self.attempts.remove(&row.id);
+                m.dead_lettered.inc();
+                tracing::error!(
+                    row = row.id,
+                    partition = row.partition,
+                    attempts,
+                    error = %err,
+                    dead_letter_table = %self.settings.dead_letter_table,
+                    "row exhausted its attempts; moved to the dead-letter table"
+                );
+            }
+            OnExhausted::Block => {
+                tracing::error!(
+                    row = row.id,
+                    partition = row.partition,
+                    attempts,
+                    error = %err,
+                    "row exhausted its attempts; its partition is blocked until it can be published"
+                );
+                self.paused.insert(
+                    row.partition,
+                    Pause {
+                        until: Instant::now() + BLOCKED_RETRY,
+                        exhausted: true,
+                    },
+                );
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// Splits a batch (in id order) into chains: one per aggregate in `perAggregate` mode,
+/// one per row otherwise. Each chain keeps id order.
+fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> {
+    if !per_aggregate {
+        return rows.into_iter().map(|r| vec![r]).collect();
+    }
+    let mut index: HashMap<Option<String>, usize> = HashMap::new();
+    let mut chains: Vec<Vec<OutboxRow>> = Vec::new();
+    for row in rows {
+        let slot = *index.entry(row.aggregate_id.clone()).or_insert_with(|| {
+            chains.push(Vec::new());
+            chains.len() - 1
+        });
+        chains[slot].push(row);
+    }
+    chains
+}
+
+/// Publishes a chain one message at a time, stopping at the first failure.
+async fn publish_chain(
+    broker: &dyn Broker,
+    kind: BrokerKind,
+    template: &str,
+    chain: Vec<OutboxRow>,
+) -> ChainResult {
+    let mut published = Vec::with_capacity(chain.len());
+    for row in chain {
+        let sent = match build_message(kind, template, &row) {
+            Ok(message) => broker.publish(&message).await,
+            Err(err) => Err(err),
+        };
+        match sent {
+            Ok(()) => published.push((row.id, row.created_at)),
+            Err(err) => {
+                return ChainResult {
+                    published,
+                    failed: Some((row, err)),
+                };
+            }
+        }
+    }
+    ChainResult {
+        published,
+        failed: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, aggregate: &str) -> OutboxRow {
+        OutboxRow {
+            id,
+            aggregate_type: "A".into(),
+            aggregate_id: Some(aggregate.into()),
+            event_type: None,
+            payload: Vec::new(),
+            headers: Vec::new(),
+            partition: 0,
+            created_at: None,
+        }
+    }
+
+    #[test]
+    fn chains_keep_each_aggregate_in_id_order() {
+        let rows = vec![
+            row(1, "a"),
+            row(2, "b"),
+            row(3, "a"),
+            row(4, "c"),
+            row(5, "b"),
+        ];
+        let ids: Vec<Vec<i64>> = chains(rows.clone(), true)
+            .iter()
+            .map(|c| c.iter().map(|r| r.id).collect())
+            .collect();
+        assert_eq!(ids, vec![vec![1, 3], vec![2, 5], vec![4]]);
+        assert_eq!(chains(rows, false).len(), 5);
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let mut b = Backoff::new();
+        let steps: Vec<Duration> = (0..10).map(|_| b.step()).collect();
+        assert_eq!(steps[0], Duration::from_millis(100));
+        assert_eq!(steps[1], Duration::from_millis(200));
+        assert_eq!(*steps.last().unwrap(), MAX_BACKOFF);
+        b.reset();
+        assert_eq!(b.step(), Duration::from_millis(100));
+    }
+}
