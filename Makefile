@@ -28,9 +28,17 @@ rig-up: provision ## start the rig and leave it running (then: export OUTBOX_RIG
 rig-down: ## stop a rig started with make rig-up
 	tests/rig/down.sh
 
-lint: ## rustfmt and clippy, warnings are errors
+lint: ## rustfmt, clippy (warnings are errors) and the committed CRD matches the code
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --locked -- -D warnings
+	@tmp=$$(mktemp) && trap 'rm -f "$$tmp"' EXIT && \
+	  $(CARGO) run --quiet --locked -- crd > "$$tmp" && \
+	  if ! diff -u crds/outboxrelay.yaml "$$tmp"; then \
+	    echo "crds/outboxrelay.yaml is out of date with src/api: run make crds" >&2; exit 1; \
+	  fi
+
+crds: ## regenerate crds/ from the Rust types (commit the result)
+	$(CARGO) run --quiet --locked -- crd > crds/outboxrelay.yaml
 
 build: ## build the binary
 	$(CARGO) build --release --locked

@@ -11,6 +11,9 @@ pub enum Error {
         /// The tracking issue number.
         issue: u32,
     },
+    /// The controller, `crd` or `render` failed.
+    #[error(transparent)]
+    Controller(#[from] crate::controller::Error),
 }
 
 impl Error {
@@ -18,6 +21,7 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::NotImplemented { .. } => "not_implemented",
+            Error::Controller(err) => err.category(),
         }
     }
 }

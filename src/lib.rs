@@ -2,8 +2,11 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod controller;
 pub mod error;
 pub mod relay;
+pub mod render;
+pub mod resources;
 pub mod telemetry;
 
 pub use error::{Error, Result};

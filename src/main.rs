@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the operator: watch OutboxRelay resources and reconcile them.
-    Controller,
+    Controller(outbox_operator::controller::ControllerArgs),
     /// Run the data plane inside a relay pod.
     Relay {
         /// Relay configuration file (rendered by the operator into a ConfigMap).
@@ -32,6 +32,9 @@ enum Command {
         /// OutboxRelay manifest to render.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
         file: PathBuf,
+        /// Image for relays whose spec names none.
+        #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = outbox_operator::resources::default_relay_image())]
+        relay_image: String,
     },
     /// Connect to the database and broker named in a manifest and report what is missing.
     Check {
@@ -45,13 +48,50 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Each role arrives with its own issue; until then the CLI says which one.
     let (what, issue) = match cli.command {
-        Command::Controller => ("controller", 3),
+        Command::Controller(args) => return finish(run_controller(args)),
         Command::Relay { config: _ } => ("relay", 4),
-        Command::Crd => ("crd", 3),
-        Command::Render { file: _ } => ("render", 3),
+        Command::Crd => {
+            return finish(
+                outbox_operator::render::crd_yaml()
+                    .map(|yaml| print!("{yaml}"))
+                    .map_err(Error::from),
+            );
+        }
+        Command::Render { file, relay_image } => {
+            let options = outbox_operator::resources::BuildOptions { relay_image };
+            return finish(
+                outbox_operator::render::render_file(&file, &options)
+                    .map(|yaml| print!("{yaml}"))
+                    .map_err(Error::from),
+            );
+        }
         Command::Check { file: _ } => ("check", 3),
     };
     let result: Result<(), Error> = Err(Error::NotImplemented { what, issue });
+    finish(result)
+}
+
+fn run_controller(args: outbox_operator::controller::ControllerArgs) -> Result<(), Error> {
+    outbox_operator::telemetry::init_logging();
+    // Without a runtime nothing can run at all; main is the one place allowed to stop so.
+    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    runtime.block_on(async move {
+        let client = kube::Client::try_default()
+            .await
+            .map_err(outbox_operator::controller::Error::from)?;
+        let metrics = std::sync::Arc::new(outbox_operator::controller::Metrics::new());
+        outbox_operator::controller::run(
+            client,
+            args,
+            metrics,
+            outbox_operator::controller::shutdown_signal(),
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+fn finish(result: Result<(), Error>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
