@@ -306,7 +306,7 @@ pub async fn run(
             Err(err) => warn!(error = %err, "leader election task failed"),
         }
     }
-    info!("outbox-operator controller stopped");
+    info!(identity = %identity, "outbox-operator controller stopped");
     Ok(())
 }
 
