@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Command::Crd => {
             return finish(
                 outbox_operator::render::crd_yaml()
-                    .map(|yaml| print!("{yaml}"))
+                    .map(|yaml| print_out(&yaml))
                     .map_err(Error::from),
             );
         }
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
             let options = outbox_operator::resources::BuildOptions { relay_image };
             return finish(
                 outbox_operator::render::render_file(&file, &options)
-                    .map(|yaml| print!("{yaml}"))
+                    .map(|yaml| print_out(&yaml))
                     .map_err(Error::from),
             );
         }
@@ -89,6 +89,18 @@ fn run_controller(args: outbox_operator::controller::ControllerArgs) -> Result<(
         .await?;
         Ok(())
     })
+}
+
+/// Writes to stdout; a closed pipe (`crd | head`) is not an error worth a panic.
+fn print_out(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(err) = out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        && err.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("cannot write to stdout: {err}");
+        std::process::exit(1);
+    }
 }
 
 fn finish(result: Result<(), Error>) -> ExitCode {

@@ -19,6 +19,10 @@ async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
     let client = common::kube_client().await;
     let ns = common::fresh_namespace(&client).await;
     let port = free_port();
+    // Logs go to a file: a pipe nobody reads while waiting would fill and block the child.
+    let log_dir = tempfile::tempdir().unwrap();
+    let log_path = log_dir.path().join("controller.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
         .args([
             "controller",
@@ -33,7 +37,7 @@ async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
         .env_remove("POD_NAMESPACE")
         .env_remove("POD_NAME")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::from(log_file))
         .spawn()
         .unwrap();
 
@@ -66,7 +70,7 @@ async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
         let deadline = std::time::Instant::now() + WAIT;
         loop {
             if let Some(status) = child.try_wait().unwrap() {
-                return Some((status, child));
+                return Some(status);
             }
             if std::time::Instant::now() > deadline {
                 let _ = child.kill();
@@ -77,9 +81,10 @@ async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
     })
     .await
     .unwrap();
-    let (status, child) = exit.expect("the controller did not exit within 60s of SIGTERM");
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.unwrap(), &mut stderr).unwrap();
+    let stderr = std::fs::read_to_string(&log_path).unwrap();
+    let status = exit.unwrap_or_else(|| {
+        panic!("the controller did not exit within 60s of SIGTERM; log:\n{stderr}")
+    });
     assert!(status.success(), "exit {status}; stderr:\n{stderr}");
     // Every log line is a JSON object.
     for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
