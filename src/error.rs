@@ -14,6 +14,9 @@ pub enum Error {
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
+    /// The controller, `crd` or `render` failed.
+    #[error(transparent)]
+    Controller(#[from] crate::controller::Error),
 }
 
 impl Error {
@@ -22,6 +25,7 @@ impl Error {
         match self {
             Error::NotImplemented { .. } => "not_implemented",
             Error::Relay(_) => "relay",
+            Error::Controller(err) => err.category(),
         }
     }
 }

@@ -3,9 +3,12 @@
 
 pub mod api;
 pub mod broker;
+pub mod controller;
 pub mod error;
 pub mod postgres;
 pub mod relay;
+pub mod render;
+pub mod resources;
 pub mod telemetry;
 
 pub use error::{Error, Result};

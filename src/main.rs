@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the operator: watch OutboxRelay resources and reconcile them.
-    Controller,
+    Controller(outbox_operator::controller::ControllerArgs),
     /// Run the data plane inside a relay pod.
     Relay {
         /// Relay configuration file (rendered by the operator into a ConfigMap).
@@ -32,6 +32,9 @@ enum Command {
         /// OutboxRelay manifest to render.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
         file: PathBuf,
+        /// Image for relays whose spec names none.
+        #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = outbox_operator::resources::default_relay_image())]
+        relay_image: String,
     },
     /// Connect to the database and broker named in a manifest and report what is missing.
     Check {
@@ -41,37 +44,68 @@ enum Command {
     },
 }
 
-/// Runs the relay on its own runtime; exit 0 after a clean shutdown, 2 on any error.
-fn run_relay(config: &std::path::Path) -> ExitCode {
-    let result = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => runtime
-            .block_on(outbox_operator::relay::run(config))
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Controller(args) => run_controller(args),
+        Command::Relay { config } => runtime()
+            .block_on(outbox_operator::relay::run(&config))
             .map_err(Error::from),
-        Err(err) => {
-            eprintln!("cannot start the async runtime: {err}");
-            return ExitCode::from(2);
+        Command::Crd => outbox_operator::render::crd_yaml()
+            .map(|yaml| print_out(&yaml))
+            .map_err(Error::from),
+        Command::Render { file, relay_image } => {
+            let options = outbox_operator::resources::BuildOptions { relay_image };
+            outbox_operator::render::render_file(&file, &options)
+                .map(|yaml| print_out(&yaml))
+                .map_err(Error::from)
         }
+        // `check` arrives with the log-tailing issue, which brings the database checks.
+        Command::Check { file: _ } => Err(Error::NotImplemented {
+            what: "check",
+            issue: 5,
+        }),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("{err}");
-            ExitCode::from(2)
-        }
+    finish(result)
+}
+
+/// The async runtime. Without one nothing can run at all; main is the one place allowed
+/// to stop so.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Runtime::new().expect("cannot start the tokio runtime")
+}
+
+fn run_controller(args: outbox_operator::controller::ControllerArgs) -> Result<(), Error> {
+    outbox_operator::telemetry::init_logging();
+    runtime().block_on(async move {
+        let client = kube::Client::try_default()
+            .await
+            .map_err(outbox_operator::controller::Error::from)?;
+        let metrics = std::sync::Arc::new(outbox_operator::controller::Metrics::new());
+        outbox_operator::controller::run(
+            client,
+            args,
+            metrics,
+            outbox_operator::controller::shutdown_signal(),
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+/// Writes to stdout; a closed pipe (`crd | head`) is not an error worth a panic.
+fn print_out(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(err) = out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        && err.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("cannot write to stdout: {err}");
+        std::process::exit(1);
     }
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    // Each role arrives with its own issue; until then the CLI says which one.
-    let (what, issue) = match cli.command {
-        Command::Controller => ("controller", 3),
-        Command::Relay { config } => return run_relay(&config),
-        Command::Crd => ("crd", 3),
-        Command::Render { file: _ } => ("render", 3),
-        Command::Check { file: _ } => ("check", 3),
-    };
-    let result: Result<(), Error> = Err(Error::NotImplemented { what, issue });
+fn finish(result: Result<(), Error>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -41,6 +41,7 @@ pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
     category = "outbox",
     namespaced,
     status = "OutboxRelayStatus",
+    validation = Rule::new("self.metadata.name.size() <= 50 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must be a DNS label of at most 50 characters starting with a letter: it names the relay's Deployment and Service"),
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
     printcolumn = r#"{"name":"Broker","type":"string","jsonPath":".status.broker"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
@@ -343,8 +344,8 @@ pub enum AfterPublish {
 /// Log-tailing mode settings.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!has(oldSelf.slotName) || has(self.slotName)").message("logTailing.slotName cannot be removed once set"))]
-#[x_kube(validation = Rule::new("!has(oldSelf.publicationName) || has(self.publicationName)").message("logTailing.publicationName cannot be removed once set"))]
+#[x_kube(validation = Rule::new("has(oldSelf.slotName) == has(self.slotName)").message("logTailing.slotName cannot be added or removed once the relay tails the log: the slot would change and its position be lost"))]
+#[x_kube(validation = Rule::new("has(oldSelf.publicationName) == has(self.publicationName)").message("logTailing.publicationName cannot be added or removed once the relay tails the log"))]
 pub struct LogTailingSpec {
     /// Replication slot name; default `outbox_<namespace>_<name>`. Cannot change once
     /// set: a new name would abandon the old slot and its position.

@@ -1,0 +1,355 @@
+//! The operator: watches OutboxRelays (one namespace or all), reconciles each into its
+//! child objects and status, and does so only while it holds the leader Lease.
+//!
+//! The pipeline of one reconcile (see `reconcile.rs`): validate and build (pure,
+//! `crate::resources`) → check the referenced Secrets (reads) → apply the children with
+//! server-side apply and delete the ones no longer built (writes) → update status.
+
+mod http;
+mod metrics;
+mod reconcile;
+mod status;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::runtime::controller::Controller;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use kube_lease_manager::LeaseManagerBuilder;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::api::OutboxRelay;
+use crate::resources::{BuildError, BuildOptions, MANAGED_BY, default_relay_image};
+
+pub use metrics::Metrics;
+pub use status::{
+    CONDITION_BROKER_READY, CONDITION_DATABASE_READY, CONDITION_DEGRADED,
+    CONDITION_MONITORING_READY, CONDITION_READY,
+};
+
+/// The finalizer the operator puts on every OutboxRelay, so that it can drop what lives
+/// outside Kubernetes (the replication slot) before the object goes.
+pub const FINALIZER: &str = "outbox.dev/cleanup";
+
+/// Everything that can go wrong in the controller, `crd` and `render`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes API call failed.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// Adding or removing the finalizer, or the apply/cleanup inside it, failed.
+    #[error("{0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    /// The objects could not be built from the spec.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// YAML output could not be produced.
+    #[error("cannot write YAML: {0}")]
+    Yaml(#[source] serde_yaml::Error),
+    /// A manifest file could not be read.
+    #[error("cannot read {path}: {source}")]
+    ReadManifest {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A manifest could not be used.
+    #[error("{origin}: document {document}: {message}")]
+    Manifest {
+        /// The file.
+        origin: String,
+        /// 1-based document number in the YAML stream (0: the file as a whole).
+        document: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// The metrics/health listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Leader election failed.
+    #[error("leader election: {0}")]
+    Lease(#[from] kube_lease_manager::LeaseManagerError),
+    /// An object the API server returned lacks a field it always sets.
+    #[error("the API server returned an object without {0}")]
+    MissingField(&'static str),
+}
+
+impl Error {
+    /// A fixed, low-cardinality name for this error, safe as a metric label.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube_api",
+            Error::Finalizer(inner) => match inner.as_ref() {
+                kube::runtime::finalizer::Error::ApplyFailed(e)
+                | kube::runtime::finalizer::Error::CleanupFailed(e) => e.category(),
+                _ => "finalizer",
+            },
+            Error::Build(_) => "invalid_spec",
+            Error::Yaml(_) => "yaml",
+            Error::ReadManifest { .. } | Error::Manifest { .. } => "manifest",
+            Error::Listen { .. } => "listen",
+            Error::Lease(_) => "leader_election",
+            Error::MissingField(_) => "api_response",
+        }
+    }
+}
+
+/// Command-line settings of `outbox-operator controller`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ControllerArgs {
+    /// Watch OutboxRelays in this namespace only (default: all namespaces).
+    #[arg(long, env = "OUTBOX_WATCH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Image for relays whose spec names none (default: the operator's own image).
+    #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = default_relay_image())]
+    pub relay_image: String,
+    /// Address of the operator's own `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, env = "OUTBOX_OPERATOR_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Take part in leader election; only the holder of the Lease reconciles. Turn off
+    /// only for a single replica in development.
+    #[arg(long, env = "OUTBOX_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "OUTBOX_LEASE_NAME", default_value = "outbox-operator")]
+    pub lease_name: String,
+    /// Namespace of the Lease (default: the operator's namespace from POD_NAMESPACE, else
+    /// the watched namespace, else `default`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// This replica's identity in the Lease and in Events (default: POD_NAME, else host
+    /// name plus a random suffix).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Seconds a Lease stays valid without renewal; another replica takes over after it.
+    #[arg(long, default_value_t = 15)]
+    pub lease_duration_seconds: u64,
+    /// Seconds between periodic reconciles of an unchanged OutboxRelay (drift repair).
+    #[arg(long, default_value_t = 300)]
+    pub resync_seconds: u64,
+}
+
+impl ControllerArgs {
+    /// The defaults, as the CLI would give them, for a namespace (tests, embedding).
+    pub fn for_namespace(namespace: &str) -> Self {
+        Self {
+            namespace: Some(namespace.to_owned()),
+            relay_image: default_relay_image(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            leader_elect: true,
+            lease_name: "outbox-operator".to_owned(),
+            lease_namespace: Some(namespace.to_owned()),
+            identity: None,
+            lease_duration_seconds: 15,
+            resync_seconds: 300,
+        }
+    }
+
+    fn identity(&self) -> String {
+        self.identity.clone().unwrap_or_else(|| {
+            let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "outbox-operator".to_owned());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+}
+
+/// What every reconcile shares.
+pub(crate) struct Context {
+    client: Client,
+    options: BuildOptions,
+    reporter: Reporter,
+    metrics: Arc<Metrics>,
+    leader: watch::Receiver<bool>,
+    resync: Duration,
+}
+
+/// Resolves on SIGTERM or Ctrl-C, whichever comes first.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(err) => {
+                warn!(error = %err, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Runs the operator until `shutdown` resolves: serves `/metrics` and `/healthz`, takes
+/// part in leader election and reconciles while it holds the Lease. Returns after the
+/// in-flight reconciles finished and the Lease was released.
+pub async fn run(
+    client: Client,
+    args: ControllerArgs,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let bound = http::serve(args.listen, metrics.clone(), stop_rx.clone()).await?;
+    let identity = args.identity();
+    info!(listen = %bound, identity = %identity, namespace = ?args.namespace, "outbox-operator controller starting");
+
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .or_else(|| args.namespace.clone())
+        .unwrap_or_else(|| "default".to_owned());
+    let (leader, lease_task) = if args.leader_elect {
+        let manager = LeaseManagerBuilder::new(client.clone(), &args.lease_name)
+            .with_namespace(&lease_namespace)
+            .with_identity(&identity)
+            .with_duration(args.lease_duration_seconds)
+            .with_grace(args.lease_duration_seconds.div_ceil(3).max(1))
+            .build()
+            .await?;
+        let (rx, task) = manager.watch().await;
+        (rx, Some(task))
+    } else {
+        let (tx, rx) = watch::channel(true);
+        // Keep the sender alive for the whole run: a dropped sender would read as a
+        // closed channel, not as "still leader".
+        tokio::spawn(async move {
+            tx.closed().await;
+        });
+        (rx, None)
+    };
+
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        options: BuildOptions {
+            relay_image: args.relay_image.clone(),
+        },
+        reporter: Reporter {
+            controller: MANAGED_BY.to_owned(),
+            instance: Some(identity.clone()),
+        },
+        metrics: metrics.clone(),
+        leader: leader.clone(),
+        resync: Duration::from_secs(args.resync_seconds.max(1)),
+    });
+
+    let mut leader_rx = leader;
+    let mut stop = stop_rx.clone();
+    loop {
+        // Wait to become leader (or to be told to stop).
+        while !*leader_rx.borrow_and_update() {
+            tokio::select! {
+                changed = leader_rx.changed() => if changed.is_err() { break; },
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        }
+        if *stop.borrow() || !*leader_rx.borrow() {
+            break;
+        }
+        info!(identity = %identity, "acquired the leader Lease; reconciling");
+        metrics.set_leader(true);
+        let mut lost = leader_rx.clone();
+        let mut stopping = stop_rx.clone();
+        let trigger = async move {
+            tokio::select! {
+                _ = lost.wait_for(|l| !*l) => {}
+                _ = stopping.wait_for(|s| *s) => {}
+            }
+        };
+        run_controller(ctx.clone(), args.namespace.as_deref(), trigger).await;
+        metrics.set_leader(false);
+        if *stop.borrow() {
+            break;
+        }
+        warn!(identity = %identity, "lost the leader Lease; stopped reconciling");
+    }
+
+    drop(ctx);
+    drop(leader_rx);
+    if let Some(task) = lease_task {
+        // The lease task ends once every receiver is gone; then hand the Lease over at
+        // once instead of making the next replica wait for it to expire.
+        match task.await {
+            Ok(Ok(manager)) => {
+                if let Err(err) = manager.release().await {
+                    warn!(error = %err, "could not release the leader Lease");
+                }
+            }
+            Ok(Err(err)) => warn!(error = %err, "leader election ended with an error"),
+            Err(err) => warn!(error = %err, "leader election task failed"),
+        }
+    }
+    info!(identity = %identity, "outbox-operator controller stopped");
+    Ok(())
+}
+
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    <K as kube::Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+async fn run_controller(
+    ctx: Arc<Context>,
+    namespace: Option<&str>,
+    stop: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = &ctx.client;
+    let children =
+        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+    Controller::new(
+        scoped::<OutboxRelay>(client, namespace),
+        watcher::Config::default(),
+    )
+    .owns(scoped::<ConfigMap>(client, namespace), children.clone())
+    .owns(scoped::<Deployment>(client, namespace), children.clone())
+    .owns(scoped::<Service>(client, namespace), children.clone())
+    .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
+    .graceful_shutdown_on(stop)
+    .run(reconcile::reconcile, reconcile::error_policy, ctx.clone())
+    .for_each(|result| async move {
+        if let Err(err) = result {
+            // Reconcile errors are logged by error_policy; these are watch/queue errors.
+            tracing::debug!(error = %err, "controller event");
+        }
+    })
+    .await;
+}
+
+impl Context {
+    fn recorder(&self) -> Recorder {
+        Recorder::new(self.client.clone(), self.reporter.clone())
+    }
+}

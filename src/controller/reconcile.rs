@@ -1,0 +1,534 @@
+//! One reconcile of one OutboxRelay: finalizer, validate and build, check Secrets, apply
+//! the children, delete the ones no longer built, write status and Events.
+
+use std::collections::BTreeSet;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Api, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::status::{
+    CONDITION_BROKER_READY, CONDITION_DATABASE_READY, CONDITION_DEGRADED,
+    CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, find, merge,
+};
+use super::{Context, Error, FINALIZER};
+use crate::api::{OutboxRelay, OutboxRelayStatus, SecretKeyRef};
+use crate::resources::{
+    BuildError, Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND,
+    PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, SecretUse, build,
+    children_selector, effective_replicas, required_secrets,
+};
+
+/// How soon to look again when a referenced Secret is missing: Secrets are not watched
+/// (that would cache every Secret's data in the operator), so this bounds the delay
+/// between a user creating the Secret and the relay starting.
+const SECRET_RETRY: Duration = Duration::from_secs(15);
+/// Back-off after a failed reconcile.
+const ERROR_RETRY: Duration = Duration::from_secs(15);
+
+/// The controller's reconcile function: everything runs inside the finalizer helper.
+pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Result<Action, Error> {
+    // Never write without the Lease: the controller stops when it is lost, and this
+    // closes the window between losing it and the stop taking effect.
+    if !*ctx.leader.borrow() {
+        return Ok(Action::await_change());
+    }
+    let started = Instant::now();
+    let namespace = relay.namespace().unwrap_or_default();
+    let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
+    let result = finalizer(&api, FINALIZER, relay, |event| async {
+        match event {
+            Finalizer::Apply(relay) => apply(&relay, &ctx).await,
+            Finalizer::Cleanup(relay) => cleanup(&relay, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    ctx.metrics.reconciled(
+        started.elapsed(),
+        result.as_ref().err().map(Error::category),
+    );
+    result
+}
+
+/// Logs, counts (in `reconcile`) and retries a failed reconcile.
+pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(
+        relay = %relay.name_any(),
+        namespace = %relay.namespace().unwrap_or_default(),
+        category = error.category(),
+        error = %error,
+        "reconcile failed; retrying"
+    );
+    Action::requeue(ERROR_RETRY)
+}
+
+async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
+    let desired = match build(relay, &ctx.options) {
+        Ok(desired) => desired,
+        Err(err @ (BuildError::InvalidSpec(_) | BuildError::Config(_))) => {
+            // A spec the schema let through but that cannot run: say so and change
+            // nothing else; the next edit of the spec triggers a new reconcile.
+            let message = err.to_string();
+            let conditions = vec![
+                Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
+                Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
+            ];
+            update_status(relay, ctx, conditions).await?;
+            return Ok(Action::await_change());
+        }
+        Err(err) => return Err(err.into()),
+    };
+
+    let (database, broker) = check_secrets(relay, ctx).await?;
+    let secrets_ok = database.status && broker.status;
+    if !secrets_ok {
+        // Pods started now would crash-loop on the missing variable or volume; create
+        // nothing and delete nothing (a Secret being rotated must not stop a running
+        // relay), and look again soon.
+        let problem = if database.status { &broker } else { &database };
+        let conditions = vec![
+            Cond::no(CONDITION_READY, problem.reason, problem.message.clone()),
+            Cond::yes(CONDITION_DEGRADED, problem.reason, problem.message.clone()),
+            database,
+            broker,
+        ];
+        update_status(relay, ctx, conditions).await?;
+        return Ok(Action::requeue(SECRET_RETRY));
+    }
+
+    let monitoring = monitoring_available(ctx).await?;
+    let deployment = apply_children(relay, ctx, &desired, monitoring).await?;
+
+    let wanted = effective_replicas(relay);
+    let available = deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.available_replicas)
+        .unwrap_or(0);
+    let ready = if wanted == 0 {
+        Cond::no(
+            CONDITION_READY,
+            "ScaledToZero",
+            "spec.replicas is 0: no relay runs and nothing is published",
+        )
+    } else if available > 0 {
+        Cond::yes(
+            CONDITION_READY,
+            "RelayAvailable",
+            format!("{available} of {wanted} relay pods available"),
+        )
+    } else {
+        Cond::no(
+            CONDITION_READY,
+            "RelayUnavailable",
+            format!(
+                "0 of {wanted} relay pods available (Deployment {})",
+                deployment.name_any()
+            ),
+        )
+    };
+    let monitoring_cond = if monitoring {
+        let what = if desired.prometheus_rule.is_some() {
+            "ServiceMonitor and PrometheusRule applied"
+        } else {
+            "ServiceMonitor applied; alerting is disabled in spec.alerting"
+        };
+        Cond::yes(CONDITION_MONITORING_READY, "Applied", what)
+    } else {
+        Cond::no(
+            CONDITION_MONITORING_READY,
+            "PrometheusOperatorNotInstalled",
+            format!(
+                "the {MONITORING_API_VERSION} ServiceMonitor and PrometheusRule CRDs are not installed: no scrape config or alerts were created (`outbox-operator render` prints them)"
+            ),
+        )
+    };
+    let conditions = vec![
+        ready,
+        Cond::no(
+            CONDITION_DEGRADED,
+            "AsExpected",
+            "the relay runs as specified",
+        ),
+        database,
+        broker,
+        monitoring_cond,
+    ];
+    update_status(relay, ctx, conditions).await?;
+    Ok(Action::requeue(ctx.resync))
+}
+
+/// Checks that every Secret key the pods need exists; returns the `DatabaseReady` and
+/// `BrokerReady` conditions. Only names and keys are reported, never values.
+async fn check_secrets(relay: &OutboxRelay, ctx: &Context) -> Result<(Cond, Cond), Error> {
+    let namespace = relay.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    let mut database = Cond::yes(
+        CONDITION_DATABASE_READY,
+        "SecretFound",
+        format!(
+            "Secret {} has key {}; the relay checks the connection itself",
+            relay.spec.database.postgres.connection_secret_ref.name,
+            relay.spec.database.postgres.connection_secret_ref.key
+        ),
+    );
+    let mut broker = Cond::yes(
+        CONDITION_BROKER_READY,
+        "SecretsFound",
+        "every Secret the broker connection needs exists; the relay checks the connection itself",
+    );
+    for (purpose, reference) in required_secrets(relay) {
+        let problem = secret_problem(&secrets, &namespace, reference).await?;
+        if let Some((reason, message)) = problem {
+            let cond = match purpose {
+                SecretUse::Database => &mut database,
+                SecretUse::Broker => &mut broker,
+            };
+            // Report the first problem per condition; fixing it reveals the next.
+            if cond.status {
+                *cond = Cond::no(cond.type_, reason, message);
+            }
+        }
+    }
+    Ok((database, broker))
+}
+
+async fn secret_problem(
+    secrets: &Api<Secret>,
+    namespace: &str,
+    reference: &SecretKeyRef,
+) -> Result<Option<(&'static str, String)>, Error> {
+    let Some(secret) = secrets.get_opt(&reference.name).await? else {
+        return Ok(Some((
+            "SecretNotFound",
+            format!(
+                "Secret {} not found in namespace {namespace}; create it with key {}",
+                reference.name, reference.key
+            ),
+        )));
+    };
+    let has_key = secret
+        .data
+        .as_ref()
+        .is_some_and(|d| d.contains_key(&reference.key))
+        || secret
+            .string_data
+            .as_ref()
+            .is_some_and(|d| d.contains_key(&reference.key));
+    Ok((!has_key).then(|| {
+        (
+            "SecretKeyNotFound",
+            format!("Secret {} has no key {}", reference.name, reference.key),
+        )
+    }))
+}
+
+fn monitoring_resource(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("monitoring.coreos.com", "v1", kind),
+        plural,
+    )
+}
+
+/// Whether the Prometheus operator's ServiceMonitor and PrometheusRule kinds are served.
+async fn monitoring_available(ctx: &Context) -> Result<bool, Error> {
+    match ctx
+        .client
+        .list_api_group_resources(MONITORING_API_VERSION)
+        .await
+    {
+        Ok(list) => {
+            let served: BTreeSet<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
+            Ok(served.contains(SERVICE_MONITOR_PLURAL) && served.contains(PROMETHEUS_RULE_PLURAL))
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// Applies every desired child, deletes the children no longer built, and returns the
+/// Deployment as the API server has it (with its status).
+async fn apply_children(
+    relay: &OutboxRelay,
+    ctx: &Context,
+    desired: &Desired,
+    monitoring: bool,
+) -> Result<Deployment, Error> {
+    let client = &ctx.client;
+    let namespace = relay.namespace().unwrap_or_default();
+    let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
+    let selector = children_selector(relay);
+
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
+    let services: Api<Service> = Api::namespaced(client.clone(), &namespace);
+    let budgets: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &namespace);
+
+    // The ConfigMap first: pods of the new Deployment mount it.
+    ssa(&config_maps, &desired.config_map, ctx).await?;
+    let deployment = ssa(&deployments, &desired.deployment, ctx).await?;
+    ssa(&services, &desired.service, ctx).await?;
+    if let Some(pdb) = &desired.pod_disruption_budget {
+        ssa(&budgets, pdb, ctx).await?;
+    }
+
+    let keep = |o: Option<&kube::core::ObjectMeta>| -> Vec<String> {
+        o.and_then(|m| m.name.clone()).into_iter().collect()
+    };
+    prune(
+        &config_maps,
+        &selector,
+        &uid,
+        &keep(Some(&desired.config_map.metadata)),
+        ctx,
+    )
+    .await?;
+    prune(
+        &deployments,
+        &selector,
+        &uid,
+        &keep(Some(&desired.deployment.metadata)),
+        ctx,
+    )
+    .await?;
+    prune(
+        &services,
+        &selector,
+        &uid,
+        &keep(Some(&desired.service.metadata)),
+        ctx,
+    )
+    .await?;
+    prune(
+        &budgets,
+        &selector,
+        &uid,
+        &keep(desired.pod_disruption_budget.as_ref().map(|p| &p.metadata)),
+        ctx,
+    )
+    .await?;
+
+    if monitoring {
+        let monitors: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            &namespace,
+            &monitoring_resource(SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL),
+        );
+        let rules: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            &namespace,
+            &monitoring_resource(PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL),
+        );
+        ssa(&monitors, &desired.service_monitor, ctx).await?;
+        if let Some(rule) = &desired.prometheus_rule {
+            ssa(&rules, rule, ctx).await?;
+        }
+        prune(
+            &monitors,
+            &selector,
+            &uid,
+            &keep(Some(&desired.service_monitor.metadata)),
+            ctx,
+        )
+        .await?;
+        prune(
+            &rules,
+            &selector,
+            &uid,
+            &keep(desired.prometheus_rule.as_ref().map(|r| &r.metadata)),
+            ctx,
+        )
+        .await?;
+    }
+    Ok(deployment)
+}
+
+/// Server-side apply under the operator's one field manager. Forced: the operator owns
+/// these objects, and a conflicting manual edit is drift to repair.
+async fn ssa<K>(api: &Api<K>, object: &K, ctx: &Context) -> Result<K, Error>
+where
+    K: Resource + Serialize + DeserializeOwned + Clone + Debug,
+{
+    let name = object
+        .meta()
+        .name
+        .clone()
+        .ok_or(Error::MissingField("metadata.name"))?;
+    ctx.metrics.wrote();
+    Ok(api
+        .patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(object),
+        )
+        .await?)
+}
+
+/// Deletes this relay's children of one kind that are not in `keep`. Children are found
+/// by label and confirmed by the controller owner reference, so objects someone else
+/// labelled alike are never touched.
+async fn prune<K>(
+    api: &Api<K>,
+    selector: &str,
+    owner_uid: &str,
+    keep: &[String],
+    ctx: &Context,
+) -> Result<(), Error>
+where
+    K: Resource + DeserializeOwned + Clone + Debug,
+{
+    let list = api
+        .list_metadata(&ListParams::default().labels(selector))
+        .await?;
+    for object in list.items {
+        let name = object.metadata.name.clone().unwrap_or_default();
+        let owned = object
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.uid == owner_uid && o.controller == Some(true));
+        if owned && !keep.contains(&name) {
+            info!(child = %name, "deleting a child the relay no longer needs");
+            ctx.metrics.wrote();
+            match api.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes status when it changed (ignoring timestamps) and records an Event when the
+/// `Ready` condition changed its status or reason.
+async fn update_status(
+    relay: &OutboxRelay,
+    ctx: &Context,
+    conditions: Vec<Cond>,
+) -> Result<(), Error> {
+    let current = relay.status.as_ref();
+    let generation = relay.metadata.generation;
+    let merged = merge(
+        current.map_or(&[][..], |s| &s.conditions[..]),
+        &conditions,
+        generation,
+        Timestamp::now(),
+    );
+    let desired = OutboxRelayStatus {
+        observed_generation: generation,
+        conditions: merged,
+        mode: relay.spec.mode.get().map(|m| m.name().to_owned()),
+        broker: relay.spec.broker.get().map(|b| b.name().to_owned()),
+        ..OutboxRelayStatus::default()
+    };
+    let event = ready_transition(current, &conditions);
+    if differs(current, &desired) {
+        let namespace = relay.namespace().unwrap_or_default();
+        let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
+        // Apply only the fields the controller owns; backlog and slot figures written
+        // by others are left alone.
+        let patch = json!({
+            "apiVersion": OutboxRelay::api_version(&()),
+            "kind": OutboxRelay::kind(&()),
+            "status": {
+                "observedGeneration": desired.observed_generation,
+                "conditions": desired.conditions,
+                "mode": desired.mode,
+                "broker": desired.broker,
+            },
+        });
+        ctx.metrics.wrote();
+        api.patch_status(
+            &relay.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    }
+    if let Some((type_, reason, note)) = event {
+        publish(relay, ctx, type_, reason, note).await;
+    }
+    Ok(())
+}
+
+/// An Event for a change of the `Ready` condition's status or reason.
+fn ready_transition(
+    current: Option<&OutboxRelayStatus>,
+    conditions: &[Cond],
+) -> Option<(EventType, &'static str, String)> {
+    let new = conditions.iter().find(|c| c.type_ == CONDITION_READY)?;
+    let status = if new.status { "True" } else { "False" };
+    let unchanged = find(current, CONDITION_READY)
+        .is_some_and(|old| old.status == status && old.reason == new.reason);
+    if unchanged {
+        return None;
+    }
+    let type_ = if new.status || new.reason == "RelayUnavailable" || new.reason == "ScaledToZero" {
+        EventType::Normal
+    } else {
+        EventType::Warning
+    };
+    Some((type_, new.reason, new.message.clone()))
+}
+
+/// Publishes an Event; a failure is logged, not fatal (Events are advisory).
+async fn publish(relay: &OutboxRelay, ctx: &Context, type_: EventType, reason: &str, note: String) {
+    let event = Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(note),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    ctx.metrics.wrote();
+    if let Err(err) = ctx.recorder().publish(&event, &relay.object_ref(&())).await {
+        warn!(relay = %relay.name_any(), error = %err, "could not record an Event");
+    }
+}
+
+/// Cleanup before the OutboxRelay goes: children need nothing (garbage collection
+/// removes them through their owner references); external state is dropped here.
+/// Tolerates apply never having run.
+async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
+    drop_external_state(relay).await?;
+    publish(
+        relay,
+        ctx,
+        EventType::Normal,
+        "Deleting",
+        "finalizer done; child objects are garbage-collected".to_owned(),
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+/// Hook for what lives outside Kubernetes. Log tailing's replication slot and
+/// publication are dropped here once slot management lands (the log-tailing issue);
+/// until then the operator creates nothing outside Kubernetes, so there is nothing to
+/// drop. It must treat "already gone" as success and never block on an invalid spec.
+async fn drop_external_state(relay: &OutboxRelay) -> Result<(), Error> {
+    info!(
+        relay = %relay.name_any(),
+        namespace = %relay.namespace().unwrap_or_default(),
+        "cleanup: nothing outside Kubernetes to drop"
+    );
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! Pure functions from an `OutboxRelay` to the Kubernetes objects it needs: the relay's
+//! ConfigMap, Deployment, metrics Service, ServiceMonitor, PrometheusRule and
+//! PodDisruptionBudget.
+//!
+//! Nothing here talks to the API server, so the controller and `outbox-operator render`
+//! build exactly the same objects and the whole set is unit- and golden-file tested.
+
+mod monitoring;
+mod workload;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::DynamicObject;
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+
+use crate::api::{OutboxRelay, SpecError};
+use crate::relay::config::ConfigError;
+
+pub use monitoring::{
+    PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL,
+    prometheus_rule, service, service_monitor,
+};
+pub use workload::{
+    METRICS_PORT_NAME, SecretUse, config_hash, config_map, deployment, effective_replicas,
+    pod_disruption_budget, required_secrets,
+};
+
+/// The field manager of every server-side apply the operator makes.
+pub const FIELD_MANAGER: &str = "outbox-operator";
+/// `app.kubernetes.io/name` of every relay object.
+pub const APP_NAME: &str = "outbox-relay";
+/// `app.kubernetes.io/managed-by` and `part-of` of every object the operator creates;
+/// together with `instance` it selects the children of one OutboxRelay.
+pub const MANAGED_BY: &str = "outbox-operator";
+/// Pod-template annotation holding a hash of the relay config, so that any change to the
+/// config file rolls the pods (a mounted ConfigMap alone would not restart the relay).
+pub const CONFIG_HASH_ANNOTATION: &str = "outbox.dev/config-hash";
+/// The key of the config file in the ConfigMap.
+pub const CONFIG_KEY: &str = "relay.yaml";
+/// The API group and version of the Prometheus operator's CRDs.
+pub const MONITORING_API_VERSION: &str = "monitoring.coreos.com/v1";
+
+/// The image relays run when the spec names none: the operator's own image, same version.
+pub fn default_relay_image() -> String {
+    format!(
+        "ghcr.io/outbox-operator/outbox-operator:{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// Settings of the operator that shape the objects, as opposed to the spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildOptions {
+    /// Image for relays whose spec names none.
+    pub relay_image: String,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        Self {
+            relay_image: default_relay_image(),
+        }
+    }
+}
+
+/// Why the objects for a relay cannot be built. Both mean the spec must change.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The spec breaks rules the schema cannot express.
+    #[error("invalid spec: {}", join_spec_errors(.0))]
+    InvalidSpec(Vec<SpecError>),
+    /// The relay config could not be derived from the spec.
+    #[error("cannot build the relay config: {0}")]
+    Config(#[from] ConfigError),
+    /// The relay config could not be serialised (a bug, not a user error).
+    #[error("cannot serialise the relay config: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+    /// The object has no name or namespace (a manifest without `metadata.namespace`
+    /// renders into `default`; this is for objects without a name at all).
+    #[error("metadata.name is required")]
+    NoName,
+}
+
+fn join_spec_errors(errors: &[SpecError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Every object one OutboxRelay needs, in apply order.
+#[derive(Clone, Debug)]
+pub struct Desired {
+    /// The relay config file.
+    pub config_map: ConfigMap,
+    /// The relay pods.
+    pub deployment: Deployment,
+    /// The metrics Service.
+    pub service: Service,
+    /// Present when the relay runs more than one pod.
+    pub pod_disruption_budget: Option<PodDisruptionBudget>,
+    /// Prometheus scrape config (`monitoring.coreos.com/v1`).
+    pub service_monitor: DynamicObject,
+    /// Alerting rules (`monitoring.coreos.com/v1`), present when `spec.alerting.enabled`.
+    pub prometheus_rule: Option<DynamicObject>,
+}
+
+/// Builds every object for `relay`. Fails, building nothing, when the spec is invalid.
+pub fn build(relay: &OutboxRelay, options: &BuildOptions) -> Result<Desired, BuildError> {
+    relay.spec.validate().map_err(BuildError::InvalidSpec)?;
+    if relay.metadata.name.is_none() {
+        return Err(BuildError::NoName);
+    }
+    let config_map = config_map(relay)?;
+    let deployment = deployment(relay, options, &config_map);
+    Ok(Desired {
+        service: service(relay),
+        pod_disruption_budget: pod_disruption_budget(relay),
+        service_monitor: service_monitor(relay),
+        prometheus_rule: prometheus_rule(relay),
+        deployment,
+        config_map,
+    })
+}
+
+impl Desired {
+    /// The objects as one multi-document YAML stream, in apply order.
+    pub fn to_yaml(&self) -> Result<String, serde_yaml::Error> {
+        let mut docs = vec![
+            to_value(&self.config_map)?,
+            to_value(&self.deployment)?,
+            to_value(&self.service)?,
+        ];
+        if let Some(pdb) = &self.pod_disruption_budget {
+            docs.push(to_value(pdb)?);
+        }
+        docs.push(to_value(&self.service_monitor)?);
+        if let Some(rule) = &self.prometheus_rule {
+            docs.push(to_value(rule)?);
+        }
+        let mut out = String::new();
+        for doc in docs {
+            out.push_str("---\n");
+            out.push_str(&serde_yaml::to_string(&doc)?);
+        }
+        Ok(out)
+    }
+}
+
+fn to_value(object: &impl Serialize) -> Result<serde_yaml::Value, serde_yaml::Error> {
+    serde_yaml::to_value(object)
+}
+
+/// Name of the relay's Deployment, Service, PDB, ServiceMonitor and PrometheusRule.
+/// The CRD limits OutboxRelay names so that this stays a valid DNS label.
+pub fn relay_object_name(relay: &OutboxRelay) -> String {
+    format!("{}-relay", relay.name_any())
+}
+
+/// Name of the relay's ConfigMap.
+pub fn config_map_name(relay: &OutboxRelay) -> String {
+    format!("{}-relay-config", relay.name_any())
+}
+
+/// The labels that select one relay's pods. A Deployment's selector is immutable, so
+/// this set never grows.
+pub fn selector_labels(relay: &OutboxRelay) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".to_owned(), APP_NAME.to_owned()),
+        ("app.kubernetes.io/instance".to_owned(), relay.name_any()),
+    ])
+}
+
+/// The labels of every child object, `component` saying which part it is.
+pub fn labels(relay: &OutboxRelay, component: &str) -> BTreeMap<String, String> {
+    let mut labels = selector_labels(relay);
+    labels.insert(
+        "app.kubernetes.io/component".to_owned(),
+        component.to_owned(),
+    );
+    labels.insert(
+        "app.kubernetes.io/managed-by".to_owned(),
+        MANAGED_BY.to_owned(),
+    );
+    labels.insert(
+        "app.kubernetes.io/part-of".to_owned(),
+        MANAGED_BY.to_owned(),
+    );
+    labels
+}
+
+/// The label selector that finds every child of one relay (to delete the ones no longer
+/// built); ownership is then confirmed through the controller owner reference.
+pub fn children_selector(relay: &OutboxRelay) -> String {
+    format!(
+        "app.kubernetes.io/managed-by={MANAGED_BY},app.kubernetes.io/instance={}",
+        relay.name_any()
+    )
+}
+
+/// The owner reference (controller=true) that ties a child to its relay, so that garbage
+/// collection removes it with the relay and `.owns()` maps its events back.
+pub fn owner_reference(relay: &OutboxRelay) -> OwnerReference {
+    // `controller_owner_ref` is None only without a uid, which `render` (offline) has:
+    // then the reference is still rendered, with an empty uid, so the output shows it.
+    relay
+        .controller_owner_ref(&())
+        .unwrap_or_else(|| OwnerReference {
+            api_version: OutboxRelay::api_version(&()).into_owned(),
+            kind: OutboxRelay::kind(&()).into_owned(),
+            name: relay.name_any(),
+            uid: String::new(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        })
+}
+
+/// Metadata of a child: name, namespace, labels and the owner reference.
+pub fn child_meta(relay: &OutboxRelay, name: String, component: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(namespace(relay)),
+        labels: Some(labels(relay, component)),
+        owner_references: Some(vec![owner_reference(relay)]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// The relay's namespace; `default` for a manifest without one, as kubectl would do.
+pub fn namespace(relay: &OutboxRelay) -> String {
+    relay
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned())
+}
+
+#[cfg(test)]
+mod tests;

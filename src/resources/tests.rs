@@ -1,0 +1,216 @@
+//! Unit tests of the pure object builders, from inline manifests.
+
+use k8s_openapi::api::core::v1::ConfigMap;
+
+use super::*;
+
+fn relay(yaml: &str) -> OutboxRelay {
+    let mut relay: OutboxRelay = serde_yaml::from_str(yaml).unwrap();
+    relay.metadata.uid = Some("0000-uid".to_owned());
+    relay
+}
+
+const POLLING_RABBIT: &str = r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {postgres: {connectionSecretRef: {name: orders-db}}}
+  mode: {polling: {}}
+  broker: {rabbitmq: {urlSecretRef: {name: amqp, key: url}}}
+  replicas: 3
+"#;
+
+const LOG_TAILING_KAFKA: &str = r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {postgres: {connectionSecretRef: {name: orders-db}}}
+  mode: {logTailing: {}}
+  broker: {kafka: {bootstrapServers: "kafka:9092", tls: {caSecretRef: {name: kafka-ca, key: ca.crt}}}}
+  replicas: 3
+"#;
+
+#[test]
+fn every_child_is_owned_by_the_relay_and_labelled() {
+    let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
+    let metas = [
+        &desired.config_map.metadata,
+        &desired.deployment.metadata,
+        &desired.service.metadata,
+        &desired.pod_disruption_budget.as_ref().unwrap().metadata,
+        &desired.service_monitor.metadata,
+        &desired.prometheus_rule.as_ref().unwrap().metadata,
+    ];
+    for meta in metas {
+        let owner = &meta.owner_references.as_ref().unwrap()[0];
+        assert_eq!(owner.kind, "OutboxRelay");
+        assert_eq!(owner.uid, "0000-uid");
+        assert_eq!(owner.controller, Some(true));
+        let labels = meta.labels.as_ref().unwrap();
+        for key in ["name", "instance", "component", "managed-by", "part-of"] {
+            assert!(
+                labels.contains_key(&format!("app.kubernetes.io/{key}")),
+                "{key} missing on {:?}",
+                meta.name
+            );
+        }
+        assert_eq!(meta.namespace.as_deref(), Some("shop"));
+    }
+}
+
+#[test]
+fn secrets_reach_the_pod_only_by_reference() {
+    let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
+    let pod = desired.deployment.spec.unwrap().template.spec.unwrap();
+    let env = pod.containers[0].env.clone().unwrap();
+    let db = env
+        .iter()
+        .find(|e| e.name == "OUTBOX_DATABASE_URL")
+        .unwrap();
+    assert!(db.value.is_none());
+    let selector = db
+        .value_from
+        .as_ref()
+        .unwrap()
+        .secret_key_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        (selector.name.as_str(), selector.key.as_str()),
+        ("orders-db", "uri")
+    );
+    assert!(env.iter().any(|e| e.name == "OUTBOX_RABBITMQ_URL"));
+}
+
+#[test]
+fn pods_run_restricted() {
+    let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
+    let pod = desired.deployment.spec.unwrap().template.spec.unwrap();
+    let sc = pod.containers[0].security_context.clone().unwrap();
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_owned()]));
+    let psc = pod.security_context.unwrap();
+    assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+    assert_eq!(
+        pod.containers[0].args.clone().unwrap(),
+        ["relay", "--config", "/etc/outbox-relay/relay.yaml"]
+    );
+}
+
+#[test]
+fn log_tailing_runs_one_pod_recreated_and_no_budget() {
+    let desired = build(&relay(LOG_TAILING_KAFKA), &BuildOptions::default()).unwrap();
+    let spec = desired.deployment.spec.unwrap();
+    assert_eq!(spec.replicas, Some(1));
+    assert_eq!(spec.strategy.unwrap().type_.as_deref(), Some("Recreate"));
+    assert!(desired.pod_disruption_budget.is_none());
+    // The CA file lands where the relay config says it is.
+    let volume = &spec.template.spec.unwrap().volumes.unwrap()[0];
+    let sources = volume.projected.as_ref().unwrap().sources.clone().unwrap();
+    let ca = sources[1].secret.as_ref().unwrap();
+    assert_eq!(ca.name, "kafka-ca");
+    assert_eq!(ca.items.as_ref().unwrap()[0].path, "kafka-ca/ca.crt");
+}
+
+#[test]
+fn a_spec_change_changes_the_config_hash() {
+    let hash = |r: &OutboxRelay| {
+        build(r, &BuildOptions::default())
+            .unwrap()
+            .deployment
+            .spec
+            .unwrap()
+            .template
+            .metadata
+            .unwrap()
+            .annotations
+            .unwrap()[CONFIG_HASH_ANNOTATION]
+            .clone()
+    };
+    let a = relay(POLLING_RABBIT);
+    let mut b = a.clone();
+    b.spec.ordering.partitions = 8;
+    assert_eq!(hash(&a), hash(&a.clone()));
+    assert_ne!(hash(&a), hash(&b));
+}
+
+#[test]
+fn one_replica_has_no_budget_and_disabled_alerting_no_rule() {
+    let mut r = relay(POLLING_RABBIT);
+    r.spec.replicas = 1;
+    r.spec.alerting.enabled = false;
+    let desired = build(&r, &BuildOptions::default()).unwrap();
+    assert!(desired.pod_disruption_budget.is_none());
+    assert!(desired.prometheus_rule.is_none());
+}
+
+#[test]
+fn the_image_defaults_to_the_operators_own() {
+    let mut r = relay(POLLING_RABBIT);
+    let image = |r: &OutboxRelay, o: &BuildOptions| {
+        build(r, o)
+            .unwrap()
+            .deployment
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .containers[0]
+            .image
+            .clone()
+            .unwrap()
+    };
+    let options = BuildOptions {
+        relay_image: "registry.example/outbox:1".to_owned(),
+    };
+    assert_eq!(image(&r, &options), "registry.example/outbox:1");
+    r.spec.relay.image = Some("mine:2".to_owned());
+    assert_eq!(image(&r, &options), "mine:2");
+    assert!(default_relay_image().ends_with(env!("CARGO_PKG_VERSION")));
+}
+
+#[test]
+fn every_alert_has_for_severity_summary_and_description() {
+    let desired = build(&relay(LOG_TAILING_KAFKA), &BuildOptions::default()).unwrap();
+    let rule = desired.prometheus_rule.unwrap();
+    let rules = rule.data["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert!(rules.len() >= 4, "{rules:?}");
+    for r in &rules {
+        assert!(r["for"].is_string(), "{r}");
+        assert!(r["labels"]["severity"].is_string(), "{r}");
+        assert!(r["annotations"]["summary"].is_string(), "{r}");
+        assert!(r["annotations"]["description"].is_string(), "{r}");
+    }
+    let wal = rules
+        .iter()
+        .find(|r| r["alert"] == "OutboxRelaySlotRetainedWalHigh")
+        .unwrap();
+    assert!(
+        wal["expr"].as_str().unwrap().ends_with("> 1073741824"),
+        "{wal}"
+    );
+}
+
+#[test]
+fn an_invalid_spec_builds_nothing() {
+    let mut r = relay(POLLING_RABBIT);
+    r.spec.mode.log_tailing = Some(Default::default());
+    let err = build(&r, &BuildOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("spec.mode"), "{err}");
+}
+
+#[test]
+fn the_config_map_holds_no_secret_values() {
+    let cm: ConfigMap = config_map(&relay(POLLING_RABBIT)).unwrap();
+    let text = &cm.data.unwrap()[CONFIG_KEY];
+    assert!(text.contains("OUTBOX_DATABASE_URL"), "{text}");
+    assert!(!text.contains("orders-db"), "{text}");
+}
