@@ -19,7 +19,7 @@ help: ## this list
 
 test: provision lint ## provision the rig, lint, start every server, run all tests, stop the servers
 	$(CARGO) build --all-targets --locked
-	tests/rig/with-rig.sh $(CARGO) test --all-targets --locked
+	tests/rig/with-rig.sh $(CARGO) test --all-targets --locked --no-fail-fast
 
 demo: ## run the operator end to end on a local control plane
 	@echo "make demo arrives with the end-to-end issue (#8); until then, make test runs the rig and the tests."
