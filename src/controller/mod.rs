@@ -178,6 +178,9 @@ pub(crate) struct Context {
     resync: Duration,
 }
 
+/// How long each shutdown step (in-flight reconciles, Lease hand-over) may take.
+const SHUTDOWN_STEP_LIMIT: Duration = Duration::from_secs(10);
+
 /// Resolves on SIGTERM or Ctrl-C, whichever comes first.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -283,7 +286,21 @@ pub async fn run(
                 _ = stopping.wait_for(|s| *s) => {}
             }
         };
-        run_controller(ctx.clone(), args.namespace.as_deref(), trigger).await;
+        let controller = run_controller(ctx.clone(), args.namespace.as_deref(), trigger);
+        tokio::pin!(controller);
+        let mut stopped = stop_rx.clone();
+        tokio::select! {
+            () = &mut controller => {}
+            // The borrow guard `wait_for` returns is not Send: drop it before awaiting.
+            () = async { let _ = stopped.wait_for(|s| *s).await; } => {
+                // Shutdown is bounded: Kubernetes kills the pod after its grace period
+                // anyway, and an exit with a clear log line beats a SIGKILL mid-write.
+                info!(identity = %identity, "stopping: finishing in-flight reconciles");
+                if tokio::time::timeout(SHUTDOWN_STEP_LIMIT, &mut controller).await.is_err() {
+                    warn!(limit = ?SHUTDOWN_STEP_LIMIT, "in-flight reconciles did not finish in time; stopping anyway");
+                }
+            }
+        }
         metrics.set_leader(false);
         if *stop.borrow() {
             break;
@@ -296,14 +313,19 @@ pub async fn run(
     if let Some(task) = lease_task {
         // The lease task ends once every receiver is gone; then hand the Lease over at
         // once instead of making the next replica wait for it to expire.
-        match task.await {
-            Ok(Ok(manager)) => {
+        info!(identity = %identity, "stopping: releasing the leader Lease");
+        match tokio::time::timeout(SHUTDOWN_STEP_LIMIT, task).await {
+            Ok(Ok(Ok(manager))) => {
                 if let Err(err) = manager.release().await {
                     warn!(error = %err, "could not release the leader Lease");
                 }
             }
-            Ok(Err(err)) => warn!(error = %err, "leader election ended with an error"),
-            Err(err) => warn!(error = %err, "leader election task failed"),
+            Ok(Ok(Err(err))) => warn!(error = %err, "leader election ended with an error"),
+            Ok(Err(err)) => warn!(error = %err, "leader election task failed"),
+            Err(_) => warn!(
+                limit = ?SHUTDOWN_STEP_LIMIT,
+                "leader election did not stop in time; the Lease expires on its own"
+            ),
         }
     }
     info!(identity = %identity, "outbox-operator controller stopped");
