@@ -59,7 +59,7 @@ impl Metrics {
         // the exposition entirely, and `rate()` over a series born at its first error
         // misses that error.
         for kind in ["row", "unavailable"] {
-            publish_errors.get_or_create(&ErrorLabels { kind });
+            drop(publish_errors.get_or_create(&ErrorLabels { kind }));
         }
         let dead_lettered = Counter::default();
         let batch_duration = Histogram::new(exponential_buckets(0.001, 2.0, 16));
