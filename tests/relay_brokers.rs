@@ -33,9 +33,10 @@ async fn publish_through_relay(
     let yaml = common::relay_config_yaml(broker, &RelayOptions::default());
     let mut relay = RelayProcess::start(&yaml, &db.url, broker);
     let client = &db.client;
-    common::wait_for(
+    common::wait_for_relays(
         "every row marked published",
         Duration::from_secs(60),
+        &[&relay],
         || async { common::unpublished_rows(client).await == 0 },
     )
     .await;

@@ -97,9 +97,10 @@ async fn relay_survives_sigkill_mid_batch_under_load() {
         // batches are in flight.
         let before = published_rows(&db.client).await;
         let client = &db.client;
-        common::wait_for(
+        common::wait_for_relays(
             "the relays to publish again",
             Duration::from_secs(30),
+            &[&replicas[0], &replicas[1]],
             || async { published_rows(client).await > before + 5 },
         )
         .await;
@@ -115,9 +116,12 @@ async fn relay_survives_sigkill_mid_batch_under_load() {
         aborted.extend(a);
     }
     let client = &db.client;
-    common::wait_for("the backlog to drain", Duration::from_secs(60), || async {
-        common::unpublished_rows(client).await == 0
-    })
+    common::wait_for_relays(
+        "the backlog to drain",
+        Duration::from_secs(60),
+        &[&replicas[0], &replicas[1]],
+        || async { common::unpublished_rows(client).await == 0 },
+    )
     .await;
     for replica in &mut replicas {
         let status = replica.terminate(Duration::from_secs(20));

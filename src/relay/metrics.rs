@@ -55,6 +55,12 @@ impl Metrics {
         );
         let published = Counter::default();
         let publish_errors = Family::<ErrorLabels, Counter>::default();
+        // Both kinds exist from the start at 0: a family without series is left out of
+        // the exposition entirely, and `rate()` over a series born at its first error
+        // misses that error.
+        for kind in ["row", "unavailable"] {
+            drop(publish_errors.get_or_create(&ErrorLabels { kind }));
+        }
         let dead_lettered = Counter::default();
         let batch_duration = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let end_to_end_lag = Histogram::new(exponential_buckets(0.005, 2.0, 16));

@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
+pub mod private;
+
 /// How long a server may take to accept a TCP connection before we call it down.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a client may take to finish its handshake (TLS, auth, protocol hello).
@@ -196,8 +198,49 @@ where
 
 /// Polls `probe` until it returns `Some(value)` and returns that value; panics naming
 /// `what` after `timeout`.
-pub async fn wait_for_some<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+pub async fn wait_for_some<T, F, Fut>(what: &str, timeout: Duration, probe: F) -> T
 where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    wait_for_some_or(what, timeout, String::new, probe).await
+}
+
+/// Like [`wait_for`], but on timeout the panic message also carries the log tail of
+/// each relay process, so a failed relay test says what the relay was doing.
+pub async fn wait_for_relays<F, Fut>(
+    what: &str,
+    timeout: Duration,
+    relays: &[&RelayProcess],
+    mut condition: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let logs = || {
+        relays
+            .iter()
+            .enumerate()
+            .map(|(i, r)| format!("\n--- relay {i} log tail ---\n{}", r.log_tail(40)))
+            .collect::<String>()
+    };
+    wait_for_some_or(what, timeout, logs, || {
+        let fut = condition();
+        async move { fut.await.then_some(()) }
+    })
+    .await
+}
+
+/// Polls `probe` until it returns `Some(value)`; after `timeout` panics naming `what`,
+/// followed by whatever `context` says (logs of the processes involved).
+pub async fn wait_for_some_or<T, C, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    context: C,
+    mut probe: F,
+) -> T
+where
+    C: FnOnce() -> String,
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
@@ -208,7 +251,10 @@ where
             return value;
         }
         if started.elapsed() >= timeout {
-            panic!("timed out after {timeout:?} waiting for {what}");
+            panic!(
+                "timed out after {timeout:?} waiting for {what}{}",
+                context()
+            );
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(500));
@@ -306,9 +352,14 @@ pub async fn fresh_database() -> TestDatabase {
 /// rdkafka settings every test client shares: the rig's bootstrap servers and timeouts
 /// short enough that a dead broker shows up in seconds.
 pub fn kafka_config() -> rdkafka::ClientConfig {
+    kafka_config_for(Rig::load().kafka_bootstrap())
+}
+
+/// [`kafka_config`] for another broker (a private one).
+pub fn kafka_config_for(bootstrap: &str) -> rdkafka::ClientConfig {
     let mut config = rdkafka::ClientConfig::new();
     config
-        .set("bootstrap.servers", Rig::load().kafka_bootstrap())
+        .set("bootstrap.servers", bootstrap)
         .set("socket.connection.setup.timeout.ms", "5000")
         .set("message.timeout.ms", "30000");
     config
@@ -317,31 +368,34 @@ pub fn kafka_config() -> rdkafka::ClientConfig {
 /// Creates topic `test-<random>` with `partitions` partitions (replication 1) and waits
 /// until every partition has a leader in the cluster metadata. Returns the topic name.
 pub async fn fresh_topic(partitions: i32) -> String {
+    let topic = format!("test-{}", unique_suffix());
+    create_topic(Rig::load().kafka_bootstrap(), &topic, partitions, &[]).await;
+    topic
+}
+
+/// Creates `topic` on the broker at `bootstrap` with topic `configs` (such as
+/// `max.message.bytes`) and waits until every partition has a leader.
+pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32, configs: &[(&str, &str)]) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
 
-    let rig = Rig::load();
-    require_listening("Kafka", rig.kafka_bootstrap()).await;
-    let topic = format!("test-{}", unique_suffix());
-    let admin: AdminClient<DefaultClientContext> = kafka_config()
+    require_listening("Kafka", bootstrap).await;
+    let topic = topic.to_owned();
+    let admin: AdminClient<DefaultClientContext> = kafka_config_for(bootstrap)
         .create()
         .unwrap_or_else(|err| panic!("Kafka: cannot build an admin client: {err}"));
     let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(20)));
     let results = admin
         .create_topics(
-            &[NewTopic::new(
-                &topic,
-                partitions,
-                TopicReplication::Fixed(1),
+            &[configs.iter().fold(
+                NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)),
+                |t, (key, value)| t.set(key, value),
             )],
             &options,
         )
         .await
         .unwrap_or_else(|err| {
-            panic!(
-                "Kafka at {} did not create topic {topic} ({err}): {START_HINT}",
-                rig.kafka_bootstrap()
-            )
+            panic!("Kafka at {bootstrap} did not create topic {topic} ({err}): {START_HINT}")
         });
     for result in results {
         if let Err((name, code)) = result {
@@ -351,9 +405,10 @@ pub async fn fresh_topic(partitions: i32) -> String {
 
     let wanted = usize::try_from(partitions).unwrap_or(0);
     let name = topic.clone();
+    let bootstrap_owned = bootstrap.to_owned();
     let checked = tokio::task::spawn_blocking(move || {
         use rdkafka::consumer::{BaseConsumer, Consumer};
-        let consumer: BaseConsumer = kafka_config()
+        let consumer: BaseConsumer = kafka_config_for(&bootstrap_owned)
             .create()
             .map_err(|err| format!("cannot build a metadata client: {err}"))?;
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -383,7 +438,7 @@ pub async fn fresh_topic(partitions: i32) -> String {
     })
     .await;
     match checked {
-        Ok(Ok(())) => topic,
+        Ok(Ok(())) => {}
         Ok(Err(why)) => panic!("Kafka: topic {topic} not ready: {why}"),
         Err(join) => panic!("Kafka: metadata task for {topic} failed: {join}"),
     }
@@ -421,7 +476,11 @@ pub async fn nats_connect() -> async_nats::Client {
 
 /// Creates stream `TEST_<random>` capturing subjects `test.<random>.>`.
 pub async fn fresh_stream() -> TestStream {
-    let client = nats_connect().await;
+    stream_on(nats_connect().await).await
+}
+
+/// Creates stream `TEST_<random>` on the server `client` is connected to.
+pub async fn stream_on(client: async_nats::Client) -> TestStream {
     let jetstream = async_nats::jetstream::new(client.clone());
     let suffix = unique_suffix();
     let name = format!("TEST_{suffix}");
@@ -805,6 +864,63 @@ impl RelayProcess {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
+
+    /// The last `lines` lines the relay logged.
+    pub fn log_tail(&self, lines: usize) -> String {
+        private::tail(&self.stderr_path, lines)
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The address the relay's HTTP server bound (it listens on port 0 in tests and
+    /// logs the address in its "relay starting" line).
+    pub async fn http_addr(&self) -> String {
+        wait_for_some_or(
+            "the relay to log its listen address",
+            Duration::from_secs(30),
+            || format!("\n--- relay log tail ---\n{}", self.log_tail(40)),
+            || async {
+                self.log().lines().find_map(|line| {
+                    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+                    let fields = v.get("fields")?;
+                    (fields.get("message")?.as_str()? == "relay starting")
+                        .then(|| fields.get("listen")?.as_str().map(str::to_owned))?
+                })
+            },
+        )
+        .await
+    }
+
+    /// The relay's `/metrics` text, or `None` when it does not answer.
+    pub async fn metrics(&self) -> Option<String> {
+        let addr = self.http_addr().await;
+        let response = reqwest::Client::new()
+            .get(format!("http://{addr}/metrics"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        response.text().await.ok()
+    }
+
+    /// The value of the unlabelled-by-test sample `name` (constant labels aside).
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        metric_value(&self.metrics().await?, name)
+    }
+}
+
+/// The value of the first sample of metric `name` in an OpenMetrics text.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            return None;
+        }
+        line.rsplit(' ').next()?.parse().ok()
+    })
 }
 
 impl Drop for RelayProcess {
@@ -828,11 +944,16 @@ pub struct Received {
 
 /// Reads every message of a Kafka topic from the beginning up to the high watermarks.
 pub fn consume_kafka(topic: &str) -> Vec<Received> {
+    consume_kafka_from(Rig::load().kafka_bootstrap(), topic)
+}
+
+/// [`consume_kafka`] from another broker (a private one).
+pub fn consume_kafka_from(bootstrap: &str, topic: &str) -> Vec<Received> {
     use rdkafka::Message;
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::Headers;
 
-    let consumer: BaseConsumer = kafka_config()
+    let consumer: BaseConsumer = kafka_config_for(bootstrap)
         .set("group.id", format!("verify-{}", unique_suffix()))
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")

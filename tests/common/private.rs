@@ -1,0 +1,468 @@
+//! Private server instances for tests that stop and restart a server: a PostgreSQL
+//! cluster, a NATS JetStream server and a Kafka KRaft broker of the test's own, so an
+//! outage never disturbs the tests sharing the rig.
+//!
+//! Each one listens on a free 127.0.0.1 port and keeps its data in its own temporary
+//! folder; `stop()` and `start()` restart it on the same port and data, so clients that
+//! reconnect find it again. Dropping the guard SIGKILLs the process by its PID (also
+//! when the test panics) and removes the folder.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::Rig;
+
+/// A free TCP port on 127.0.0.1 (bound and released: good enough on a test machine).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|err| panic!("no free port: {err}"))
+}
+
+fn listening(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(300),
+    )
+    .is_ok()
+}
+
+/// Blocks until `port` accepts connections; panics after `timeout` with the log tail.
+fn wait_listening(what: &str, port: u16, timeout: Duration, log: &Path) {
+    let started = Instant::now();
+    while !listening(port) {
+        if started.elapsed() > timeout {
+            panic!(
+                "{what} did not listen on 127.0.0.1:{port} within {timeout:?}; log tail:\n{}",
+                tail(log, 40)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Blocks until `port` refuses connections (the old process has let go of it).
+fn wait_closed(what: &str, port: u16, timeout: Duration) {
+    let started = Instant::now();
+    while listening(port) {
+        if started.elapsed() > timeout {
+            panic!("{what} still listens on 127.0.0.1:{port} after {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The last `lines` lines of a log file.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn log_file(path: &Path) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|err| panic!("cannot open log {}: {err}", path.display()))
+}
+
+fn run_ok(command: &mut Command, what: &str) {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {what}: {err}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}",
+        super::describe_output(&output)
+    );
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// SIGTERM, then SIGKILL if the child has not exited within `grace`; reaps it.
+fn terminate(child: &mut Child, grace: Duration) {
+    signal(child.id(), "-TERM");
+    let started = Instant::now();
+    while started.elapsed() < grace {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A temporary folder the `postgres` user may enter (TempDir makes it 0700 for root).
+fn shared_tempdir(prefix: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .unwrap_or_else(|err| panic!("tempdir: {err}"));
+    run_ok(
+        Command::new("chmod").arg("755").arg(dir.path()),
+        "chmod 755 on the private server folder",
+    );
+    dir
+}
+
+// ---------------------------------------------------------------------------------------
+// PostgreSQL
+
+/// A private PostgreSQL cluster (trust auth, `wal_level=logical`, `fsync=off`).
+pub struct PrivatePostgres {
+    pub port: u16,
+    bin: PathBuf,
+    data: PathBuf,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl PrivatePostgres {
+    /// initdb (as the `postgres` user: initdb refuses root) and start.
+    pub fn start_new() -> PrivatePostgres {
+        let rig = Rig::load();
+        let bin = PathBuf::from(rig.get("OUTBOX_RIG_PG_BIN"));
+        let dir = shared_tempdir("outbox-private-pg-");
+        run_ok(
+            Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(dir.path()),
+            "chown postgres on the private PostgreSQL folder",
+        );
+        let data = dir.path().join("data");
+        run_ok(
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(bin.join("initdb"))
+                .arg("-D")
+                .arg(&data)
+                .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]),
+            "initdb",
+        );
+        let mut pg = PrivatePostgres {
+            port: free_port(),
+            bin,
+            log: dir.path().join("postgres.log"),
+            data,
+            dir,
+        };
+        pg.start();
+        pg
+    }
+
+    /// Superuser URL of database `postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> std::process::Output {
+        Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&self.data)
+            .arg("-l")
+            .arg(&self.log)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|err| panic!("cannot run pg_ctl: {err}"))
+    }
+
+    /// Starts the server on its port and data folder; returns once it accepts
+    /// connections.
+    pub fn start(&mut self) {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -c unix_socket_directories={} \
+             -c wal_level=logical -c fsync=off -c full_page_writes=off -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        );
+        let output = self.pg_ctl(&["-w", "-t", "60", "-o", &options, "start"]);
+        assert!(
+            output.status.success(),
+            "pg_ctl start failed: {}\nlog tail:\n{}",
+            super::describe_output(&output),
+            tail(&self.log, 30)
+        );
+        wait_listening("PostgreSQL", self.port, Duration::from_secs(30), &self.log);
+    }
+
+    /// Stops the server (`fast`: sessions are disconnected, like a restart would).
+    pub fn stop(&mut self) {
+        let output = self.pg_ctl(&["-w", "-t", "60", "-m", "fast", "stop"]);
+        assert!(
+            output.status.success(),
+            "pg_ctl stop failed: {}",
+            super::describe_output(&output)
+        );
+        wait_closed("PostgreSQL", self.port, Duration::from_secs(30));
+    }
+
+    fn postmaster_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.data.join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        // Backends exit on their own once the postmaster is gone.
+        if let Some(pid) = self.postmaster_pid() {
+            signal(pid, "-KILL");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// NATS JetStream
+
+/// A private NATS server with JetStream (file storage in its folder).
+pub struct PrivateNats {
+    pub port: u16,
+    child: Option<Child>,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl PrivateNats {
+    pub fn start_new() -> PrivateNats {
+        let dir = shared_tempdir("outbox-private-nats-");
+        let mut nats = PrivateNats {
+            port: free_port(),
+            child: None,
+            log: dir.path().join("nats.log"),
+            dir,
+        };
+        nats.start();
+        nats
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server on its port and store; returns once it accepts connections.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "private NATS already running");
+        let rig = Rig::load();
+        let child = Command::new(rig.get("OUTBOX_RIG_NATS_SERVER"))
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.dir.path().join("jetstream"))
+            .args(["-n", &format!("private-{}", self.port)])
+            .stdin(Stdio::null())
+            .stdout(log_file(&self.log))
+            .stderr(log_file(&self.log))
+            .spawn()
+            .unwrap_or_else(|err| panic!("cannot start nats-server: {err}"));
+        self.child = Some(child);
+        wait_listening("NATS", self.port, Duration::from_secs(30), &self.log);
+    }
+
+    /// Stops the server (SIGTERM: JetStream flushes its store).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(15));
+        }
+        wait_closed("NATS", self.port, Duration::from_secs(15));
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kafka
+
+/// A random cluster id: a UUID's 16 bytes in unpadded URL-safe base64 (22 symbols).
+fn kafka_cluster_id() -> String {
+    use rand::Rng;
+    const B64: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut rng = rand::rng();
+    let mut id: String = (0..21)
+        .map(|_| char::from(B64[rng.random_range(0..64)]))
+        .collect();
+    // The last symbol holds the final 2 bits followed by 4 zero bits: A, Q, g or w.
+    id.push(char::from(B64[rng.random_range(0..4) * 16]));
+    id
+}
+
+/// A private single-node Kafka (KRaft broker+controller), configured like the rig's.
+pub struct PrivateKafka {
+    pub port: u16,
+    child: Option<Child>,
+    config: PathBuf,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl PrivateKafka {
+    /// Writes the configuration, formats the storage and starts the broker.
+    pub fn start_new() -> PrivateKafka {
+        let dir = shared_tempdir("outbox-private-kafka-");
+        let port = free_port();
+        let controller = free_port();
+        let config = dir.path().join("server.properties");
+        std::fs::write(
+            &config,
+            format!(
+                "process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:{controller}
+listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}
+advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs={data}
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+",
+                data = dir.path().join("data").display()
+            ),
+        )
+        .unwrap_or_else(|err| panic!("write server.properties: {err}"));
+        std::fs::write(
+            dir.path().join("log4j2.properties"),
+            "rootLogger.level = warn
+rootLogger.appenderRef.stdout.ref = STDOUT
+appender.stdout.type = Console
+appender.stdout.name = STDOUT
+appender.stdout.layout.type = PatternLayout
+appender.stdout.layout.pattern = [%d] %p %m (%c)%n
+",
+        )
+        .unwrap_or_else(|err| panic!("write log4j2.properties: {err}"));
+        let mut kafka = PrivateKafka {
+            port,
+            child: None,
+            log: dir.path().join("kafka.log"),
+            config,
+            dir,
+        };
+        let cluster_id = kafka_cluster_id();
+        let output = kafka
+            .java()
+            .args(["kafka.tools.StorageTool", "format", "-t", &cluster_id, "-c"])
+            .arg(&kafka.config)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|err| panic!("cannot run Kafka's StorageTool: {err}"));
+        assert!(
+            output.status.success(),
+            "Kafka StorageTool format failed: {}",
+            super::describe_output(&output)
+        );
+        kafka.start();
+        kafka
+    }
+
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn java(&self) -> Command {
+        let rig = Rig::load();
+        let mut command = Command::new("java");
+        command
+            .args([
+                "-Xms128m",
+                "-Xmx512m",
+                "-XX:+UseG1GC",
+                "-Djava.awt.headless=true",
+            ])
+            .arg(format!(
+                "-Dlog4j2.configurationFile={}",
+                self.dir.path().join("log4j2.properties").display()
+            ))
+            .arg("-cp")
+            .arg(format!("{}/*", rig.get("OUTBOX_RIG_KAFKA_LIBS")));
+        command
+    }
+
+    /// Starts the broker on its port and data; returns once it answers metadata
+    /// requests with a leader for every partition it knows.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "private Kafka already running");
+        let child = self
+            .java()
+            .arg("kafka.Kafka")
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(log_file(&self.log))
+            .stderr(log_file(&self.log))
+            .spawn()
+            .unwrap_or_else(|err| panic!("cannot start Kafka: {err}"));
+        self.child = Some(child);
+        wait_listening("Kafka", self.port, Duration::from_secs(90), &self.log);
+        let kcat = Rig::load().kcat().to_path_buf();
+        let started = Instant::now();
+        loop {
+            let output = super::run_tool(&kcat, &["-b", &self.bootstrap(), "-L", "-m", "2"]);
+            if output.status.success() {
+                return;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                panic!(
+                    "private Kafka answers no metadata: {}\nlog tail:\n{}",
+                    super::describe_output(&output),
+                    tail(&self.log, 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops the broker (SIGTERM: a controlled shutdown; SIGKILL after 30 s).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(30));
+        }
+        wait_closed("Kafka", self.port, Duration::from_secs(15));
+    }
+}
+
+impl Drop for PrivateKafka {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
