@@ -5,6 +5,7 @@ pub mod api;
 pub mod broker;
 pub mod controller;
 pub mod error;
+pub mod http;
 pub mod postgres;
 pub mod relay;
 pub mod render;

@@ -130,3 +130,14 @@ impl Metrics {
         out
     }
 }
+
+impl crate::http::Probe for Metrics {
+    fn metrics(&self) -> String {
+        self.encode()
+    }
+
+    /// A standby replica is as ready as the leader: it takes over when the Lease frees.
+    fn readiness(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+}

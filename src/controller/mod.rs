@@ -5,7 +5,6 @@
 //! `crate::resources`) → check the referenced Secrets (reads) → apply the children with
 //! server-side apply and delete the ones no longer built (writes) → update status.
 
-mod http;
 mod metrics;
 mod reconcile;
 mod status;
@@ -220,7 +219,15 @@ pub async fn run(
         shutdown.await;
         let _ = stop_tx.send(true);
     });
-    let bound = http::serve(args.listen, metrics.clone(), stop_rx.clone()).await?;
+    let mut http_stop = stop_rx.clone();
+    let bound = crate::http::serve(args.listen, metrics.clone(), async move {
+        let _ = http_stop.wait_for(|s| *s).await;
+    })
+    .await
+    .map_err(|source| Error::Listen {
+        addr: args.listen,
+        source,
+    })?;
     let identity = args.identity();
     info!(listen = %bound, identity = %identity, namespace = ?args.namespace, "outbox-operator controller starting");
 

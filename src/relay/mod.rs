@@ -51,7 +51,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         metrics: metrics::Metrics::new(&identity.namespace, &identity.name),
         ready: AtomicBool::new(false),
     });
-    let addr = http::serve(settings.listen, health.clone())
+    let addr = crate::http::serve(settings.listen, health.clone(), std::future::pending())
         .await
         .map_err(|source| RelayError::Listen {
             addr: settings.listen,
