@@ -86,6 +86,10 @@ async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
         panic!("the controller did not exit within 60s of SIGTERM; log:\n{stderr}")
     });
     assert!(status.success(), "exit {status}; stderr:\n{stderr}");
+    assert!(
+        !stderr.contains("did not finish in time") && !stderr.contains("did not stop in time"),
+        "a shutdown step ran into its limit:\n{stderr}"
+    );
     // Every log line is a JSON object.
     for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
         let parsed: serde_json::Value = serde_json::from_str(line)

@@ -12,6 +12,7 @@ mod status;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -175,6 +176,24 @@ pub(crate) struct Context {
     metrics: Arc<Metrics>,
     leader: watch::Receiver<bool>,
     resync: Duration,
+    /// Reconciles running now; shutdown waits for this to reach zero.
+    in_flight: AtomicUsize,
+}
+
+/// Counts a reconcile as in flight for as long as it lives.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// How long each shutdown step (in-flight reconciles, Lease hand-over) may take.
@@ -268,6 +287,7 @@ pub async fn run(
         metrics: metrics.clone(),
         leader: leader.clone(),
         resync: Duration::from_secs(args.resync_seconds.max(1)),
+        in_flight: AtomicUsize::new(0),
     });
 
     let mut leader_rx = leader;
@@ -300,10 +320,24 @@ pub async fn run(
             () = &mut controller => {}
             // The borrow guard `wait_for` returns is not Send: drop it before awaiting.
             () = async { let _ = stopped.wait_for(|s| *s).await; } => {
-                // Shutdown is bounded: Kubernetes kills the pod after its grace period
-                // anyway, and an exit with a clear log line beats a SIGKILL mid-write.
+                // kube's graceful shutdown waits for in-flight reconciles, but when the
+                // stop comes before its watchers' first list it can wait forever (seen
+                // in CI). So wait for our own count of running reconciles to reach zero
+                // (or the controller to end), bounded: Kubernetes kills the pod after
+                // its grace period anyway.
                 info!(identity = %identity, "stopping: finishing in-flight reconciles");
-                if tokio::time::timeout(SHUTDOWN_STEP_LIMIT, &mut controller).await.is_err() {
+                let idle = async {
+                    while ctx.in_flight.load(Ordering::SeqCst) > 0 {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                };
+                let finished = tokio::time::timeout(SHUTDOWN_STEP_LIMIT, async {
+                    tokio::select! {
+                        () = &mut controller => {}
+                        () = idle => {}
+                    }
+                });
+                if finished.await.is_err() {
                     warn!(limit = ?SHUTDOWN_STEP_LIMIT, "in-flight reconciles did not finish in time; stopping anyway");
                 }
             }
@@ -367,7 +401,14 @@ async fn run_controller(
     .owns(scoped::<Service>(client, namespace), children.clone())
     .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
     .graceful_shutdown_on(stop)
-    .run(reconcile::reconcile, reconcile::error_policy, ctx.clone())
+    .run(
+        |relay, ctx| async move {
+            let _counted = InFlight::enter(&ctx.in_flight);
+            reconcile::reconcile(relay, ctx.clone()).await
+        },
+        reconcile::error_policy,
+        ctx.clone(),
+    )
     .for_each(|result| async move {
         if let Err(err) = result {
             // Reconcile errors are logged by error_policy; these are watch/queue errors.
