@@ -35,8 +35,10 @@ fn rows(path: &str, schema: &Value, out: &mut Vec<String>) {
                 .collect();
             allowed.push(values.join(", "));
         }
-        if let Some(min) = field["minimum"].as_i64() {
-            allowed.push(match field["maximum"].as_i64() {
+        // schemars writes bounds as floats (`1.0`); every bound here is a whole number.
+        let bound = |v: &Value| v.as_f64().map(|f| f as i64);
+        if let Some(min) = bound(&field["minimum"]) {
+            allowed.push(match bound(&field["maximum"]) {
                 Some(max) => format!("{min}–{max}"),
                 None => format!("≥ {min}"),
             });
