@@ -22,8 +22,8 @@ use crate::api::{OutboxRelay, SpecError};
 use crate::relay::config::ConfigError;
 
 pub use monitoring::{
-    PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL,
-    prometheus_rule, service, service_monitor,
+    PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, RUNBOOK_BASE_URL, SERVICE_MONITOR_KIND,
+    SERVICE_MONITOR_PLURAL, prometheus_rule, runbook_url, service, service_monitor,
 };
 pub use workload::{
     METRICS_PORT_NAME, SecretUse, config_hash, config_map, deployment, effective_replicas,

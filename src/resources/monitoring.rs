@@ -2,7 +2,8 @@
 //! Prometheus scrape it, and the PrometheusRule with its alerts.
 //!
 //! ServiceMonitor and PrometheusRule are the Prometheus operator's CRDs, which this crate
-//! has no Rust types for; they are built as JSON (`DynamicObject`).
+//! has no Rust types for; they are built as JSON (`DynamicObject`). Every alert carries
+//! `for:`, a `severity` label and a `runbook_url` into docs/runbooks.md.
 
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -10,9 +11,9 @@ use kube::ResourceExt;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
-use super::workload::METRICS_PORT_NAME;
+use super::workload::{METRICS_PORT_NAME, effective_replicas};
 use super::{MONITORING_API_VERSION, child_meta, labels, namespace, relay_object_name};
-use crate::api::{Mode, OutboxRelay, parse_bytes, parse_duration};
+use crate::api::{Mode, OrderingMode, OutboxRelay, parse_bytes, parse_duration};
 use crate::relay::config::HTTP_PORT;
 
 /// Kind and plural of the Prometheus operator's scrape config.
@@ -23,11 +24,6 @@ pub const SERVICE_MONITOR_PLURAL: &str = "servicemonitors";
 pub const PROMETHEUS_RULE_KIND: &str = "PrometheusRule";
 /// See [`PROMETHEUS_RULE_KIND`].
 pub const PROMETHEUS_RULE_PLURAL: &str = "prometheusrules";
-
-/// The relay's metrics, as the relay exports them (DESIGN §4).
-const METRIC_BACKLOG: &str = "outbox_relay_backlog_rows";
-const METRIC_OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
-const METRIC_SLOT_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 
 /// The Service in front of the relay pods' metrics port.
 pub fn service(relay: &OutboxRelay) -> Service {
@@ -77,7 +73,81 @@ pub fn service_monitor(relay: &OutboxRelay) -> DynamicObject {
     )
 }
 
-/// The basic alerts, from `spec.alerting`'s thresholds; `None` when alerting is off.
+/// Where each alert's `runbook_url` points: a section of docs/runbooks.md whose heading is
+/// the alert name (GitHub's anchor for `## OutboxRelayDown` is `#outboxrelaydown`).
+pub const RUNBOOK_BASE_URL: &str =
+    "https://github.com/outbox-operator/outbox-operator/blob/main/docs/runbooks.md";
+
+/// The relay's metrics, as the relay exports them (DESIGN §4, README "Metrics and alerts").
+const METRIC_BACKLOG: &str = "outbox_relay_backlog_rows";
+const METRIC_OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
+const METRIC_PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";
+const METRIC_PARTITIONS_OWNED: &str = "outbox_relay_partitions_owned";
+const METRIC_PARTITIONS_BLOCKED: &str = "outbox_relay_partitions_blocked";
+/// Exported in log-tailing mode only (the log-tailing relay reads them from
+/// `pg_replication_slots`).
+const METRIC_SLOT_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
+const METRIC_SLOT_ACTIVE: &str = "outbox_relay_slot_active";
+const METRIC_SLOT_WAL_STATUS: &str = "outbox_relay_slot_wal_status";
+
+/// How bad an alert is: `critical` pages (events are not flowing, or the database is at
+/// risk), `warning` goes to a ticket queue.
+#[derive(Clone, Copy)]
+enum Severity {
+    Critical,
+    Warning,
+}
+
+impl Severity {
+    fn label(self) -> &'static str {
+        match self {
+            Severity::Critical => "critical",
+            Severity::Warning => "warning",
+        }
+    }
+}
+
+/// One alerting rule before it becomes JSON; `labels` and `runbook_url` are added the
+/// same way to every rule by [`Alert::into_rule`].
+struct Alert {
+    name: &'static str,
+    expr: String,
+    /// How long the condition must hold: long enough to ride out a rebalance, a pod
+    /// restart or one slow scrape, short enough to matter.
+    for_: &'static str,
+    severity: Severity,
+    summary: String,
+    description: String,
+}
+
+impl Alert {
+    fn into_rule(self, ns: &str, name: &str) -> Value {
+        json!({
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            // The expressions aggregate the relay's labels away; these constant labels
+            // say which OutboxRelay an alert is about, for routing and silencing.
+            "labels": {
+                "severity": self.severity.label(),
+                "relay_namespace": ns,
+                "relay_name": name,
+            },
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": runbook_url(self.name),
+            },
+        })
+    }
+}
+
+/// The runbook section of `alert`.
+pub fn runbook_url(alert: &str) -> String {
+    format!("{RUNBOOK_BASE_URL}#{}", alert.to_ascii_lowercase())
+}
+
+/// The alerts, from `spec.alerting`'s thresholds; `None` when alerting is off.
 pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
     let alerting = &relay.spec.alerting;
     if !alerting.enabled {
@@ -85,58 +155,149 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
     }
     let ns = namespace(relay);
     let name = relay.name_any();
-    // Prometheus operator scrapes add `namespace` and `service` labels to every series.
-    let selector = format!(r#"namespace="{ns}",service="{}""#, relay_object_name(relay));
+    // Two selectors, on purpose:
+    // - The relay's own metrics carry `relay_namespace`/`relay_name` (constant labels set
+    //   by the relay from its config), so selecting on them works whatever the scrape
+    //   config (ServiceMonitor, PodMonitor, annotations, static) and survives relabelling
+    //   that renames or drops `namespace`/`service`.
+    // - `up` is made by Prometheus, not the relay, so it has only target labels. The
+    //   Prometheus operator sets `namespace` and `service` on every ServiceMonitor target
+    //   (`job` can be overridden by `jobLabel`, these cannot), so the down alert selects
+    //   on those and on the metrics Service this operator creates.
+    let own = format!(r#"relay_namespace="{ns}",relay_name="{name}""#);
+    let target = format!(r#"namespace="{ns}",service="{}""#, relay_object_name(relay));
     let who = format!("OutboxRelay {ns}/{name}");
     // The spec validates both before anything is built; the fallbacks keep this pure
     // function total for a caller that skipped validation.
-    let oldest_seconds =
-        parse_duration(&alerting.oldest_unpublished_age).map_or(300, |d| d.as_secs().max(1));
-    let mut rules = vec![
-        json!({
-            "alert": "OutboxRelayDown",
-            "expr": format!(r#"absent(up{{{selector}}} == 1)"#),
-            "for": "5m",
-            "labels": {"severity": "critical"},
-            "annotations": {
-                "summary": format!("{who} has no relay pod up"),
-                "description": format!("No relay pod of {who} has been scraped successfully for 5 minutes: nothing is being published."),
-            },
-        }),
-        json!({
-            "alert": "OutboxRelayOldestUnpublishedTooOld",
-            "expr": format!("max({METRIC_OLDEST_AGE}{{{selector}}}) > {oldest_seconds}"),
-            "for": "2m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": format!("{who} is falling behind"),
-                "description": format!("The oldest unpublished outbox row of {who} is {{{{ $value | humanizeDuration }}}} old, above the threshold of {}.", alerting.oldest_unpublished_age),
-            },
-        }),
-        json!({
-            "alert": "OutboxRelayBacklogHigh",
-            "expr": format!("max({METRIC_BACKLOG}{{{selector}}}) > {}", alerting.backlog_rows),
-            "for": "5m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": format!("{who} has a large backlog"),
-                "description": format!("{{{{ $value }}}} outbox rows of {who} wait to be published, above the threshold of {}.", alerting.backlog_rows),
-            },
-        }),
-    ];
+    let oldest_seconds = parse_duration(&alerting.oldest_unpublished_age)
+        .map_or(300.0, |d| d.as_secs_f64().max(0.001));
+    let mut alerts = Vec::new();
+    // A relay scaled to zero on purpose has no pods to be up; alerting on it would page
+    // for a decision someone already made.
+    if effective_replicas(relay) > 0 {
+        alerts.push(Alert {
+            name: "OutboxRelayDown",
+            // `== 1` inside `absent` covers both ways of being down: targets that fail
+            // their scrapes (`up` is 0) and no target at all (no ready pod behind the
+            // Service, or nothing scrapes it).
+            expr: format!("absent(up{{{target}}} == 1)"),
+            for_: "5m",
+            severity: Severity::Critical,
+            summary: format!("{who} has no relay pod up"),
+            description: format!(
+                "No relay pod of {who} has been scraped successfully for 5 minutes (target namespace=\"{ns}\", service=\"{}\"): nothing is being published and the relay's other alerts are blind.",
+                relay_object_name(relay)
+            ),
+        });
+    }
+    alerts.push(Alert {
+        name: "OutboxRelayOldestUnpublishedTooOld",
+        // `max` over replicas: each one measures the whole table, so they agree; `max`
+        // keeps one series whatever the number of pods.
+        expr: format!("max({METRIC_OLDEST_AGE}{{{own}}}) > {oldest_seconds}"),
+        for_: "2m",
+        severity: Severity::Critical,
+        summary: format!("{who} is falling behind: its oldest unpublished row is too old"),
+        description: format!(
+            "The oldest unpublished outbox row of {who} is {{{{ $value | humanizeDuration }}}} old, above the threshold of {} (spec.alerting.oldestUnpublishedAge): consumers are not getting events.",
+            alerting.oldest_unpublished_age
+        ),
+    });
+    alerts.push(Alert {
+        name: "OutboxRelayBacklogHigh",
+        expr: format!("max({METRIC_BACKLOG}{{{own}}}) > {}", alerting.backlog_rows),
+        for_: "5m",
+        severity: Severity::Warning,
+        summary: format!("{who} has a large backlog"),
+        description: format!(
+            "{{{{ $value }}}} outbox rows of {who} wait to be published, above the threshold of {} (spec.alerting.backlogRows).",
+            alerting.backlog_rows
+        ),
+    });
+    alerts.push(Alert {
+        name: "OutboxRelayPublishErrors",
+        // `kind` is bounded (row, unavailable) and tells the two runbook paths apart.
+        // A 5m rate held for 10m means errors for 15 minutes, not one broker hiccup.
+        expr: format!("sum by (kind) (rate({METRIC_PUBLISH_ERRORS}{{{own}}}[5m])) > 0"),
+        for_: "10m",
+        severity: Severity::Warning,
+        summary: format!("{who} keeps failing to publish ({{{{ $labels.kind }}}} errors)"),
+        description: format!(
+            "{who} has failed to publish for 15 minutes: {{{{ $value | humanize }}}} {{{{ $labels.kind }}}} errors per second (row: the broker refused a message; unavailable: outage or timeout)."
+        ),
+    });
+    let polling = matches!(relay.spec.mode.get(), Some(Mode::Polling(_)));
+    // Partition ownership exists only where relays share the table by partition: polling
+    // with per-aggregate order. With `ordering.mode: none` every process takes every
+    // partition and reports owning none.
+    if polling && relay.spec.ordering.mode == OrderingMode::PerAggregate {
+        let partitions = relay.spec.ordering.partitions;
+        alerts.push(Alert {
+            name: "OutboxRelayPartitionsUnowned",
+            // Empty when no relay reports at all: that is OutboxRelayDown's job, and one
+            // outage should not page twice.
+            expr: format!("sum({METRIC_PARTITIONS_OWNED}{{{own}}}) < {partitions}"),
+            for_: "5m",
+            severity: Severity::Warning,
+            summary: format!("{who} leaves partitions without a relay"),
+            description: format!(
+                "Live relay processes of {who} own {{{{ $value }}}} of its {partitions} partitions for 5 minutes: rows of the other partitions are not published."
+            ),
+        });
+        alerts.push(Alert {
+            name: "OutboxRelayPartitionsBlocked",
+            expr: format!("sum({METRIC_PARTITIONS_BLOCKED}{{{own}}}) > 0"),
+            for_: "5m",
+            severity: Severity::Warning,
+            summary: format!("{who} has partitions blocked by a failing row"),
+            description: format!(
+                "{{{{ $value }}}} partitions of {who} are stopped by a row that exhausted spec.failure.maxAttempts (onExhausted: block): later rows of those partitions wait until it is published or removed."
+            ),
+        });
+    }
     if matches!(relay.spec.mode.get(), Some(Mode::LogTailing(_))) {
         let bytes = parse_bytes(&alerting.slot_retained_wal).unwrap_or(1 << 30);
-        rules.push(json!({
-            "alert": "OutboxRelaySlotRetainedWalHigh",
-            "expr": format!("max({METRIC_SLOT_WAL}{{{selector}}}) > {bytes}"),
-            "for": "5m",
-            "labels": {"severity": "critical"},
-            "annotations": {
-                "summary": format!("The replication slot of {who} retains too much WAL"),
-                "description": format!("The slot of {who} keeps {{{{ $value | humanize1024 }}}}B of WAL on the database server, above {}; the server's disk fills if it keeps growing.", alerting.slot_retained_wal),
-            },
-        }));
+        alerts.push(Alert {
+            name: "OutboxRelaySlotRetainedWalHigh",
+            expr: format!("max({METRIC_SLOT_WAL}{{{own}}}) > {bytes}"),
+            for_: "5m",
+            severity: Severity::Critical,
+            summary: format!("The replication slot of {who} retains too much WAL"),
+            description: format!(
+                "The slot of {who} keeps {{{{ $value | humanize1024 }}}}B of WAL on the database server, above {} (spec.alerting.slotRetainedWal); the server's disk fills if it keeps growing.",
+                alerting.slot_retained_wal
+            ),
+        });
+        alerts.push(Alert {
+            name: "OutboxRelaySlotInactive",
+            // `max`: a standby pod sees the slot inactive while the active one uses it.
+            expr: format!("max({METRIC_SLOT_ACTIVE}{{{own}}}) == 0"),
+            for_: "5m",
+            severity: Severity::Warning,
+            summary: format!("No one consumes the replication slot of {who}"),
+            description: format!(
+                "The logical replication slot of {who} has had no active consumer for 5 minutes: it retains WAL and nothing is published."
+            ),
+        });
+        alerts.push(Alert {
+            name: "OutboxRelaySlotWalAtRisk",
+            // PostgreSQL's `wal_status`: `unreserved` means WAL the slot needs is about
+            // to be removed (max_slot_wal_keep_size), `lost` that it is gone.
+            expr: format!(
+                r#"max by (status) ({METRIC_SLOT_WAL_STATUS}{{{own},status=~"unreserved|lost"}}) == 1"#
+            ),
+            for_: "1m",
+            severity: Severity::Critical,
+            summary: format!("The replication slot of {who} is {{{{ $labels.status }}}}"),
+            description: format!(
+                "PostgreSQL reports wal_status={{{{ $labels.status }}}} for the slot of {who}: WAL it needs is about to be removed (unreserved) or already removed (lost, the slot cannot continue and events may be missed)."
+            ),
+        });
     }
+    let rules: Vec<Value> = alerts
+        .into_iter()
+        .map(|a| a.into_rule(&ns, &name))
+        .collect();
     Some(dynamic(
         relay,
         PROMETHEUS_RULE_KIND,

@@ -214,3 +214,69 @@ fn the_config_map_holds_no_secret_values() {
     assert!(text.contains("OUTBOX_DATABASE_URL"), "{text}");
     assert!(!text.contains("orders-db"), "{text}");
 }
+
+fn alert_rules(r: &OutboxRelay) -> Vec<serde_json::Value> {
+    let rule = build(r, &BuildOptions::default())
+        .unwrap()
+        .prometheus_rule
+        .unwrap();
+    rule.data["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn alerts_select_the_relays_own_labels_and_link_their_runbook() {
+    for r in alert_rules(&relay(POLLING_RABBIT)) {
+        let alert = r["alert"].as_str().unwrap();
+        let expr = r["expr"].as_str().unwrap();
+        if alert == "OutboxRelayDown" {
+            // `up` has target labels only.
+            assert!(
+                expr.contains(r#"up{namespace="shop",service="orders-relay"}"#),
+                "{r}"
+            );
+        } else {
+            assert!(
+                expr.contains(r#"relay_namespace="shop",relay_name="orders""#),
+                "{r}"
+            );
+        }
+        assert_eq!(
+            r["annotations"]["runbook_url"],
+            format!("{RUNBOOK_BASE_URL}#{}", alert.to_ascii_lowercase()),
+            "{r}"
+        );
+    }
+}
+
+#[test]
+fn a_relay_scaled_to_zero_gets_no_down_alert() {
+    let mut r = relay(POLLING_RABBIT);
+    r.spec.replicas = 0;
+    let names: Vec<String> = alert_rules(&r)
+        .iter()
+        .map(|r| r["alert"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!names.contains(&"OutboxRelayDown".to_owned()), "{names:?}");
+    assert!(names.contains(&"OutboxRelayOldestUnpublishedTooOld".to_owned()));
+}
+
+#[test]
+fn thresholds_come_from_the_spec() {
+    let mut r = relay(POLLING_RABBIT);
+    r.spec.alerting.oldest_unpublished_age = "90s".to_owned();
+    r.spec.alerting.backlog_rows = 42;
+    r.spec.ordering.partitions = 16;
+    let rules = alert_rules(&r);
+    let expr = |name: &str| {
+        rules.iter().find(|r| r["alert"] == name).unwrap()["expr"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(expr("OutboxRelayOldestUnpublishedTooOld").ends_with("> 90"));
+    assert!(expr("OutboxRelayBacklogHigh").ends_with("> 42"));
+    assert!(expr("OutboxRelayPartitionsUnowned").ends_with("< 16"));
+}
