@@ -665,3 +665,122 @@ async fn log_tailing_examples_get_the_controllers_conditions() {
     })
     .await;
 }
+
+/// A spec change rolls the relay: the real deployment controller replaces every pod
+/// (new pod-template hash), the runner stops the old processes and starts the new
+/// ones, the relay is Ready again and keeps publishing; scaling down stops processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_down() {
+    with_operator(true, |client, ns, runner| async move {
+        let runner = runner.unwrap_or_else(|| panic!("this test needs the pod runner"));
+        let db = example_database().await;
+        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let kind = aggregate_type();
+        let nats = common::nats_connect().await;
+        let jetstream = async_nats::jetstream::new(nats.clone());
+        let stream_name = format!("E2E_{}", kind.to_uppercase());
+        let subject = format!("outbox.{kind}");
+        jetstream
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: stream_name.clone(),
+                subjects: vec![subject.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("creating stream {stream_name} failed: {e}"));
+        let stream = common::TestStream {
+            client: nats,
+            jetstream: jetstream.clone(),
+            name: stream_name.clone(),
+            subject_prefix: subject,
+        };
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+            Api::namespaced(client.clone(), &ns);
+
+        let mut manifest = example("polling-nats.yaml");
+        manifest["spec"]["broker"]["nats"]["url"] = json!(common::Rig::load().nats_url());
+        apply(&client, &ns, &manifest).await;
+        let first: BTreeSet<String> = common::wait_for_some_or(
+            "three relay processes of generation 1",
+            WAIT,
+            || runner.log_tails(20),
+            || async {
+                let running = runner.running();
+                (running.len() == 3).then(|| running.into_iter().collect())
+            },
+        )
+        .await;
+
+        // Any change of the relay config rolls the pods (config-hash annotation).
+        manifest["spec"]["mode"]["polling"]["interval"] = json!("2s");
+        let changed = apply(&client, &ns, &manifest).await;
+        assert_eq!(changed.metadata.generation, Some(2));
+        common::wait_for_some_or(
+            "three new relay processes and none of the old ones",
+            WAIT,
+            || format!("running: {:?}{}", runner.running(), runner.log_tails(20)),
+            || async {
+                let running: BTreeSet<String> = runner.running().into_iter().collect();
+                (running.len() == 3 && running.is_disjoint(&first)).then_some(())
+            },
+        )
+        .await;
+        common::wait_for_some_or(
+            "the Deployment rolled out and the relay Ready for generation 2",
+            WAIT,
+            || runner.log_tails(20),
+            || async {
+                let deployment = deployments.get("polling-nats-relay").await.ok()?;
+                let status = deployment.status?;
+                let relay = relays.get("polling-nats").await.ok()?;
+                let ready = condition(&relay, "Ready")?;
+                (status.updated_replicas == Some(3)
+                    && status.available_replicas == Some(3)
+                    && status.replicas == Some(3)
+                    && ready.status == "True"
+                    && ready.observed_generation == Some(2))
+                .then_some(())
+            },
+        )
+        .await;
+
+        // The new processes publish.
+        let ids = insert_rows(&db, &kind).await;
+        common::wait_for_some_or(
+            "every row published by the rolled relay",
+            WAIT,
+            || runner.log_tails(20),
+            || async {
+                let got: BTreeSet<i64> = common::consume_nats(&stream)
+                    .await
+                    .iter()
+                    .map(|m| m.id)
+                    .collect();
+                ids.is_subset(&got).then_some(())
+            },
+        )
+        .await;
+
+        // Scaling down stops processes; the relay stays Ready.
+        manifest["spec"]["replicas"] = json!(1);
+        apply(&client, &ns, &manifest).await;
+        common::wait_for_some_or(
+            "one relay process left after scaling to 1",
+            WAIT,
+            || format!("running: {:?}", runner.running()),
+            || async { (runner.running().len() == 1).then_some(()) },
+        )
+        .await;
+        common::wait_for("Ready=True for generation 3", WAIT, || async {
+            relays.get("polling-nats").await.ok().is_some_and(|r| {
+                condition(&r, "Ready")
+                    .is_some_and(|c| c.status == "True" && c.observed_generation == Some(3))
+            })
+        })
+        .await;
+        let _ = jetstream.delete_stream(&stream_name).await;
+        db.drop_database().await;
+    })
+    .await;
+}
