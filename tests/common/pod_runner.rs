@@ -88,6 +88,8 @@ struct PodEntry {
     stop: watch::Sender<Option<i64>>,
     /// The running process, if any (SIGKILLed on drop).
     pid: Arc<Mutex<Option<u32>>>,
+    /// The container state last reported, for failure messages.
+    state: Arc<Mutex<String>>,
     log: PathBuf,
     task: JoinHandle<()>,
 }
@@ -161,9 +163,11 @@ impl PodRunner {
         names
             .into_iter()
             .map(|name| {
+                let entry = &pods[name];
                 format!(
-                    "\n--- pod {name} log tail ---\n{}",
-                    super::private::tail(&pods[name].log, lines)
+                    "\n--- pod {name} ({}) log tail ---\n{}",
+                    lock(&entry.state),
+                    super::private::tail(&entry.log, lines)
                 )
             })
             .collect()
@@ -340,13 +344,21 @@ fn on_pod(shared: &Arc<Shared>, pod: Pod) {
             } else {
                 let (stop, stopped) = watch::channel(None);
                 let pid = Arc::new(Mutex::new(None));
+                let state = Arc::new(Mutex::new("starting".to_owned()));
                 let log = shared.dir.join(&name).join("container.log");
-                let task = tokio::spawn(supervise(shared.clone(), pod, stopped, pid.clone()));
+                let task = tokio::spawn(supervise(
+                    shared.clone(),
+                    pod,
+                    stopped,
+                    pid.clone(),
+                    state.clone(),
+                ));
                 pods.insert(
                     name,
                     PodEntry {
                         stop,
                         pid,
+                        state,
                         log,
                         task,
                     },
@@ -431,6 +443,7 @@ async fn supervise(
     pod: Pod,
     mut stop: watch::Receiver<Option<i64>>,
     pid: Arc<Mutex<Option<u32>>>,
+    summary: Arc<Mutex<String>>,
 ) {
     let name = pod.metadata.name.clone().unwrap_or_default();
     let pod_dir = shared.dir.join(&name);
@@ -454,7 +467,7 @@ async fn supervise(
             Ok(launch) => launch,
             Err(message) => {
                 state.waiting = Some(("CreateContainerConfigError".to_owned(), message));
-                report(&shared, &pod, &pod_ip, &start_time, &state).await;
+                report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
                 if wait_or_stop(&mut stop, Duration::from_secs(2)).await {
                     break 'restart;
                 }
@@ -487,7 +500,7 @@ async fn supervise(
             Ok(child) => child,
             Err(err) => {
                 state.waiting = Some(("RunContainerError".to_owned(), err.to_string()));
-                report(&shared, &pod, &pod_ip, &start_time, &state).await;
+                report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
                 if wait_or_stop(&mut stop, backoff).await {
                     break 'restart;
                 }
@@ -498,7 +511,7 @@ async fn supervise(
         state.waiting = None;
         state.running_since = Some(now());
         state.ready = false;
-        report(&shared, &pod, &pod_ip, &start_time, &state).await;
+        report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
 
         let started = tokio::time::Instant::now();
         let mut readiness_failures = 0u32;
@@ -541,12 +554,12 @@ async fn supervise(
                 };
                 if ready != state.ready {
                     state.ready = ready;
-                    report(&shared, &pod, &pod_ip, &start_time, &state).await;
+                    report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
                 }
             } else if launch.readiness.is_none() && !state.ready {
                 // No readiness probe: ready once started, as kubelet says.
                 state.ready = true;
-                report(&shared, &pod, &pod_ip, &start_time, &state).await;
+                report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
             }
             if let Some(probe) = &launch.liveness
                 && now_instant >= next_liveness
@@ -582,7 +595,7 @@ async fn supervise(
                     "CrashLoopBackOff".to_owned(),
                     format!("exited with code {code}; restarting in {backoff:?}"),
                 ));
-                report(&shared, &pod, &pod_ip, &start_time, &state).await;
+                report(&shared, &pod, &pod_ip, &start_time, &state, &summary).await;
                 // kubelet backs off from 10 s to 5 min; tests need a shorter leash.
                 if wait_or_stop(&mut stop, backoff).await {
                     break 'restart;
@@ -634,7 +647,15 @@ async fn report(
     pod_ip: &str,
     start_time: &Time,
     state: &ContainerState,
+    summary: &Mutex<String>,
 ) {
+    *lock(summary) = match &state.waiting {
+        Some((reason, message)) => format!("waiting: {reason}: {message}"),
+        None => format!(
+            "running at {pod_ip}, ready={}, restarts={}",
+            state.ready, state.restarts
+        ),
+    };
     let Some(container) = pod.spec.as_ref().and_then(|s| s.containers.first()) else {
         return;
     };
