@@ -64,7 +64,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use rand::Rng;
@@ -190,6 +190,7 @@ impl Drop for PodRunner {
         // Drop runs inside the test's runtime, which may have a single thread that is
         // busy here: the API calls run on a runtime and client of their own.
         let node = self.shared.node.clone();
+        let namespace = self.shared.namespace.clone();
         let cleanup = std::thread::spawn(move || {
             let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -199,6 +200,18 @@ impl Drop for PodRunner {
             };
             runtime.block_on(async {
                 let client = super::kube_client().await;
+                // What kubelet would confirm once its containers stopped (they are
+                // killed above): without it a pod being deleted waits for the pod-GC
+                // controller to notice the Node is gone, and its namespace with it.
+                let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+                let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
+                for pod in pods.list(&on_node).await.into_iter().flat_map(|l| l.items) {
+                    if let Some(name) = pod.metadata.name {
+                        let _ = pods
+                            .delete(&name, &DeleteParams::default().grace_period(0))
+                            .await;
+                    }
+                }
                 let _ = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
                     .delete(&node, &DeleteParams::default())
                     .await;
