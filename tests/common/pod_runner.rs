@@ -102,6 +102,15 @@ struct Shared {
     binary: PathBuf,
     dir: PathBuf,
     pods: Mutex<HashMap<String, PodEntry>>,
+    /// Every process start and exit, in the order they happened.
+    history: Mutex<Vec<ProcessEvent>>,
+}
+
+/// A container process of a pod started or ended (exited, or stopped by the runner).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProcessEvent {
+    Started(String),
+    Ended(String),
 }
 
 /// Runs the operator's relay pods of one namespace as local processes; see the module
@@ -126,6 +135,7 @@ impl PodRunner {
             binary: binary.to_owned(),
             dir: dir.path().to_owned(),
             pods: Mutex::new(HashMap::new()),
+            history: Mutex::new(Vec::new()),
         });
         let tasks = vec![
             tokio::spawn(heartbeat(shared.clone())),
@@ -141,6 +151,12 @@ impl PodRunner {
     /// The Node the runner's pods are bound to.
     pub fn node(&self) -> &str {
         &self.shared.node
+    }
+
+    /// Every process start and end so far, in order: what a rollout strategy promises
+    /// (Recreate: the old process ended before the new one started) is checked on it.
+    pub fn history(&self) -> Vec<ProcessEvent> {
+        lock(&self.shared.history).clone()
     }
 
     /// Names of the pods whose process is running now.
@@ -521,6 +537,7 @@ async fn supervise(
             }
         };
         *lock(&pid) = child.id();
+        lock(&shared.history).push(ProcessEvent::Started(name.clone()));
         state.waiting = None;
         state.running_since = Some(now());
         state.ready = false;
@@ -595,10 +612,12 @@ async fn supervise(
                 let grace = stop.borrow().unwrap_or(0);
                 stop_process(&mut child, grace).await;
                 *lock(&pid) = None;
+                lock(&shared.history).push(ProcessEvent::Ended(name.clone()));
                 break 'restart;
             }
             Some(status) => {
                 *lock(&pid) = None;
+                lock(&shared.history).push(ProcessEvent::Ended(name.clone()));
                 let code = status.ok().and_then(|s| s.code()).unwrap_or(137);
                 state.last_exit = Some((code, now()));
                 state.restarts += 1;
