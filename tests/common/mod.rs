@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
+pub mod pod_runner;
 pub mod private;
 
 /// How long a server may take to accept a TCP connection before we call it down.
