@@ -233,8 +233,10 @@ async fn cluster_wide_rbac_allows_what_the_controller_does_and_nothing_more() {
             allowed.extend(crd_read_accesses());
             // All namespaces: the controller lists and watches across the cluster.
             allowed.push(probe);
-            allowed.push(Access::new("watch", "", "secrets"));
             let mut denied = forbidden_accesses(app_ns);
+            // Secrets are read by name only: never listed or watched across the cluster.
+            denied.push(Access::new("list", "", "secrets"));
+            denied.push(Access::new("watch", "", "secrets"));
             // The Lease is confined to the operator's namespace.
             denied.extend(lease_accesses(app_ns));
             assert_access(&client, &identity, &allowed, &denied).await;
@@ -242,10 +244,14 @@ async fn cluster_wide_rbac_allows_what_the_controller_does_and_nothing_more() {
             // The same answers for real requests made with the account's own token.
             let operator = identity.client(&client).await;
             let secrets: Api<Secret> = Api::namespaced(operator.clone(), app_ns);
-            secrets
+            let err = secrets
                 .list(&ListParams::default())
                 .await
-                .expect("the operator can list Secrets it may reference");
+                .expect_err("the operator could list Secrets");
+            assert!(
+                matches!(&err, kube::Error::Api(s) if s.code == 403),
+                "{err}"
+            );
             let err = secrets
                 .create(
                     &PostParams::default(),

@@ -455,9 +455,8 @@ pub fn watched_namespace_accesses(namespace: &str) -> Vec<Access<'_>> {
             accesses.push(Access::new(verb, group, resource));
         }
     }
-    for verb in ["get", "list", "watch"] {
-        accesses.push(Access::new(verb, "", "secrets"));
-    }
+    // Secrets are read by name only, never listed or watched.
+    accesses.push(Access::new("get", "", "secrets"));
     for group in ["events.k8s.io", ""] {
         for verb in ["create", "patch"] {
             accesses.push(Access::new(verb, group, "events"));
@@ -488,6 +487,8 @@ pub fn crd_read_accesses() -> Vec<Access<'static>> {
 /// Requests the operator must never be able to make, wherever it runs.
 pub fn forbidden_accesses(namespace: &str) -> Vec<Access<'_>> {
     vec![
+        Access::new("list", "", "secrets").in_namespace(namespace),
+        Access::new("watch", "", "secrets").in_namespace(namespace),
         Access::new("delete", "", "secrets").in_namespace(namespace),
         Access::new("create", "", "secrets").in_namespace(namespace),
         Access::new("update", "", "secrets").in_namespace(namespace),

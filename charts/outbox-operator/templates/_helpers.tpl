@@ -94,11 +94,12 @@ app.kubernetes.io/part-of: outbox-operator
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "prometheusrules"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
-# Read-only: the controller checks that a referenced Secret and key exist; the relay
-# pods mount the Secret themselves.
+# Get by name only: the controller checks that a referenced Secret and key exist; the
+# relay pods mount the Secret themselves. No list/watch: that would let the operator
+# read every Secret in a watched namespace (in cluster-wide mode, in the cluster).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
