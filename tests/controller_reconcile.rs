@@ -88,6 +88,28 @@ fn start_controller(client: &Client, namespace: &str, identity: &str) -> Running
     }
 }
 
+/// Deletes every OutboxRelay in `namespace` and waits until the running controller's
+/// finalizer let them go. Tests call it before stopping their controller: a relay that
+/// keeps its finalizer with no controller left holds its namespace in Terminating.
+async fn delete_relays(client: &Client, namespace: &str) {
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
+    relays
+        .delete_collection(&DeleteParams::default(), &Default::default())
+        .await
+        .unwrap();
+    common::wait_for(
+        "every OutboxRelay to be finalized and gone",
+        WAIT,
+        || async {
+            relays
+                .list(&Default::default())
+                .await
+                .is_ok_and(|list| list.items.is_empty())
+        },
+    )
+    .await;
+}
+
 impl Running {
     async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {
@@ -569,6 +591,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
         "removing slotName was accepted"
     );
 
+    delete_relays(&client, &ns).await;
     running.stop().await;
     common::delete_namespace(&client, &ns).await;
 }
@@ -642,6 +665,7 @@ async fn only_the_lease_holder_writes_and_a_standby_takes_over() {
         .and_then(|s| s.holder_identity);
     assert_eq!(holder.as_deref(), Some(second.identity.as_str()));
 
+    delete_relays(&client, &ns).await;
     second.stop().await;
     common::delete_namespace(&client, &ns).await;
 }
