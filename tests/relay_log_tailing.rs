@@ -144,6 +144,7 @@ struct Written {
 async fn write_one(
     client: &mut tokio_postgres::Client,
     aggregates: usize,
+    mutate: bool,
     written: &mut Written,
 ) -> Result<(), tokio_postgres::Error> {
     let (aggregate, rows, abort, update, delete, other) = {
@@ -152,8 +153,8 @@ async fn write_one(
             format!("a{}", rng.random_range(0..aggregates)),
             rng.random_range(1..=3),
             rng.random_ratio(1, 5),
-            rng.random_ratio(1, 8),
-            rng.random_ratio(1, 10),
+            mutate && rng.random_ratio(1, 8),
+            mutate && rng.random_ratio(1, 10),
             rng.random_ratio(1, 5),
         )
     };
@@ -234,23 +235,36 @@ async fn write_one(
     }
 }
 
-/// Concurrent writers on `url` until `stop`; their results once joined.
+/// Concurrent writers on `url` until `stop`; their results once joined. `mutate`:
+/// also update and delete outbox rows. Writers reconnect when the database goes away.
 fn start_writers(
     url: &str,
     writers: usize,
     aggregates: usize,
+    mutate: bool,
     stop: Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<Written>> {
     (0..writers)
         .map(|_| {
             let (url, stop) = (url.to_owned(), stop.clone());
             tokio::spawn(async move {
-                let mut client = common::pg_connect(&url).await.unwrap();
+                let mut client: Option<tokio_postgres::Client> = None;
                 let mut written = Written::default();
                 while !stop.load(Ordering::Relaxed) {
-                    // Lock waits between writers can time out or deadlock-abort; those
-                    // transactions count as rolled back.
-                    let _ = write_one(&mut client, aggregates, &mut written).await;
+                    if client
+                        .as_ref()
+                        .is_none_or(tokio_postgres::Client::is_closed)
+                    {
+                        client = common::pg_connect(&url).await.ok();
+                    }
+                    let Some(c) = client.as_mut() else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    // Lock waits between writers can deadlock-abort, and outages fail
+                    // transactions; those count as rolled back (a commit whose answer
+                    // was lost counts as neither; outage tests read the table).
+                    let _ = write_one(c, aggregates, mutate, &mut written).await;
                     // Pacing, not an assertion: a steady load rather than a flood.
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
@@ -445,7 +459,7 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     // Rows committed before the slot exists are not in its stream: write after it.
     wait_slot_active(client, &guard.slot, &relay).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let writers = start_writers(&db.url, 4, 12, stop.clone());
+    let writers = start_writers(&db.url, 4, 12, true, stop.clone());
     // Load for a while; a fixed duration here is pacing, not an assertion.
     tokio::time::sleep(Duration::from_secs(6)).await;
     stop.store(true, Ordering::Relaxed);
@@ -532,7 +546,7 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     wait_slot_active(client, &guard.slot, &relay).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let writers = start_writers(&db.url, 4, 16, stop.clone());
+    let writers = start_writers(&db.url, 4, 16, true, stop.clone());
     let mut kills = 0;
     for _ in 0..KILLS {
         // Kill only once this relay has confirmed something new, so every kill lands
@@ -642,10 +656,22 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
         },
     )
     .await;
-    let metric = relay.metric("outbox_relay_slot_retained_wal_bytes").await;
+    // The relay's own gauge follows (it reads pg_replication_slots every few seconds).
+    let metric = common::wait_for_some_or(
+        "outbox_relay_slot_retained_wal_bytes to drop below 8 MiB",
+        Duration::from_secs(30),
+        || relay.log_tail(40),
+        || async {
+            relay
+                .metric("outbox_relay_slot_retained_wal_bytes")
+                .await
+                .filter(|v| *v < 8.0 * 1024.0 * 1024.0)
+        },
+    )
+    .await;
     println!(
         "heartbeat test: confirmed_flush_lsn advanced {:?}; retained WAL {retained_after_writes} \
-         bytes right after ~40 MB of other-table writes, then {retained} bytes; metric {metric:?}",
+         bytes right after ~40 MB of other-table writes, then {retained} bytes; metric {metric}",
         positions
     );
     assert!(
@@ -654,4 +680,153 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
     );
     drop(relay);
     drop(guard);
+}
+
+// ---------------------------------------------------------------------------------------
+// Outages: a private PostgreSQL restarted, a private NATS stopped for a while, under
+// writers; one relay process throughout must recover by itself.
+
+/// How long the server stays down.
+const OUTAGE: Duration = Duration::from_secs(10);
+
+/// `confirmed_flush_lsn` on a fresh connection (`None` while the database is down).
+async fn confirmed_flush_at(url: &str, slot: &str) -> Option<i64> {
+    let client = common::pg_connect(url).await.ok()?;
+    confirmed_flush(&client, slot).await
+}
+
+/// The committed rows, read from the table (deleteAfterPublish is off here): writers
+/// cannot know whether a commit whose answer an outage swallowed happened.
+async fn committed_from_table(url: &str) -> HashMap<i64, (String, i64)> {
+    let client = common::pg_connect(url).await.unwrap();
+    client
+        .query(
+            "SELECT id, aggregateid, (payload->>'seq')::int8 FROM public.outbox",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect()
+}
+
+/// Writers and one relay on `db_url`; `outage` stops and starts a server in the middle.
+async fn outage_scenario(
+    name: &str,
+    db_url: &str,
+    admin_url: &str,
+    broker: RelayBroker,
+    outage: impl FnOnce(),
+    consume: impl AsyncFnOnce() -> Vec<Received>,
+) {
+    let started = Instant::now();
+    {
+        let client = common::pg_connect(db_url).await.unwrap();
+        create_tables(&client).await;
+    }
+    let guard = SlotGuard::new(admin_url);
+    let yaml = log_tailing_yaml(&broker, &guard.slot, false);
+    let mut relay = RelayProcess::start(&yaml, db_url, &broker);
+    {
+        let client = common::pg_connect(db_url).await.unwrap();
+        wait_slot_active(&client, &guard.slot, &relay).await;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = start_writers(db_url, 3, 10, false, stop.clone());
+    let before = confirmed_flush_at(db_url, &guard.slot).await.unwrap_or(0);
+    common::wait_for_relays(
+        "the relay to confirm commits before the outage",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { confirmed_flush_at(db_url, &guard.slot).await.unwrap_or(0) > before },
+    )
+    .await;
+    // The outage runs on a blocking thread: stopping and starting take seconds.
+    tokio::task::block_in_place(outage);
+    let after = confirmed_flush_at(db_url, &guard.slot).await.unwrap_or(0);
+    common::wait_for_relays(
+        "the relay to confirm commits after the outage",
+        Duration::from_secs(90),
+        &[&relay],
+        || async { confirmed_flush_at(db_url, &guard.slot).await.unwrap_or(0) > after },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let mut written = join_writers(writers).await;
+    let target = {
+        let client = common::pg_connect(db_url).await.unwrap();
+        current_wal(&client).await
+    };
+    common::wait_for_relays(
+        "the slot to confirm everything written",
+        Duration::from_secs(90),
+        &[&relay],
+        || async { confirmed_flush_at(db_url, &guard.slot).await.unwrap_or(0) >= target },
+    )
+    .await;
+    assert!(relay.is_running(), "the relay exited: {}", relay.log());
+    let status = relay.terminate(Duration::from_secs(20));
+    assert!(status.success(), "exit {status}: {}", relay.log());
+    drop(guard);
+    written.committed = committed_from_table(db_url).await;
+    let received = consume().await;
+    let c = check(&received, &written);
+    print_check(name, &c, &written, &format!(", {OUTAGE:?} outage"), started);
+    assert_delivered(&c, &written);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_recovers_from_a_postgres_restart() {
+    let rig = common::Rig::load();
+    let mut pg = common::private::PrivatePostgres::start_new();
+    let url = pg.url();
+    let topic = common::fresh_topic(3).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: rig.kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    outage_scenario(
+        "log tailing postgres restart",
+        &url,
+        &url,
+        broker,
+        || {
+            pg.stop();
+            std::thread::sleep(OUTAGE);
+            pg.start();
+        },
+        async move || {
+            tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+                .await
+                .unwrap()
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_recovers_from_a_nats_outage() {
+    let rig = common::Rig::load();
+    let mut nats = common::private::PrivateNats::start_new();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let stream = common::stream_on(client).await;
+    let broker = RelayBroker::Nats {
+        url: nats.url(),
+        subject: format!("{}.orders", stream.subject_prefix),
+    };
+    let db = common::fresh_database().await;
+    outage_scenario(
+        "log tailing NATS outage",
+        &db.url,
+        rig.pg_url(),
+        broker,
+        || {
+            nats.stop();
+            std::thread::sleep(OUTAGE);
+            nats.start();
+        },
+        async move || common::consume_nats(&stream).await,
+    )
+    .await;
 }
