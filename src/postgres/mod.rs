@@ -25,6 +25,8 @@
 //!   WHERE "published_at" IS NULL;
 //! ```
 
+pub mod replication;
+
 use std::collections::BTreeSet;
 use std::time::Duration;
 

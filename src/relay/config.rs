@@ -345,6 +345,21 @@ pub struct Settings {
     pub database_url: String,
     /// The broker.
     pub broker: BrokerSettings,
+    /// Log tailing's settings; `None` for a polling relay.
+    pub log_tailing: Option<LogTailingSettings>,
+}
+
+/// The validated `mode.logTailing` block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogTailingSettings {
+    /// Replication slot (`^[a-z0-9_]{1,63}$`).
+    pub slot: String,
+    /// Publication (same rule).
+    pub publication: String,
+    /// Heartbeat period of an idle relay.
+    pub heartbeat: std::time::Duration,
+    /// Delete rows once their commit is confirmed.
+    pub delete_after_publish: bool,
 }
 
 /// Librdkafka settings the relay fixes, so `properties` may not weaken or bypass them.
@@ -371,6 +386,7 @@ impl RelayConfig {
         use crate::api::{Mode, OnExhausted, parse_duration};
         use crate::broker::{BrokerKind, check_template};
         use crate::postgres::check_identifier;
+        use crate::postgres::replication::check_slot_name;
 
         let mut errors = Vec::new();
         let mut invalid = |field: &str, message: String| {
@@ -439,6 +455,7 @@ impl RelayConfig {
         }
         let mut interval = std::time::Duration::from_millis(500);
         let mut batch_size = 500;
+        let mut log_tailing = None;
         match self.mode.get() {
             Some(Mode::Polling(p)) => {
                 match parse_duration(&p.interval) {
@@ -453,11 +470,46 @@ impl RelayConfig {
                 }
                 batch_size = i64::from(p.batch_size);
             }
-            Some(Mode::LogTailing(_)) => invalid(
-                "mode.logTailing",
-                "this relay build implements polling only; log tailing arrives with its own issue"
-                    .to_owned(),
-            ),
+            Some(Mode::LogTailing(l)) => {
+                let slot = l
+                    .slot_name
+                    .clone()
+                    .unwrap_or_else(|| default_slot_name(&self.relay.namespace, &self.relay.name));
+                let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
+                if let Err(message) = check_slot_name(&slot) {
+                    invalid("mode.logTailing.slotName", message);
+                }
+                if let Err(message) = check_slot_name(&publication) {
+                    invalid("mode.logTailing.publicationName", message);
+                }
+                let heartbeat = match parse_duration(&l.heartbeat_interval) {
+                    Ok(d) if d >= std::time::Duration::from_millis(100) => d,
+                    Ok(_) => {
+                        invalid(
+                            "mode.logTailing.heartbeatInterval",
+                            "must be at least 100ms".to_owned(),
+                        );
+                        std::time::Duration::from_secs(30)
+                    }
+                    Err(e) => {
+                        invalid("mode.logTailing.heartbeatInterval", e.to_string());
+                        std::time::Duration::from_secs(30)
+                    }
+                };
+                if self.failure.on_exhausted == crate::api::OnExhausted::DeadLetter {
+                    invalid(
+                        "failure.onExhausted",
+                        "deadLetter is not supported with logTailing yet: a refused row blocks the stream (use block)"
+                            .to_owned(),
+                    );
+                }
+                log_tailing = Some(LogTailingSettings {
+                    slot,
+                    publication,
+                    heartbeat,
+                    delete_after_publish: l.delete_after_publish,
+                });
+            }
             None => invalid(
                 "mode",
                 "set exactly one of polling and logTailing".to_owned(),
@@ -622,6 +674,7 @@ impl RelayConfig {
                 listen,
                 database_url,
                 broker,
+                log_tailing,
             }),
             _ => Err(ConfigError::Many(errors)),
         }
@@ -641,8 +694,14 @@ pub fn slot_name(relay: &OutboxRelay) -> String {
     {
         return name;
     }
-    let namespace = relay.metadata.namespace.as_deref().unwrap_or_default();
-    let name = relay.metadata.name.as_deref().unwrap_or_default();
+    default_slot_name(
+        relay.metadata.namespace.as_deref().unwrap_or_default(),
+        relay.metadata.name.as_deref().unwrap_or_default(),
+    )
+}
+
+/// `outbox_<namespace>_<name>`, made safe for PostgreSQL (see [`slot_name`]).
+pub fn default_slot_name(namespace: &str, name: &str) -> String {
     let raw = format!("outbox_{namespace}_{name}");
     let mut safe: String = raw
         .chars()
@@ -705,6 +764,41 @@ spec:
             config.broker.kafka.unwrap().topic,
             "outbox.event.{aggregateType}"
         );
+    }
+
+    #[test]
+    fn log_tailing_fields_are_validated() {
+        let yaml = |mode: &str| {
+            format!(
+                "relay: {{namespace: shop, name: orders}}
+database: {{}}
+mode: {{logTailing: {mode}}}
+broker: {{nats: {{url: \"nats://n:4222\", subject: \"o.{{aggregateType}}\"}}}}
+"
+            )
+        };
+        let config: RelayConfig = serde_yaml::from_str(&yaml("{}")).unwrap();
+        let settings = config
+            .validate_with(|_| Some("postgres://u@h/db".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let lt = settings.log_tailing.unwrap();
+        assert_eq!(lt.slot, "outbox_shop_orders");
+        assert_eq!(lt.publication, "outbox_shop_orders");
+        assert_eq!(lt.heartbeat, std::time::Duration::from_secs(30));
+        assert!(lt.delete_after_publish);
+        let bad = "{slotName: \"Bad-Slot\", publicationName: \"x;drop\", heartbeatInterval: 10ms}";
+        let config: RelayConfig = serde_yaml::from_str(&yaml(bad)).unwrap();
+        let Err(err) = config.validate_with(|_| Some("postgres://u@h/db".into())) else {
+            panic!("invalid log tailing accepted");
+        };
+        let text = err.to_string();
+        for field in [
+            "mode.logTailing.slotName",
+            "mode.logTailing.publicationName",
+            "mode.logTailing.heartbeatInterval",
+        ] {
+            assert!(text.contains(field), "{field} missing from:\n{text}");
+        }
     }
 
     #[test]

@@ -18,6 +18,16 @@ pub struct ErrorLabels {
     pub kind: &'static str,
 }
 
+/// `status` label of `outbox_relay_slot_wal_status`: PostgreSQL's `wal_status`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WalStatusLabels {
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub status: &'static str,
+}
+
+/// The values `pg_replication_slots.wal_status` takes, each exported as its own series.
+pub const WAL_STATUSES: [&str; 4] = ["reserved", "extended", "unreserved", "lost"];
+
 /// Every metric the relay exports.
 pub struct Metrics {
     /// Messages acknowledged by the broker and marked or deleted.
@@ -40,12 +50,20 @@ pub struct Metrics {
     pub partitions_blocked: Gauge,
     /// Unix time of the last successful batch.
     pub last_success: Gauge<f64, AtomicU64>,
+    /// Log tailing: WAL the replication slot retains (`pg_current_wal_lsn() - restart_lsn`).
+    pub slot_retained_wal: Gauge,
+    /// Log tailing: 1 while a walsender streams the slot.
+    pub slot_active: Gauge,
+    /// Log tailing: 1 for the slot's current `wal_status`, 0 for the others.
+    pub slot_wal_status: Family<WalStatusLabels, Gauge>,
     registry: Registry,
 }
 
 impl Metrics {
-    /// Registers every metric, labelled with the relay's namespace and name.
-    pub fn new(namespace: &str, name: &str) -> Self {
+    /// Registers every metric, labelled with the relay's namespace and name. The slot
+    /// metrics are registered only for a log-tailing relay (`log_tailing`): a polling
+    /// relay has no slot, and a constant 0 would read as an inactive one.
+    pub fn new(namespace: &str, name: &str, log_tailing: bool) -> Self {
         let mut registry = Registry::with_labels(
             [
                 ("relay_namespace".into(), namespace.to_owned().into()),
@@ -69,6 +87,30 @@ impl Metrics {
         let partitions_owned = Gauge::default();
         let partitions_blocked = Gauge::default();
         let last_success = Gauge::<f64, AtomicU64>::default();
+        let slot_retained_wal = Gauge::default();
+        let slot_active = Gauge::default();
+        let slot_wal_status = Family::<WalStatusLabels, Gauge>::default();
+        for status in WAL_STATUSES {
+            drop(slot_wal_status.get_or_create(&WalStatusLabels { status }));
+        }
+        if log_tailing {
+            // These names are what the PrometheusRule's slot alerts query.
+            registry.register(
+                "outbox_relay_slot_retained_wal_bytes",
+                "WAL retained by the replication slot (current WAL position minus restart_lsn)",
+                slot_retained_wal.clone(),
+            );
+            registry.register(
+                "outbox_relay_slot_active",
+                "1 while a consumer streams the replication slot",
+                slot_active.clone(),
+            );
+            registry.register(
+                "outbox_relay_slot_wal_status",
+                "1 for the replication slot's current wal_status",
+                slot_wal_status.clone(),
+            );
+        }
         // Counters get their `_total` suffix from the library.
         registry.register(
             "outbox_relay_published",
@@ -131,6 +173,9 @@ impl Metrics {
             partitions_owned,
             partitions_blocked,
             last_success,
+            slot_retained_wal,
+            slot_active,
+            slot_wal_status,
             registry,
         }
     }

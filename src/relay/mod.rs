@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod http;
+mod log_tailing;
 pub mod metrics;
 pub mod ownership;
 mod publisher;
@@ -48,7 +49,11 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     let settings = config.validate()?;
     let identity = settings.config.relay.clone();
     let health = Arc::new(http::Health {
-        metrics: metrics::Metrics::new(&identity.namespace, &identity.name),
+        metrics: metrics::Metrics::new(
+            &identity.namespace,
+            &identity.name,
+            settings.config.mode.log_tailing.is_some(),
+        ),
         ready: AtomicBool::new(false),
     });
     let addr = crate::http::serve(settings.listen, health.clone(), std::future::pending())
@@ -105,9 +110,18 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         tracing::info!("shutdown requested: finishing the in-flight batch");
         let _ = stop_tx.send(true);
     });
-    let result = publisher::Publisher::new(settings, broker, kind, template, health, stop_rx)
-        .run()
-        .await;
+    let result = match settings.log_tailing.clone() {
+        Some(lt) => {
+            log_tailing::LogTailer::new(settings, lt, broker, kind, template, health, stop_rx)
+                .run()
+                .await
+        }
+        None => {
+            publisher::Publisher::new(settings, broker, kind, template, health, stop_rx)
+                .run()
+                .await
+        }
+    };
     tracing::info!("relay stopped");
     result
 }
