@@ -55,11 +55,12 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
+use super::chains::{ChainResult, chains, publish_chain};
 use super::config::{LogTailingSettings, Settings};
 use super::http::Health;
 use super::metrics::{ErrorLabels, WAL_STATUSES, WalStatusLabels};
 use crate::api::{AfterPublish, OrderingMode};
-use crate::broker::{Broker, BrokerKind, PublishError, build_message};
+use crate::broker::{Broker, BrokerKind, PublishError};
 use crate::postgres::replication::{
     self as repl, BYTEA_OID, HEARTBEAT_PREFIX, PgOutput, Relation, TupleValue,
 };
@@ -223,13 +224,6 @@ struct Batch {
     /// The position to confirm once every row is acknowledged: the last commit's end
     /// LSN, or a heartbeat's LSN.
     confirm: Option<Lsn>,
-}
-
-/// One chain's outcome: the rows acknowledged, and the rest (from the failed row on)
-/// with the error, when one failed.
-struct ChainResult {
-    published: Vec<(i64, Option<f64>)>,
-    failed: Option<(Vec<OutboxRow>, PublishError)>,
 }
 
 /// The log-tailing publisher of one process.
@@ -679,57 +673,6 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Splits a batch (in commit order) into chains: one per aggregate in `perAggregate`
-/// mode, one per row otherwise. Each chain keeps commit order.
-fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> {
-    if !per_aggregate {
-        return rows.into_iter().map(|r| vec![r]).collect();
-    }
-    let mut index: HashMap<Option<String>, usize> = HashMap::new();
-    let mut chains: Vec<Vec<OutboxRow>> = Vec::new();
-    for row in rows {
-        let slot = *index.entry(row.aggregate_id.clone()).or_insert_with(|| {
-            chains.push(Vec::new());
-            chains.len() - 1
-        });
-        chains[slot].push(row);
-    }
-    chains
-}
-
-/// Publishes a chain one message at a time, stopping at the first failure and handing
-/// back the rest of the chain.
-async fn publish_chain(
-    broker: &dyn Broker,
-    kind: BrokerKind,
-    template: &str,
-    chain: Vec<OutboxRow>,
-) -> ChainResult {
-    let mut published = Vec::with_capacity(chain.len());
-    let mut rows = chain.into_iter();
-    while let Some(row) = rows.next() {
-        let sent = match build_message(kind, template, &row) {
-            Ok(message) => broker.publish(&message).await,
-            Err(err) => Err(err),
-        };
-        match sent {
-            Ok(()) => published.push((row.id, row.created_at)),
-            Err(err) => {
-                let mut rest = vec![row];
-                rest.extend(rows);
-                return ChainResult {
-                    published,
-                    failed: Some((rest, err)),
-                };
-            }
-        }
-    }
-    ChainResult {
-        published,
-        failed: None,
-    }
-}
-
 /// Reads the slot's statistics every [`STATS_EVERY`] on its own connection, for the
 /// slot metrics; runs for the life of the relay, also while the stream is down (then
 /// the slot shows as inactive, which is what the alert is for).
@@ -870,27 +813,5 @@ mod tests {
         r.columns.pop();
         let err = Layout::of(&r, "public", "outbox", &columns()).unwrap_err();
         assert!(err.contains("traceparent"), "{err}");
-    }
-
-    #[test]
-    fn chains_keep_each_aggregate_in_commit_order() {
-        let row = |id: i64, aggregate: &str| OutboxRow {
-            id,
-            aggregate_type: "A".into(),
-            aggregate_id: Some(aggregate.into()),
-            event_type: None,
-            payload: Vec::new(),
-            headers: Vec::new(),
-            partition: 0,
-            created_at: None,
-        };
-        // Commit order, not id order: row 9 committed before row 3.
-        let rows = vec![row(9, "a"), row(2, "b"), row(3, "a"), row(1, "b")];
-        let ids: Vec<Vec<i64>> = chains(rows.clone(), true)
-            .iter()
-            .map(|c| c.iter().map(|r| r.id).collect())
-            .collect();
-        assert_eq!(ids, vec![vec![9, 3], vec![2, 1]]);
-        assert_eq!(chains(rows, false).len(), 4);
     }
 }

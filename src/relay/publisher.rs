@@ -39,12 +39,13 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
+use super::chains::{ChainResult, chains, publish_chain};
 use super::config::Settings;
 use super::http::Health;
 use super::metrics::ErrorLabels;
 use super::ownership;
 use crate::api::{OnExhausted, OrderingMode};
-use crate::broker::{Broker, BrokerKind, PublishError, build_message};
+use crate::broker::{Broker, BrokerKind, PublishError};
 use crate::postgres::{
     self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
 };
@@ -114,12 +115,6 @@ enum Outcome {
     Partial,
     /// The broker is unavailable: back off.
     Unavailable,
-}
-
-/// One aggregate's rows of a batch and how far publishing got.
-struct ChainResult {
-    published: Vec<(i64, Option<f64>)>,
-    failed: Option<(OutboxRow, PublishError)>,
 }
 
 /// The polling publisher of one process.
@@ -465,8 +460,11 @@ impl Publisher {
                     lags.push((now_unix - created).max(0.0));
                 }
             }
-            if let Some((row, err)) = result.failed
-                && self.handle_failure(&tx, table, &row, &err).await?
+            // The failed row comes first; the rest of its chain was not sent and stays
+            // unpublished for the next batch.
+            if let Some((rest, err)) = result.failed
+                && let Some(row) = rest.first()
+                && self.handle_failure(&tx, table, row, &err).await?
             {
                 unavailable = true;
             }
@@ -579,86 +577,9 @@ impl Publisher {
     }
 }
 
-/// Splits a batch (in id order) into chains: one per aggregate in `perAggregate` mode,
-/// one per row otherwise. Each chain keeps id order.
-fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> {
-    if !per_aggregate {
-        return rows.into_iter().map(|r| vec![r]).collect();
-    }
-    let mut index: HashMap<Option<String>, usize> = HashMap::new();
-    let mut chains: Vec<Vec<OutboxRow>> = Vec::new();
-    for row in rows {
-        let slot = *index.entry(row.aggregate_id.clone()).or_insert_with(|| {
-            chains.push(Vec::new());
-            chains.len() - 1
-        });
-        chains[slot].push(row);
-    }
-    chains
-}
-
-/// Publishes a chain one message at a time, stopping at the first failure.
-async fn publish_chain(
-    broker: &dyn Broker,
-    kind: BrokerKind,
-    template: &str,
-    chain: Vec<OutboxRow>,
-) -> ChainResult {
-    let mut published = Vec::with_capacity(chain.len());
-    for row in chain {
-        let sent = match build_message(kind, template, &row) {
-            Ok(message) => broker.publish(&message).await,
-            Err(err) => Err(err),
-        };
-        match sent {
-            Ok(()) => published.push((row.id, row.created_at)),
-            Err(err) => {
-                return ChainResult {
-                    published,
-                    failed: Some((row, err)),
-                };
-            }
-        }
-    }
-    ChainResult {
-        published,
-        failed: None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn row(id: i64, aggregate: &str) -> OutboxRow {
-        OutboxRow {
-            id,
-            aggregate_type: "A".into(),
-            aggregate_id: Some(aggregate.into()),
-            event_type: None,
-            payload: Vec::new(),
-            headers: Vec::new(),
-            partition: 0,
-            created_at: None,
-        }
-    }
-
-    #[test]
-    fn chains_keep_each_aggregate_in_id_order() {
-        let rows = vec![
-            row(1, "a"),
-            row(2, "b"),
-            row(3, "a"),
-            row(4, "c"),
-            row(5, "b"),
-        ];
-        let ids: Vec<Vec<i64>> = chains(rows.clone(), true)
-            .iter()
-            .map(|c| c.iter().map(|r| r.id).collect())
-            .collect();
-        assert_eq!(ids, vec![vec![1, 3], vec![2, 5], vec![4]]);
-        assert_eq!(chains(rows, false).len(), 5);
-    }
 
     #[test]
     fn backoff_doubles_up_to_the_cap() {
