@@ -1037,8 +1037,20 @@ pub async fn consume_nats(stream: &TestStream) -> Vec<Received> {
     let last = info.state.last_sequence;
     let mut out = Vec::new();
     for seq in 1..=last {
-        let Ok(message) = s.get_raw_message(seq).await else {
-            continue;
+        // Nothing in these streams is ever deleted and a deduplicated publish takes no
+        // sequence, so every sequence up to `last` holds a message. A failed fetch (the
+        // client may still be reconnecting after a broker restart) is retried, never
+        // skipped: a skipped message would read as a lost row.
+        let mut attempt = 0;
+        let message = loop {
+            match s.get_raw_message(seq).await {
+                Ok(message) => break message,
+                Err(_) if attempt < 50 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(err) => panic!("NATS: fetching stream message {seq} failed: {err}"),
+            }
         };
         let mut headers = HashMap::new();
         for (name, values) in message.headers.iter() {
