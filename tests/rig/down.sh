@@ -38,7 +38,8 @@ stop kube-apiserver TERM 30
 stop etcd TERM 10
 
 # The node writes its PID file itself; a start that failed early never recorded it.
-if [ ! -f "$RIG_DIR/pids/rabbitmq.pid" ] && [ -s "$RIG_DIR/rabbitmq/rabbitmq.pid" ]; then
+if [ ! -f "$RIG_DIR/pids/rabbitmq.pid" ] && [ -s "$RIG_DIR/rabbitmq/rabbitmq.pid" ] &&
+  kill -0 "$(cat "$RIG_DIR/rabbitmq/rabbitmq.pid")" 2>/dev/null; then
   cp "$RIG_DIR/rabbitmq/rabbitmq.pid" "$RIG_DIR/pids/rabbitmq.pid"
 fi
 if [ -f "$RIG_DIR/pids/rabbitmq.pid" ] && [ -f "$RIG_DIR/rabbitmq.env" ]; then
@@ -46,6 +47,7 @@ if [ -f "$RIG_DIR/pids/rabbitmq.pid" ] && [ -f "$RIG_DIR/rabbitmq.env" ]; then
     timeout 30 setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBITMQ_NODENAME" stop >/dev/null 2>&1) || true
 fi
 stop rabbitmq TERM 20
+rm -f "$RIG_DIR/rabbitmq/rabbitmq.pid"
 stop rabbitmq-launcher TERM 5
 stop epmd TERM 5
 

@@ -53,7 +53,8 @@ export RABBITMQ_ADVANCED_CONFIG_FILE=$RMQ_DIR/advanced.config
 export RABBITMQ_CONF_ENV_FILE=$RMQ_DIR/rabbitmq-env.conf
 # Erlang distribution (node and CLI) on loopback, on the ports chosen above.
 export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} -kernel inet_dist_listen_min $RMQ_DIST_PORT -kernel inet_dist_listen_max $RMQ_DIST_PORT"
-export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+# The CLI must never start an epmd of its own (one nobody would stop): ours runs.
+export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} -start_epmd false"
 EOV
 # guest may log in from loopback only, which is where the tests are.
 printf 'loopback_users.guest = true\n' >"$RMQ_DIR/rabbitmq.conf"
