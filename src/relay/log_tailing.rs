@@ -55,6 +55,7 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
+use super::backoff::Backoff;
 use super::chains::{ChainResult, chains, publish_chain};
 use super::config::{LogTailingSettings, Settings};
 use super::http::Health;
@@ -73,8 +74,6 @@ const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 const MAX_BATCH_ROWS: usize = 1000;
 /// Chains published at once within a batch.
 const CONCURRENT_CHAINS: usize = 64;
-/// Longest pause before retrying after an outage or a refused message.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How often the slot's statistics are read.
 const STATS_EVERY: Duration = Duration::from_secs(3);
 /// How long the replication connection may take to start streaming.
@@ -86,26 +85,6 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
 const DELETE_CHUNK: usize = 1000;
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
-
-/// Capped exponential backoff.
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    fn new() -> Self {
-        Self { next: Self::FIRST }
-    }
-    fn step(&mut self) -> Duration {
-        let now = self.next;
-        self.next = (self.next * 2).min(MAX_BACKOFF);
-        now
-    }
-    fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-}
 
 /// How a session ended.
 enum SessionEnd {

@@ -1,5 +1,6 @@
 //! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
 
+mod backoff;
 mod chains;
 pub mod config;
 pub mod http;

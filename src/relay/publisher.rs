@@ -39,6 +39,7 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
+use super::backoff::{Backoff, MAX_BACKOFF};
 use super::chains::{ChainResult, chains, publish_chain};
 use super::config::Settings;
 use super::http::Health;
@@ -60,30 +61,8 @@ const STATS_EVERY: Duration = Duration::from_secs(5);
 const RETENTION_CHUNK: i64 = 1000;
 /// How long a partition blocked by an exhausted row waits before the row is tried again.
 const BLOCKED_RETRY: Duration = Duration::from_secs(60);
-/// Longest pause before retrying after an outage or a failed row.
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How long an in-flight batch may run after SIGTERM before it is rolled back.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
-
-/// Capped exponential backoff.
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    fn new() -> Self {
-        Self { next: Self::FIRST }
-    }
-    fn step(&mut self) -> Duration {
-        let now = self.next;
-        self.next = (self.next * 2).min(MAX_BACKOFF);
-        now
-    }
-    fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-}
 
 /// A partition that waits before its failing row is tried again.
 struct Pause {
@@ -574,21 +553,5 @@ impl Publisher {
             }
         }
         Ok(false)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let mut b = Backoff::new();
-        let steps: Vec<Duration> = (0..10).map(|_| b.step()).collect();
-        assert_eq!(steps[0], Duration::from_millis(100));
-        assert_eq!(steps[1], Duration::from_millis(200));
-        assert_eq!(*steps.last().unwrap(), MAX_BACKOFF);
-        b.reset();
-        assert_eq!(b.step(), Duration::from_millis(100));
     }
 }
