@@ -23,9 +23,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::{Client, CustomResourceExt, Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, FINALIZER, Metrics};
 use serde_json::json;
@@ -34,29 +33,6 @@ use tokio::sync::oneshot;
 const WAIT: Duration = Duration::from_secs(60);
 /// RBAC objects reach the authorizer's cache shortly after they are written.
 const RBAC_PROPAGATION: Duration = Duration::from_secs(30);
-
-async fn install_crd(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = OutboxRelay::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("outbox-operator-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the API server refused the OutboxRelay CRD: {e}"));
-    common::wait_for("the OutboxRelay CRD to be Established", WAIT, || async {
-        crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {
-            c.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-        })
-    })
-    .await;
-}
 
 async fn create_secret(client: &Client, namespace: &str, name: &str) {
     let secret = Secret {
@@ -92,7 +68,7 @@ async fn controller_as_service_account_reconciles_fully(
     release_ns: &str,
     watch: &str,
 ) {
-    install_crd(admin).await;
+    common::install_outbox_crd(admin).await;
     identity
         .wait_until_allowed(
             admin,

@@ -14,10 +14,9 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::{Client, CustomResourceExt, Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
 use outbox_operator::resources::CONFIG_HASH_ANNOTATION;
@@ -33,29 +32,6 @@ const GC_WAIT: Duration = Duration::from_secs(120);
 
 // ---------------------------------------------------------------------------------------
 // Helpers
-
-async fn install_crd(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = OutboxRelay::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("outbox-operator-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the API server refused the OutboxRelay CRD: {e}"));
-    common::wait_for("the OutboxRelay CRD to be Established", WAIT, || async {
-        crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {
-            c.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-        })
-    })
-    .await;
-}
 
 /// A controller replica running in this test's runtime.
 struct Running {
@@ -212,7 +188,7 @@ fn config_hash(deployment: &Deployment) -> Option<String> {
 #[tokio::test]
 async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected() {
     let client = common::kube_client().await;
-    install_crd(&client).await;
+    common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     create_secret(&client, &ns, "orders-db", &["uri"]).await;
     let running = start_controller(&client, &ns, "solo");
@@ -411,7 +387,7 @@ fn base_manifest(name: &str) -> Value {
 #[tokio::test]
 async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     let client = common::kube_client().await;
-    install_crd(&client).await;
+    common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let running = start_controller(&client, &ns, "solo");
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
@@ -599,7 +575,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
 #[tokio::test]
 async fn only_the_lease_holder_writes_and_a_standby_takes_over() {
     let client = common::kube_client().await;
-    install_crd(&client).await;
+    common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     create_secret(&client, &ns, "orders-db", &["uri"]).await;
     let first = start_controller(&client, &ns, "replica-a");

@@ -22,10 +22,9 @@ use std::time::Duration;
 use futures::FutureExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
 use serde_json::{Value, json};
@@ -42,29 +41,6 @@ const ROWS: usize = 24;
 
 // ---------------------------------------------------------------------------------------
 // Helpers
-
-async fn install_crd(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = OutboxRelay::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("outbox-operator-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the API server refused the OutboxRelay CRD: {e}"));
-    common::wait_for("the OutboxRelay CRD to be Established", WAIT, || async {
-        crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {
-            c.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-        })
-    })
-    .await;
-}
 
 /// The controller, in-process, watching one namespace.
 struct Running {
@@ -237,7 +213,7 @@ where
     Fut: std::future::Future<Output = ()>,
 {
     let client = common::kube_client().await;
-    install_crd(&client).await;
+    common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let running = start_controller(&client, &ns);
     let runner = if run_pods {

@@ -1206,3 +1206,36 @@ pub fn check_delivery(
         .collect();
     report
 }
+
+/// Applies the OutboxRelay CRD from the code (server-side, forced, so a changed schema
+/// replaces an older one) and waits until the API server serves it.
+pub async fn install_outbox_crd(client: &kube::Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, Patch, PatchParams};
+    use kube::{CustomResourceExt, ResourceExt};
+
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = outbox_operator::api::OutboxRelay::crd();
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply("outbox-operator-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the API server refused the OutboxRelay CRD: {e}"));
+    wait_for(
+        "the OutboxRelay CRD to be Established",
+        Duration::from_secs(60),
+        || async {
+            crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {
+                c.status
+                    .and_then(|s| s.conditions)
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+            })
+        },
+    )
+    .await;
+}
