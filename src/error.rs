@@ -3,14 +3,9 @@
 /// Everything that can go wrong in the operator, the relay and the CLI.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A feature whose issue has not landed yet.
-    #[error("{what}: not implemented yet (arrives with issue #{issue})")]
-    NotImplemented {
-        /// The subcommand or feature, as the user named it.
-        what: &'static str,
-        /// The tracking issue number.
-        issue: u32,
-    },
+    /// `outbox-operator check` cannot run (its input is incomplete).
+    #[error("check: {0}")]
+    Check(String),
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
@@ -23,7 +18,7 @@ impl Error {
     /// A fixed, low-cardinality name for this error, safe to use as a metric label.
     pub fn category(&self) -> &'static str {
         match self {
-            Error::NotImplemented { .. } => "not_implemented",
+            Error::Check(_) => "check",
             Error::Relay(_) => "relay",
             Error::Controller(err) => err.category(),
         }

@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod broker;
+pub mod check;
 pub mod controller;
 pub mod error;
 pub mod http;

@@ -36,11 +36,15 @@ enum Command {
         #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = outbox_operator::resources::default_relay_image())]
         relay_image: String,
     },
-    /// Connect to the database and broker named in a manifest and report what is missing.
+    /// Connect to the database a manifest's relay would use and report what is missing
+    /// (wal_level, replication, free slots, table, columns, privileges), one line each.
     Check {
         /// OutboxRelay manifest to check.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
         file: PathBuf,
+        /// Environment variable holding the database URL.
+        #[arg(long, value_name = "VAR", default_value = outbox_operator::check::DEFAULT_URL_ENV)]
+        database_url_env: String,
     },
 }
 
@@ -60,11 +64,21 @@ fn main() -> ExitCode {
                 .map(|yaml| print_out(&yaml))
                 .map_err(Error::from)
         }
-        // `check` arrives with the log-tailing issue, which brings the database checks.
-        Command::Check { file: _ } => Err(Error::NotImplemented {
-            what: "check",
-            issue: 5,
-        }),
+        Command::Check {
+            file,
+            database_url_env,
+        } => {
+            let passed = runtime().block_on(outbox_operator::check::check_file(
+                &file,
+                &database_url_env,
+                &mut std::io::stdout().lock(),
+            ));
+            match passed {
+                // Failed checks are the report, not a usage error: exit 1.
+                Ok(false) => return ExitCode::from(1),
+                other => other.map(|_| ()),
+            }
+        }
     };
     finish(result)
 }

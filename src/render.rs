@@ -31,7 +31,22 @@ pub fn render_file(path: &Path, options: &BuildOptions) -> Result<String, Error>
 /// names the input in errors.
 pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<String, Error> {
     let mut out = String::new();
-    let mut rendered = 0;
+    for (index, relay) in load_relays(text, origin)?.into_iter().enumerate() {
+        let desired = build(&relay, options).map_err(|e| Error::Manifest {
+            origin: origin.to_owned(),
+            document: index + 1,
+            message: e.to_string(),
+        })?;
+        out.push_str(&desired.to_yaml().map_err(Error::Yaml)?);
+    }
+    Ok(out)
+}
+
+/// Every OutboxRelay in `text`, a YAML stream of one or more documents (empty documents
+/// skipped; a manifest without a namespace lands in `default`, as `kubectl apply` would
+/// put it). At least one is required.
+pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> {
+    let mut relays = Vec::new();
     for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let manifest = |message: String| Error::Manifest {
             origin: origin.to_owned(),
@@ -46,26 +61,23 @@ pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<St
         let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or("");
         if kind != "OutboxRelay" {
             return Err(manifest(format!(
-                "kind `{kind}` is not OutboxRelay; render reads OutboxRelay manifests only"
+                "kind `{kind}` is not OutboxRelay; render and check read OutboxRelay manifests only"
             )));
         }
         let mut relay: OutboxRelay =
             serde_yaml::from_value(value).map_err(|e| manifest(e.to_string()))?;
-        // As `kubectl apply` would: a manifest without a namespace lands in `default`.
         relay
             .metadata
             .namespace
             .get_or_insert_with(|| "default".to_owned());
-        let desired = build(&relay, options).map_err(|e| manifest(e.to_string()))?;
-        out.push_str(&desired.to_yaml().map_err(Error::Yaml)?);
-        rendered += 1;
+        relays.push(relay);
     }
-    if rendered == 0 {
+    if relays.is_empty() {
         return Err(Error::Manifest {
             origin: origin.to_owned(),
             document: 0,
             message: "no OutboxRelay in the file".to_owned(),
         });
     }
-    Ok(out)
+    Ok(relays)
 }

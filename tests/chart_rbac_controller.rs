@@ -34,7 +34,7 @@ const WAIT: Duration = Duration::from_secs(60);
 /// RBAC objects reach the authorizer's cache shortly after they are written.
 const RBAC_PROPAGATION: Duration = Duration::from_secs(30);
 
-async fn create_secret(client: &Client, namespace: &str, name: &str) {
+async fn create_secret(client: &Client, namespace: &str, name: &str, url: &str) {
     let secret = Secret {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
@@ -42,7 +42,7 @@ async fn create_secret(client: &Client, namespace: &str, name: &str) {
         },
         data: Some(BTreeMap::from([(
             "uri".to_owned(),
-            ByteString(b"postgres://u:p@db:5432/shop".to_vec()),
+            ByteString(url.as_bytes().to_vec()),
         )])),
         ..Secret::default()
     };
@@ -78,7 +78,11 @@ async fn controller_as_service_account_reconciles_fully(
         .await;
     let as_operator = identity.client(admin).await;
 
-    create_secret(admin, watch, "orders-db").await;
+    // A real database with the outbox table: the controller checks it before it builds
+    // the relay.
+    let database = common::fresh_database().await;
+    common::create_outbox_table(&database.client, 4).await;
+    create_secret(admin, watch, "orders-db", &database.url).await;
     let relays: Api<OutboxRelay> = Api::namespaced(admin.clone(), watch);
     // polling-nats: three replicas, so a PodDisruptionBudget is built too.
     let manifest: serde_json::Value = serde_yaml::from_str(
@@ -132,13 +136,18 @@ async fn controller_as_service_account_reconciles_fully(
             "no finalizer: {:?}",
             relay.finalizers()
         );
-        let database = relay
+        let database_ready = relay
             .status
             .as_ref()
             .and_then(|s| s.conditions.iter().find(|c| c.type_ == "DatabaseReady"))
             .map(|c| c.status.clone());
         // Reading the Secret in the watched namespace is allowed.
-        assert_eq!(database.as_deref(), Some("True"), "{:?}", relay.status);
+        assert_eq!(
+            database_ready.as_deref(),
+            Some("True"),
+            "{:?}",
+            relay.status
+        );
 
         let metas = [
             Api::<ConfigMap>::namespaced(admin.clone(), watch)
@@ -239,7 +248,13 @@ async fn controller_with_the_charts_namespaced_rbac_reconciles_and_sees_no_other
             .await;
             // The same identity reads no Secret outside the watched namespace: not one
             // by name, and no list of them.
-            create_secret(&admin, release_ns, "not-yours").await;
+            create_secret(
+                &admin,
+                release_ns,
+                "not-yours",
+                "postgres://u:p@db:5432/shop",
+            )
+            .await;
             let as_operator = identity.client(&admin).await;
             let secrets: Api<Secret> = Api::namespaced(as_operator.clone(), release_ns);
             match secrets.get("not-yours").await {

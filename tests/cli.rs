@@ -38,17 +38,34 @@ fn relay_without_config_is_a_usage_error() {
 }
 
 #[test]
-fn unimplemented_subcommands_say_which_issue_brings_them() {
-    let cases: [(&[&str], &str); 1] = [(
-        &["check", "-f", "relay.yaml"],
-        "check: not implemented yet (arrives with issue #5)",
-    )];
-    for (args, message) in cases {
-        let output = outbox_operator(args);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: stderr:\n{stderr}");
-        assert_eq!(stderr.trim(), message, "{args:?}");
-    }
+fn check_without_a_database_url_names_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("relay.yaml");
+    std::fs::copy(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/orders-relay.yaml"),
+        &manifest,
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
+        .args(["check", "-f"])
+        .arg(&manifest)
+        .env_remove("OUTBOX_DATABASE_URL")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("set OUTBOX_DATABASE_URL to the database URL"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_of_a_missing_manifest_names_it() {
+    let output = outbox_operator(&["check", "-f", "/nonexistent/relay.yaml"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "stderr:\n{stderr}");
+    assert!(stderr.contains("/nonexistent/relay.yaml"), "{stderr}");
 }
 
 #[test]

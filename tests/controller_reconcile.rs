@@ -117,7 +117,8 @@ async fn apply_relay(
         .await
 }
 
-async fn create_secret(client: &Client, namespace: &str, name: &str, keys: &[&str]) {
+/// A Secret whose `keys` all hold `value` (a database URL where the controller connects).
+async fn create_secret(client: &Client, namespace: &str, name: &str, keys: &[&str], value: &str) {
     let secret = Secret {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
@@ -125,7 +126,7 @@ async fn create_secret(client: &Client, namespace: &str, name: &str, keys: &[&st
         },
         data: Some(
             keys.iter()
-                .map(|k| ((*k).to_owned(), ByteString(b"not-a-real-secret".to_vec())))
+                .map(|k| ((*k).to_owned(), ByteString(value.as_bytes().to_vec())))
                 .collect::<BTreeMap<_, _>>(),
         ),
         ..Secret::default()
@@ -134,6 +135,14 @@ async fn create_secret(client: &Client, namespace: &str, name: &str, keys: &[&st
         .create(&PostParams::default(), &secret)
         .await
         .unwrap();
+}
+
+/// A fresh database with the tests' outbox table: the controller checks it before it
+/// creates a relay.
+async fn outbox_database() -> common::TestDatabase {
+    let database = common::fresh_database().await;
+    common::create_outbox_table(&database.client, 4).await;
+    database
 }
 
 fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
@@ -190,7 +199,8 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    create_secret(&client, &ns, "orders-db", &["uri"]).await;
+    let database = outbox_database().await;
+    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
     let running = start_controller(&client, &ns, "solo");
 
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
@@ -367,6 +377,7 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
 
     running.stop().await;
     common::delete_namespace(&client, &ns).await;
+    database.drop_database().await;
 }
 
 /// A manifest for the bad-input table: polling to NATS, database Secret `db`.
@@ -389,6 +400,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
+    let database = outbox_database().await;
     let running = start_controller(&client, &ns, "solo");
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -504,7 +516,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     let mut wrong_key = base_manifest("wrong-key");
     wrong_key["spec"]["database"]["postgres"]["connectionSecretRef"] =
         json!({"name": "db-nokey", "key": "uri"});
-    create_secret(&client, &ns, "db-nokey", &["url"]).await;
+    create_secret(&client, &ns, "db-nokey", &["url"], &database.url).await;
     apply_relay(&client, &ns, &wrong_key).await.unwrap();
     let relay = wait_status(&relays, "wrong-key", "Ready=False SecretKeyNotFound", |r| {
         condition(r, "Ready").is_some_and(|c| c.reason == "SecretKeyNotFound")
@@ -531,7 +543,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     }
 
     // Creating the Secret lets the relay through without touching the OutboxRelay.
-    create_secret(&client, &ns, "db", &["uri"]).await;
+    create_secret(&client, &ns, "db", &["uri"], &database.url).await;
     common::wait_for("the Deployment once the Secret exists", WAIT, || async {
         matches!(
             deployments.get_opt("missing-secret-relay").await,
@@ -541,8 +553,10 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     .await;
 
     // An immutable field cannot change.
+    // (A unique slot name: slots are cluster-wide; the finalizer drops it.)
+    let slot_a = format!("slot_a_{}", common::unique_suffix());
     let mut tailing = base_manifest("tailing");
-    tailing["spec"]["mode"] = json!({"logTailing": {"slotName": "slot_a"}});
+    tailing["spec"]["mode"] = json!({"logTailing": {"slotName": slot_a}});
     apply_relay(&client, &ns, &tailing).await.unwrap();
     tailing["spec"]["mode"]["logTailing"]["slotName"] = json!("slot_b");
     match apply_relay(&client, &ns, &tailing).await {
@@ -559,7 +573,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     }
     let stored = relays.get("tailing").await.unwrap();
     let slot = stored.spec.mode.log_tailing.unwrap().slot_name;
-    assert_eq!(slot.as_deref(), Some("slot_a"));
+    assert_eq!(slot.as_deref(), Some(slot_a.as_str()));
     // Removing it is refused as well (the default name would differ).
     tailing["spec"]["mode"]["logTailing"] = json!({});
     assert!(
@@ -570,6 +584,7 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     delete_relays(&client, &ns).await;
     running.stop().await;
     common::delete_namespace(&client, &ns).await;
+    database.drop_database().await;
 }
 
 #[tokio::test]
@@ -577,7 +592,8 @@ async fn only_the_lease_holder_writes_and_a_standby_takes_over() {
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    create_secret(&client, &ns, "orders-db", &["uri"]).await;
+    let database = outbox_database().await;
+    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
     let first = start_controller(&client, &ns, "replica-a");
     common::wait_for("replica-a to lead", WAIT, || async {
         first.metrics.is_leader()
@@ -644,4 +660,5 @@ async fn only_the_lease_holder_writes_and_a_standby_takes_over() {
     delete_relays(&client, &ns).await;
     second.stop().await;
     common::delete_namespace(&client, &ns).await;
+    database.drop_database().await;
 }

@@ -394,25 +394,16 @@ async fn polling_example_publishes(
         || async { (unpublished(&db).await == 0).then_some(()) },
     )
     .await;
-    // The controller does not report a backlog yet (status.backlogRows is never
-    // written); when it does, it must come down to 0 here.
-    if relays
-        .get(&name)
-        .await
-        .ok()
-        .and_then(|r| r.status?.backlog_rows)
-        .is_some()
-    {
-        common::wait_for(&format!("{name}: status.backlogRows 0"), WAIT, || async {
-            relays
-                .get(&name)
-                .await
-                .ok()
-                .and_then(|r| r.status?.backlog_rows)
-                == Some(0)
-        })
-        .await;
-    }
+    // The controller measures the backlog on its status interval: it comes down to 0.
+    common::wait_for(&format!("{name}: status.backlogRows 0"), WAIT, || async {
+        relays
+            .get(&name)
+            .await
+            .ok()
+            .and_then(|r| r.status?.backlog_rows)
+            == Some(0)
+    })
+    .await;
 
     // The runner ran as many pods as the example asks for.
     assert_eq!(
@@ -426,14 +417,9 @@ async fn polling_example_publishes(
     db.drop_database().await;
 }
 
-/// The replication slot and publication a log-tailing relay created (the relay creates
-/// them when missing), to be dropped by the test.
-///
-/// The operator's finalizer does not drop them yet — it will own both once slot
-/// management lands, and then this becomes a check that they are gone. Until then a
-/// leaked slot retains the shared cluster's WAL, so they are dropped here, after the
-/// relay is deleted and its processes have stopped (a running relay would re-create
-/// them). Declare it in the test function, outside [`with_operator`], and hand a clone
+/// The replication slot and publication the operator created for a log-tailing example,
+/// dropped by the test should it fail before the finalizer did (a leaked slot retains
+/// the shared cluster's WAL). Declare it in the test function, outside [`with_operator`], and hand a clone
 /// to the body: on a panic the last clone is dropped after `with_operator` has deleted
 /// the relays and stopped the pod runner, and `Drop` removes the slot and publication.
 #[derive(Clone, Default)]
@@ -572,8 +558,8 @@ async fn outbox_rows(db: &common::TestDatabase) -> i64 {
 
 /// Applies a log-tailing example and proves it works: one relay process streaming its
 /// slot, Ready=True, every row inserted after that at the broker in per-aggregate
-/// order (and deleted, with `deleteAfterPublish`); then deleting it stops its process,
-/// and the test drops the slot and publication the relay left.
+/// order (and deleted, with `deleteAfterPublish`); then deleting it stops its process
+/// and the finalizer drops the slot and publication.
 #[allow(clippy::too_many_arguments)]
 async fn log_tailing_example_publishes(
     client: Client,
@@ -615,8 +601,8 @@ async fn log_tailing_example_publishes(
         database_url: db.url.clone(),
     });
 
-    // Rows committed before the slot exists are never streamed: wait until the relay
-    // created it (in this database) and streams it.
+    // Rows committed before the slot exists are never streamed: wait until the operator
+    // created it (in this database) and the relay streams it.
     common::wait_for_some_or(
         &format!("{name}: the relay streaming slot {slot}"),
         WAIT,
@@ -678,10 +664,35 @@ async fn log_tailing_example_publishes(
         runner.running()
     );
 
+    // status.slot names what the operator created.
+    let status_slot = relays
+        .get(&name)
+        .await
+        .ok()
+        .and_then(|r| r.status?.slot)
+        .unwrap_or_else(|| panic!("{name}: no status.slot"));
+    assert_eq!(status_slot.name, slot, "{name}");
+    assert_eq!(
+        status_slot.publication.as_deref(),
+        Some(publication.as_str())
+    );
+
     delete_and_wait_stopped(&relays, &name, &runner).await;
-    // The operator does not drop the slot and publication yet (it will own them once
-    // slot management lands): the test does, now that no relay process can re-create
-    // them, and checks they are gone.
+    // The finalizer dropped the slot and publication the operator created.
+    let left = db
+        .client
+        .query_one(
+            "SELECT (SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1)                   + (SELECT count(*) FROM pg_publication WHERE pubname = $2)",
+            &[&slot, &publication],
+        )
+        .await
+        .map(|r| r.get::<_, i64>(0))
+        .unwrap_or(-1);
+    assert_eq!(
+        left, 0,
+        "{name}: slot {slot} or publication {publication} left behind"
+    );
+    // Nothing is left to drop; this only covers a failure before this point.
     replication.drop_now().await;
     db.drop_database().await;
 }

@@ -354,7 +354,7 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Option<
         .and_then(|r| r.get(0))
 }
 
-/// Waits until the relay streams the slot (it creates slot and publication itself).
+/// Waits until the relay streams the slot (created beforehand by `common::create_replication`).
 async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str, relay: &RelayProcess) {
     common::wait_for_relays(
         "the relay to stream its slot",
@@ -453,6 +453,7 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     let db = common::fresh_database().await;
     create_tables(&db.client).await;
     let guard = SlotGuard::new(rig.pg_url());
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     let client = &db.client;
@@ -541,6 +542,7 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
         topic: topic.clone(),
     };
     let guard = SlotGuard::new(rig.pg_url());
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = log_tailing_yaml(&broker, &guard.slot, true);
     let client = &db.client;
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
@@ -598,6 +600,7 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
         topic,
     };
     let guard = SlotGuard::new(rig.pg_url());
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let relay = RelayProcess::start(
         &log_tailing_yaml(&broker, &guard.slot, true),
         &db.url,
@@ -721,11 +724,12 @@ async fn outage_scenario(
     consume: impl AsyncFnOnce() -> Vec<Received>,
 ) {
     let started = Instant::now();
+    let guard = SlotGuard::new(admin_url);
     {
         let client = common::pg_connect(db_url).await.unwrap();
         create_tables(&client).await;
+        common::create_replication(&client, &guard.slot, &guard.slot).await;
     }
-    let guard = SlotGuard::new(admin_url);
     let yaml = log_tailing_yaml(&broker, &guard.slot, false);
     let mut relay = RelayProcess::start(&yaml, db_url, &broker);
     {

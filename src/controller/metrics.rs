@@ -29,6 +29,7 @@ pub struct Metrics {
     errors: Family<CategoryLabel, Counter>,
     writes: Counter,
     leader: Gauge,
+    orphaned_slots: Gauge,
     duration: Histogram,
     // Plain copies for callers that embed the controller (tests) and want a number
     // without parsing the text format.
@@ -50,6 +51,7 @@ impl Metrics {
         let errors = Family::<CategoryLabel, Counter>::default();
         let writes = Counter::default();
         let leader = Gauge::default();
+        let orphaned_slots = Gauge::default();
         let duration = Histogram::new(exponential_buckets(0.005, 2.0, 12));
         registry.register(
             "reconciles",
@@ -72,6 +74,11 @@ impl Metrics {
             leader.clone(),
         );
         registry.register(
+            "orphaned_slots",
+            "Replication slots/publications the operator created for OutboxRelays that no longer exist (never dropped automatically)",
+            orphaned_slots.clone(),
+        );
+        registry.register(
             "reconcile_duration_seconds",
             "Time one reconcile took",
             duration.clone(),
@@ -82,6 +89,7 @@ impl Metrics {
             errors,
             writes,
             leader,
+            orphaned_slots,
             duration,
             reconciles_total: AtomicU64::new(0),
             writes_total: AtomicU64::new(0),
@@ -105,6 +113,16 @@ impl Metrics {
 
     pub(crate) fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
+    }
+
+    pub(crate) fn set_orphaned_slots(&self, count: usize) {
+        self.orphaned_slots
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// Orphaned replication objects found in the last scans.
+    pub fn orphaned_slots(&self) -> i64 {
+        self.orphaned_slots.get()
     }
 
     /// Reconciles finished so far, with or without error.

@@ -5,6 +5,7 @@
 //! `crate::resources`) → check the referenced Secrets (reads) → apply the children with
 //! server-side apply and delete the ones no longer built (writes) → update status.
 
+mod database;
 mod metrics;
 mod reconcile;
 mod status;
@@ -33,7 +34,7 @@ use crate::resources::{BuildError, BuildOptions, MANAGED_BY, default_relay_image
 pub use metrics::Metrics;
 pub use status::{
     CONDITION_BROKER_READY, CONDITION_DATABASE_READY, CONDITION_DEGRADED,
-    CONDITION_MONITORING_READY, CONDITION_READY,
+    CONDITION_MONITORING_READY, CONDITION_READY, CONDITION_SLOT_READY,
 };
 
 /// The finalizer the operator puts on every OutboxRelay, so that it can drop what lives
@@ -84,6 +85,10 @@ pub enum Error {
     /// Leader election failed.
     #[error("leader election: {0}")]
     Lease(#[from] kube_lease_manager::LeaseManagerError),
+    /// The finalizer waits: for the relay's pods to stop, or for the database to drop
+    /// the slot in. Retried soon; not a failure.
+    #[error("cleanup pending: {0}")]
+    CleanupPending(String),
     /// An object the API server returned lacks a field it always sets.
     #[error("the API server returned an object without {0}")]
     MissingField(&'static str),
@@ -105,6 +110,7 @@ impl Error {
             Error::Listen { .. } => "listen",
             Error::Lease(_) => "leader_election",
             Error::MissingField(_) => "api_response",
+            Error::CleanupPending(_) => "cleanup_pending",
         }
     }
 }
@@ -142,6 +148,10 @@ pub struct ControllerArgs {
     /// Seconds between periodic reconciles of an unchanged OutboxRelay (drift repair).
     #[arg(long, default_value_t = 300)]
     pub resync_seconds: u64,
+    /// Seconds between database checks of a running relay, which refresh status
+    /// (backlog, oldest unpublished age, slot lag).
+    #[arg(long, env = "OUTBOX_STATUS_INTERVAL", default_value_t = 10)]
+    pub status_interval_seconds: u64,
 }
 
 impl ControllerArgs {
@@ -157,6 +167,7 @@ impl ControllerArgs {
             identity: None,
             lease_duration_seconds: 15,
             resync_seconds: 300,
+            status_interval_seconds: 10,
         }
     }
 
@@ -176,6 +187,14 @@ pub(crate) struct Context {
     metrics: Arc<Metrics>,
     leader: watch::Receiver<bool>,
     resync: Duration,
+    /// How often a running relay's database is checked and its status refreshed.
+    status_interval: Duration,
+    /// The namespace watched (`None`: all).
+    watch_namespace: Option<String>,
+    /// Orphaned slots found so far.
+    orphans: database::Orphans,
+    /// When each relay's measured figures were last written (by uid).
+    figures_written: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
     /// Reconciles running now; shutdown waits for this to reach zero.
     in_flight: AtomicUsize,
 }
@@ -287,6 +306,10 @@ pub async fn run(
         metrics: metrics.clone(),
         leader: leader.clone(),
         resync: Duration::from_secs(args.resync_seconds.max(1)),
+        status_interval: Duration::from_secs(args.status_interval_seconds.max(1)),
+        watch_namespace: args.namespace.clone(),
+        orphans: database::Orphans::default(),
+        figures_written: std::sync::Mutex::new(std::collections::HashMap::new()),
         in_flight: AtomicUsize::new(0),
     });
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
@@ -22,16 +22,18 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 use tracing::{info, warn};
 
+use super::database::{self, Cleanup};
 use super::status::{
     CONDITION_BROKER_READY, CONDITION_DATABASE_READY, CONDITION_DEGRADED,
-    CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, find, merge,
+    CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, figures_differ, find, merge,
 };
 use super::{Context, Error, FINALIZER};
-use crate::api::{OutboxRelay, OutboxRelayStatus, SecretKeyRef};
+use crate::api::{OutboxRelay, OutboxRelayStatus, SecretKeyRef, SlotStatus};
+use crate::postgres::admin::{Backlog, human_age};
 use crate::resources::{
     BuildError, Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND,
     PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, SecretUse, build,
-    children_selector, effective_replicas, required_secrets,
+    children_selector, effective_replicas, relay_object_name, required_secrets, selector_labels,
 };
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
@@ -40,6 +42,8 @@ use crate::resources::{
 const SECRET_RETRY: Duration = Duration::from_secs(15);
 /// Back-off after a failed reconcile.
 const ERROR_RETRY: Duration = Duration::from_secs(15);
+/// How soon the finalizer looks again while the relay's pods are still stopping.
+const CLEANUP_POLL: Duration = Duration::from_secs(2);
 
 /// The controller's reconcile function: everything runs inside the finalizer helper.
 pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -68,6 +72,17 @@ pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Res
 
 /// Logs, counts (in `reconcile`) and retries a failed reconcile.
 pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Context>) -> Action {
+    if error.category() == "cleanup_pending" {
+        // Not a failure: the finalizer waits for the relay to stop or the database to
+        // come back, and looks again soon.
+        info!(
+            relay = %relay.name_any(),
+            namespace = %relay.namespace().unwrap_or_default(),
+            reason = %error,
+            "cleanup not finished yet; looking again"
+        );
+        return Action::requeue(CLEANUP_POLL);
+    }
     warn!(
         relay = %relay.name_any(),
         namespace = %relay.namespace().unwrap_or_default(),
@@ -89,7 +104,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
                 Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
                 Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
             ];
-            update_status(relay, ctx, conditions).await?;
+            update_status(relay, ctx, conditions, Figures::default()).await?;
             return Ok(Action::await_change());
         }
         Err(err) => return Err(err.into()),
@@ -108,8 +123,36 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             database,
             broker,
         ];
-        update_status(relay, ctx, conditions).await?;
+        update_status(relay, ctx, conditions, Figures::default()).await?;
         return Ok(Action::requeue(SECRET_RETRY));
+    }
+
+    // The database checks (and, for log tailing, the slot and publication) come before
+    // any child: nothing is half-created when they fail. A Deployment that already runs
+    // is left as it is — a database that is briefly unreachable must not stop it.
+    let inspection = database::inspect(relay, ctx).await?;
+    let database = inspection.database;
+    let slot_cond = inspection.slot;
+    let figures = Figures {
+        backlog: inspection.backlog,
+        slot: inspection.slot_status,
+    };
+    let refresh = ctx.status_interval.min(ctx.resync);
+    if !inspection.ready {
+        let problem = if database.status {
+            slot_cond.as_ref().unwrap_or(&database)
+        } else {
+            &database
+        };
+        let mut conditions = vec![
+            Cond::no(CONDITION_READY, problem.reason, problem.message.clone()),
+            Cond::yes(CONDITION_DEGRADED, problem.reason, problem.message.clone()),
+            database.clone(),
+            broker,
+        ];
+        conditions.extend(slot_cond);
+        update_status(relay, ctx, conditions, figures).await?;
+        return Ok(Action::requeue(refresh));
     }
 
     let monitoring = monitoring_available(ctx).await?;
@@ -159,7 +202,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             ),
         )
     };
-    let conditions = vec![
+    let mut conditions = vec![
         ready,
         Cond::no(
             CONDITION_DEGRADED,
@@ -170,8 +213,10 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         broker,
         monitoring_cond,
     ];
-    update_status(relay, ctx, conditions).await?;
-    Ok(Action::requeue(ctx.resync))
+    conditions.extend(slot_cond);
+    update_status(relay, ctx, conditions, figures).await?;
+    // Soon again: status tracks the backlog and the slot's lag.
+    Ok(Action::requeue(refresh))
 }
 
 /// Checks that every Secret key the pods need exists; returns the `DatabaseReady` and
@@ -417,12 +462,24 @@ where
     Ok(())
 }
 
-/// Writes status when it changed (ignoring timestamps) and records an Event when the
-/// `Ready` condition changed its status or reason.
+/// What the controller measured in the database for status.
+#[derive(Debug, Default)]
+pub(super) struct Figures {
+    /// Backlog rows and oldest age.
+    pub backlog: Option<Backlog>,
+    /// The slot (log tailing).
+    pub slot: Option<SlotStatus>,
+}
+
+/// Writes status when conditions changed (ignoring timestamps), or when only the
+/// measured figures changed and they were last written at least half a status interval
+/// ago (they move constantly while rows flow, and every write wakes the watch), and
+/// records an Event when the `Ready` condition changed its status or reason.
 async fn update_status(
     relay: &OutboxRelay,
     ctx: &Context,
     conditions: Vec<Cond>,
+    figures: Figures,
 ) -> Result<(), Error> {
     let current = relay.status.as_ref();
     let generation = relay.metadata.generation;
@@ -432,28 +489,45 @@ async fn update_status(
         generation,
         Timestamp::now(),
     );
+    // Tenths of a second: finer figures would only make writes.
+    let age = figures
+        .backlog
+        .and_then(|b| b.oldest_age_seconds)
+        .map(|a| (a * 10.0).round() / 10.0);
     let desired = OutboxRelayStatus {
         observed_generation: generation,
         conditions: merged,
         mode: relay.spec.mode.get().map(|m| m.name().to_owned()),
         broker: relay.spec.broker.get().map(|b| b.name().to_owned()),
-        ..OutboxRelayStatus::default()
+        backlog_rows: figures.backlog.map(|b| b.rows),
+        oldest_unpublished_age_seconds: age,
+        oldest_unpublished_age: figures.backlog.map(|b| {
+            b.oldest_age_seconds
+                .map_or_else(|| "0s".to_owned(), human_age)
+        }),
+        slot: figures.slot,
+        partitions: None,
     };
     let event = ready_transition(current, &conditions);
-    if differs(current, &desired) {
+    let uid = relay.uid().unwrap_or_default();
+    let figures_due = figures_differ(current, &desired) && {
+        let written = ctx
+            .figures_written
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        written
+            .get(&uid)
+            .is_none_or(|at| at.elapsed() >= ctx.status_interval / 2)
+    };
+    if differs(current, &desired) || figures_due {
         let namespace = relay.namespace().unwrap_or_default();
         let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
-        // Apply only the fields the controller owns; backlog and slot figures written
-        // by others are left alone.
+        // Every status field is the controller's; absent figures are left out, so
+        // server-side apply removes what they said before.
         let patch = json!({
             "apiVersion": OutboxRelay::api_version(&()),
             "kind": OutboxRelay::kind(&()),
-            "status": {
-                "observedGeneration": desired.observed_generation,
-                "conditions": desired.conditions,
-                "mode": desired.mode,
-                "broker": desired.broker,
-            },
+            "status": desired,
         });
         ctx.metrics.wrote();
         api.patch_status(
@@ -462,6 +536,10 @@ async fn update_status(
             &Patch::Apply(&patch),
         )
         .await?;
+        ctx.figures_written
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(uid, Instant::now());
     }
     if let Some((type_, reason, note)) = event {
         publish(relay, ctx, type_, reason, note).await;
@@ -490,7 +568,13 @@ fn ready_transition(
 }
 
 /// Publishes an Event; a failure is logged, not fatal (Events are advisory).
-async fn publish(relay: &OutboxRelay, ctx: &Context, type_: EventType, reason: &str, note: String) {
+pub(super) async fn publish(
+    relay: &OutboxRelay,
+    ctx: &Context,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     let event = Event {
         type_,
         reason: reason.to_owned(),
@@ -504,11 +588,39 @@ async fn publish(relay: &OutboxRelay, ctx: &Context, type_: EventType, reason: &
     }
 }
 
-/// Cleanup before the OutboxRelay goes: children need nothing (garbage collection
-/// removes them through their owner references); external state is dropped here.
-/// Tolerates apply never having run.
+/// Cleanup before the OutboxRelay goes. Children need nothing (garbage collection
+/// removes them through their owner references). For log tailing the relay is stopped
+/// first (its Deployment deleted, then waiting until its pods are gone), so that no
+/// walsender streams the slot, and then the slot and publication the operator created
+/// are dropped. Tolerates apply never having run; never blocks on an invalid spec.
 async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
-    drop_external_state(relay).await?;
+    if relay.spec.mode.log_tailing.is_some() {
+        stop_relay(relay, ctx).await?;
+        match database::drop_external(relay, ctx).await? {
+            Cleanup::Done(type_, reason, note) => {
+                info!(relay = %relay.name_any(), reason, note = %note, "cleanup in PostgreSQL done");
+                publish(relay, ctx, type_, reason, note).await;
+            }
+            Cleanup::Retry(message) => {
+                publish(
+                    relay,
+                    ctx,
+                    EventType::Warning,
+                    "CleanupRetrying",
+                    message.clone(),
+                )
+                .await;
+                return Err(Error::CleanupPending(message));
+            }
+        }
+    }
+    // Forget the relay's bookkeeping.
+    if let Some(uid) = relay.uid() {
+        ctx.figures_written
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&uid);
+    }
     publish(
         relay,
         ctx,
@@ -520,15 +632,43 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
-/// Hook for what lives outside Kubernetes. Log tailing's replication slot and
-/// publication are dropped here once slot management lands (the log-tailing issue);
-/// until then the operator creates nothing outside Kubernetes, so there is nothing to
-/// drop. It must treat "already gone" as success and never block on an invalid spec.
-async fn drop_external_state(relay: &OutboxRelay) -> Result<(), Error> {
-    info!(
-        relay = %relay.name_any(),
-        namespace = %relay.namespace().unwrap_or_default(),
-        "cleanup: nothing outside Kubernetes to drop"
-    );
+/// Deletes the relay's Deployment and returns `CleanupPending` until none of its pods is
+/// left: only then can no walsender take the slot again.
+async fn stop_relay(relay: &OutboxRelay, ctx: &Context) -> Result<(), Error> {
+    let namespace = relay.namespace().unwrap_or_default();
+    let uid = relay.uid().unwrap_or_default();
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    let name = relay_object_name(relay);
+    if let Some(deployment) = deployments.get_opt(&name).await? {
+        let owned = deployment
+            .owner_references()
+            .iter()
+            .any(|o| o.uid == uid && o.controller == Some(true));
+        if owned && deployment.metadata.deletion_timestamp.is_none() {
+            info!(relay = %relay.name_any(), deployment = %name, "stopping the relay before dropping its slot");
+            ctx.metrics.wrote();
+            match deployments.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+    let selector = selector_labels(relay)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+    let left = pods
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .len();
+    if left > 0 {
+        return Err(Error::CleanupPending(format!(
+            "waiting for {left} relay pod(s) to stop before dropping the replication slot"
+        )));
+    }
     Ok(())
 }

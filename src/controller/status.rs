@@ -14,6 +14,9 @@ pub const CONDITION_DEGRADED: &str = "Degraded";
 pub const CONDITION_DATABASE_READY: &str = "DatabaseReady";
 /// What the controller can tell about the broker: its Secrets exist.
 pub const CONDITION_BROKER_READY: &str = "BrokerReady";
+/// Log tailing: wal_level, replication privilege, free slots, and the slot and
+/// publication themselves.
+pub const CONDITION_SLOT_READY: &str = "SlotReady";
 /// Whether the ServiceMonitor and PrometheusRule could be created.
 pub const CONDITION_MONITORING_READY: &str = "MonitoringReady";
 
@@ -79,8 +82,8 @@ pub fn merge(
         .collect()
 }
 
-/// The fields of the status the controller writes, compared ignoring nothing else: the
-/// timestamps are already carried over by [`merge`].
+/// Whether the conditions, generation, mode or broker changed: a change worth a write
+/// at once. The timestamps are already carried over by [`merge`].
 pub fn differs(current: Option<&OutboxRelayStatus>, desired: &OutboxRelayStatus) -> bool {
     let empty = OutboxRelayStatus::default();
     let current = current.unwrap_or(&empty);
@@ -88,6 +91,17 @@ pub fn differs(current: Option<&OutboxRelayStatus>, desired: &OutboxRelayStatus)
         || current.mode != desired.mode
         || current.broker != desired.broker
         || normalized(&current.conditions) != normalized(&desired.conditions)
+}
+
+/// Whether the measured figures (backlog, oldest age, slot) changed. They move all the
+/// time while rows flow, so they are written at most once per status interval.
+pub fn figures_differ(current: Option<&OutboxRelayStatus>, desired: &OutboxRelayStatus) -> bool {
+    let empty = OutboxRelayStatus::default();
+    let current = current.unwrap_or(&empty);
+    current.backlog_rows != desired.backlog_rows
+        || current.oldest_unpublished_age != desired.oldest_unpublished_age
+        || current.oldest_unpublished_age_seconds != desired.oldest_unpublished_age_seconds
+        || current.slot != desired.slot
 }
 
 fn normalized(conditions: &[Condition]) -> Vec<(String, String, String, String, Option<i64>)> {

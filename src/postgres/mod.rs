@@ -25,6 +25,7 @@
 //!   WHERE "published_at" IS NULL;
 //! ```
 
+pub mod admin;
 pub mod replication;
 
 use std::collections::BTreeSet;
@@ -48,6 +49,9 @@ pub enum PgError {
     /// The table does not have the shape the configuration names.
     #[error("outbox table: {0}")]
     Schema(String),
+    /// The replication slot or publication is missing, in use or in conflict.
+    #[error("{0}")]
+    Replication(String),
     /// The connection URL cannot be used.
     #[error("database URL (from ${env}): {message}")]
     Url {

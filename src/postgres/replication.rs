@@ -1,7 +1,8 @@
 //! Log tailing on the PostgreSQL side: decoding of the `pgoutput` messages the relay
-//! needs (Relation, Insert; the rest is recognised and skipped), and the SQL around the
-//! replication slot: publication and slot creation, slot statistics, heartbeats and the
-//! deletion of published rows.
+//! needs (Relation, Insert; the rest is recognised and skipped), and the SQL the relay
+//! runs around the replication slot: slot statistics, heartbeats and the deletion of
+//! published rows. Creating and dropping slot and publication is the controller's
+//! (`super::admin`).
 //!
 //! The replication connection itself (replication-mode startup, `START_REPLICATION`,
 //! CopyBoth framing, keepalive replies and standby status updates) is the
@@ -272,82 +273,6 @@ pub fn replication_config(
 // ---------------------------------------------------------------------------------------
 // SQL around the slot. Slot and publication names passed [`check_slot_name`]; the table
 // names passed `check_identifier`.
-
-/// Creates the publication (inserts into the outbox table only) when it does not exist.
-///
-/// The controller will own the publication (and drop it through its finalizer); until it
-/// does, the relay creates what it needs, so a log-tailing relay works on its own.
-pub async fn ensure_publication(
-    client: &Client,
-    publication: &str,
-    schema: &str,
-    table: &str,
-) -> Result<bool, PgError> {
-    let exists = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(db("looking up the publication"))?
-        .is_some();
-    if exists {
-        return Ok(false);
-    }
-    let created = client
-        .batch_execute(&format!(
-            "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert')",
-            quote(publication),
-            quote(schema),
-            quote(table)
-        ))
-        .await;
-    match created {
-        Ok(()) => Ok(true),
-        // Another process created it between our check and our statement.
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => Ok(false),
-        Err(source) => Err(PgError::Db {
-            what: "creating the publication",
-            source,
-        }),
-    }
-}
-
-/// Creates the `pgoutput` logical slot when it does not exist (see
-/// [`ensure_publication`] on ownership). Returns true when it was created.
-pub async fn ensure_slot(client: &Client, slot: &str) -> Result<bool, PgError> {
-    let existing = client
-        .query_opt(
-            "SELECT database = current_database(), plugin::text FROM pg_replication_slots \
-             WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .map_err(db("looking up the replication slot"))?;
-    if let Some(row) = existing {
-        let (same_database, plugin): (Option<bool>, Option<String>) = (row.get(0), row.get(1));
-        if same_database != Some(true) || plugin.as_deref() != Some("pgoutput") {
-            return Err(PgError::Schema(format!(
-                "replication slot {slot} exists but is not a pgoutput slot of this database"
-            )));
-        }
-        return Ok(false);
-    }
-    let created = client
-        .query_one(
-            "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
-        )
-        .await;
-    match created {
-        Ok(_) => Ok(true),
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => Ok(false),
-        Err(source) => Err(PgError::Db {
-            what: "creating the replication slot",
-            source,
-        }),
-    }
-}
 
 /// What `pg_replication_slots` says about the slot.
 #[derive(Debug, Clone, PartialEq)]

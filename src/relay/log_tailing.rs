@@ -40,9 +40,10 @@
 //!
 //! # Slot and publication
 //!
-//! The controller will own the publication and the slot (creating them, and dropping
-//! them through its finalizer). Until it does, the relay creates them when missing, on
-//! its normal connection, so a log-tailing relay works on its own.
+//! The controller owns the publication and the slot: it creates them once its checks
+//! pass and drops them through its finalizer, after the relay has stopped. The relay
+//! only checks they exist; when they do not, it reports not ready and retries with
+//! backoff, so a relay still running during a delete cannot re-create a dropped slot.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -65,7 +66,7 @@ use crate::broker::{Broker, BrokerKind, PublishError};
 use crate::postgres::replication::{
     self as repl, BYTEA_OID, HEARTBEAT_PREFIX, PgOutput, Relation, TupleValue,
 };
-use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError};
+use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError, admin};
 
 /// How often a newly confirmed position is sent to the server (standby status update).
 /// Short, because a crash re-publishes whatever was acknowledged but not yet reported.
@@ -317,7 +318,7 @@ impl LogTailer {
         result
     }
 
-    /// One session: a normal connection (table check, slot and publication, heartbeats,
+    /// One session: a normal connection (table check, slot and publication present, heartbeats,
     /// deletes) and a replication connection streaming from the slot's confirmed
     /// position.
     async fn session(&mut self, backoff: &mut Backoff) -> Result<(), SessionEnd> {
@@ -334,11 +335,26 @@ impl LogTailer {
             1,
         )
         .await?;
-        if repl::ensure_publication(&client, &self.lt.publication, &t.schema, &t.name).await? {
-            tracing::info!(publication = %self.lt.publication, "created the publication");
-        }
-        if repl::ensure_slot(&client, &self.lt.slot).await? {
-            tracing::info!(slot = %self.lt.slot, "created the replication slot");
+        // The operator creates slot and publication once its checks pass (and drops them
+        // when the OutboxRelay goes); the relay never does, so a relay still running
+        // after a delete cannot bring a dropped slot back.
+        let (slot, publication) =
+            admin::replication_objects_exist(&client, &self.lt.slot, &self.lt.publication).await?;
+        if !slot || !publication {
+            let missing = match (slot, publication) {
+                (false, false) => format!(
+                    "replication slot {} and publication {} do not exist",
+                    self.lt.slot, self.lt.publication
+                ),
+                (false, true) => format!(
+                    "replication slot {} does not exist in this database",
+                    self.lt.slot
+                ),
+                _ => format!("publication {} does not exist", self.lt.publication),
+            };
+            return Err(SessionEnd::Db(PgError::Replication(format!(
+                "{missing}; the operator creates them once its database checks pass (see the OutboxRelay's SlotReady condition)"
+            ))));
         }
         self.delete_after_reconnect(&client).await?;
         let config = repl::replication_config(

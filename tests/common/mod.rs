@@ -1239,3 +1239,33 @@ pub async fn install_outbox_crd(client: &kube::Client) {
     )
     .await;
 }
+
+/// Creates the publication (inserts into `public.outbox`) and the `pgoutput` slot through
+/// the operator's own code (`outbox_operator::postgres::admin::provision`), for tests
+/// that run a log-tailing relay without the controller: the relay never creates them.
+pub async fn create_replication(client: &tokio_postgres::Client, slot: &str, publication: &str) {
+    use outbox_operator::postgres::admin::{self, Owner, Plan, SlotPlan};
+
+    let plan = Plan {
+        schema: "public".to_owned(),
+        table: "outbox".to_owned(),
+        id: "id".to_owned(),
+        columns: Vec::new(),
+        created_at: "created_at".to_owned(),
+        published_at: None,
+        privileges: Vec::new(),
+        log_tailing: Some(SlotPlan {
+            slot: slot.to_owned(),
+            publication: publication.to_owned(),
+            delete_after_publish: true,
+        }),
+    };
+    let owner = Owner {
+        namespace: "test".to_owned(),
+        name: slot.replace('_', "-"),
+        uid: format!("test-{slot}"),
+    };
+    admin::provision(client, &plan, &owner)
+        .await
+        .unwrap_or_else(|err| panic!("creating slot {slot} and publication {publication}: {err}"));
+}

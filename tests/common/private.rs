@@ -119,9 +119,12 @@ fn shared_tempdir(prefix: &str) -> tempfile::TempDir {
 // ---------------------------------------------------------------------------------------
 // PostgreSQL
 
-/// A private PostgreSQL cluster (trust auth, `wal_level=logical`, `fsync=off`).
+/// A private PostgreSQL cluster (trust auth, `wal_level=logical`, `fsync=off`, plus any
+/// settings given to [`PrivatePostgres::start_with`]).
 pub struct PrivatePostgres {
     pub port: u16,
+    /// Extra `name=value` settings, applied after the defaults (so they win).
+    settings: Vec<String>,
     bin: PathBuf,
     data: PathBuf,
     log: PathBuf,
@@ -131,6 +134,12 @@ pub struct PrivatePostgres {
 impl PrivatePostgres {
     /// initdb (as the `postgres` user: initdb refuses root) and start.
     pub fn start_new() -> PrivatePostgres {
+        Self::start_with(&[])
+    }
+
+    /// Like [`PrivatePostgres::start_new`], with extra settings such as
+    /// `wal_level=replica` or `max_replication_slots=1`.
+    pub fn start_with(settings: &[&str]) -> PrivatePostgres {
         let rig = Rig::load();
         let bin = PathBuf::from(rig.get("OUTBOX_RIG_PG_BIN"));
         let dir = shared_tempdir("outbox-private-pg-");
@@ -152,6 +161,7 @@ impl PrivatePostgres {
         );
         let mut pg = PrivatePostgres {
             port: free_port(),
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             bin,
             log: dir.path().join("postgres.log"),
             data,
@@ -183,12 +193,16 @@ impl PrivatePostgres {
     /// Starts the server on its port and data folder; returns once it accepts
     /// connections.
     pub fn start(&mut self) {
-        let options = format!(
+        let mut options = format!(
             "-c listen_addresses=127.0.0.1 -p {} -c unix_socket_directories={} \
              -c wal_level=logical -c fsync=off -c full_page_writes=off -c max_connections=200",
             self.port,
             self.dir.path().display()
         );
+        for setting in &self.settings {
+            options.push_str(" -c ");
+            options.push_str(setting);
+        }
         let output = self.pg_ctl(&["-w", "-t", "60", "-o", &options, "start"]);
         assert!(
             output.status.success(),

@@ -94,6 +94,11 @@ app.kubernetes.io/part-of: outbox-operator
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "prometheusrules"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# Relay pods, read only: the finalizer waits until a log-tailing relay's pods are gone
+# before it drops the replication slot (a running relay would hold it).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
 # Get by name only: the controller checks that a referenced Secret and key exist; the
 # relay pods mount the Secret themselves. No list/watch: that would let the operator
 # read every Secret in a watched namespace (in cluster-wide mode, in the cluster).

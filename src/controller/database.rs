@@ -1,0 +1,498 @@
+//! The controller's side of PostgreSQL: reads the connection Secret, connects with a
+//! short timeout, runs the preflight checks, creates or adopts the slot and publication,
+//! reads the figures status shows, drops what the operator created on delete and
+//! reports orphaned slots. The SQL is `crate::postgres::admin`'s; this module turns its
+//! results into conditions, Events and metrics. Nothing secret leaves it: the URL is
+//! only ever handed to the driver.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::events::EventType;
+use kube::{Api, ResourceExt};
+use tokio_postgres::Client;
+use tracing::{debug, warn};
+
+use super::Context;
+use super::status::{CONDITION_DATABASE_READY, CONDITION_SLOT_READY, Cond};
+use crate::api::{OutboxRelay, SlotStatus};
+use crate::postgres::admin::{self, Backlog, Check, Origin, Owner, Plan, Scope};
+use crate::postgres::{self, PgError};
+
+/// What the database says about one relay, for conditions and status.
+pub(super) struct Inspection {
+    /// `DatabaseReady`.
+    pub database: Cond,
+    /// `SlotReady` (log tailing only).
+    pub slot: Option<Cond>,
+    /// Every check passed and the slot and publication exist: the relay may run.
+    pub ready: bool,
+    /// `status.slot`.
+    pub slot_status: Option<SlotStatus>,
+    /// `status.backlogRows` and the oldest age.
+    pub backlog: Option<Backlog>,
+}
+
+/// Where the connection URL comes from, for messages (never the URL itself).
+fn secret_name(relay: &OutboxRelay) -> String {
+    let r = &relay.spec.database.postgres.connection_secret_ref;
+    format!("Secret {} key {}", r.name, r.key)
+}
+
+/// The connection URL from the Secret: `Ok(None)` when the Secret or key is missing.
+async fn read_url(relay: &OutboxRelay, ctx: &Context) -> Result<Option<String>, kube::Error> {
+    let r = &relay.spec.database.postgres.connection_secret_ref;
+    let secrets: Api<Secret> =
+        Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
+    let Some(secret) = secrets.get_opt(&r.name).await? else {
+        return Ok(None);
+    };
+    let from_data = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(&r.key))
+        .map(|b| String::from_utf8_lossy(&b.0).trim().to_owned());
+    let from_string = secret
+        .string_data
+        .as_ref()
+        .and_then(|d| d.get(&r.key))
+        .map(|s| s.trim().to_owned());
+    Ok(from_data.or(from_string).filter(|u| !u.is_empty()))
+}
+
+/// Connects like the relay does (same driver settings, same sslMode handling).
+async fn connect(relay: &OutboxRelay, url: &str) -> Result<Client, PgError> {
+    postgres::connect(
+        url,
+        &secret_name(relay),
+        relay.spec.database.postgres.ssl_mode,
+    )
+    .await
+}
+
+/// A stable key for a database, without credentials: `host:port/database`.
+fn database_key(url: &str) -> String {
+    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+        return "<unparseable>".to_owned();
+    };
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let db = config
+        .get_dbname()
+        .or(config.get_user())
+        .unwrap_or("postgres");
+    format!("{host}:{port}/{db}")
+}
+
+fn owner(relay: &OutboxRelay) -> Owner {
+    Owner {
+        namespace: relay.namespace().unwrap_or_default(),
+        name: relay.name_any(),
+        uid: relay.uid().unwrap_or_default(),
+    }
+}
+
+fn cond_of(type_: &'static str, check: &Check) -> Cond {
+    if check.ok {
+        Cond::yes(type_, check.reason, check.message.clone())
+    } else {
+        Cond::no(type_, check.reason, check.message.clone())
+    }
+}
+
+/// Connects, checks, provisions (log tailing) and measures. Connection and check
+/// failures are conditions, not errors: the caller creates nothing then.
+pub(super) async fn inspect(relay: &OutboxRelay, ctx: &Context) -> Result<Inspection, kube::Error> {
+    let plan = Plan::for_relay(relay);
+    let tailing = plan.log_tailing.is_some();
+    let not_ready = |reason: &'static str, message: String| Inspection {
+        database: Cond::no(CONDITION_DATABASE_READY, reason, message.clone()),
+        slot: tailing.then(|| {
+            Cond::no(
+                CONDITION_SLOT_READY,
+                "DatabaseNotReady",
+                format!("not checked: {message}"),
+            )
+        }),
+        ready: false,
+        slot_status: None,
+        backlog: None,
+    };
+    let Some(url) = read_url(relay, ctx).await? else {
+        // check_secrets reported it already; be safe against a race.
+        return Ok(not_ready(
+            "SecretNotFound",
+            format!("{} is missing or empty", secret_name(relay)),
+        ));
+    };
+    let client = match connect(relay, &url).await {
+        Ok(client) => client,
+        Err(err) => {
+            return Ok(not_ready(
+                "ConnectionFailed",
+                format!(
+                    "cannot connect to PostgreSQL with the URL in {}: {err}; check the URL, the network path from the operator and pg_hba.conf",
+                    secret_name(relay)
+                ),
+            ));
+        }
+    };
+    let outcome = inspect_connected(relay, &client, &plan).await;
+    match outcome {
+        Ok(inspection) => {
+            if inspection.ready {
+                scan_orphans(relay, ctx, &client, &url).await;
+            }
+            Ok(inspection)
+        }
+        Err(err) => Ok(not_ready(
+            "QueryFailed",
+            format!("checking the database failed: {err}"),
+        )),
+    }
+}
+
+async fn inspect_connected(
+    relay: &OutboxRelay,
+    client: &Client,
+    plan: &Plan,
+) -> Result<Inspection, PgError> {
+    let facts = admin::gather(client, plan).await?;
+    let checks = admin::evaluate(plan, &facts);
+    let database = admin::first_failure(&checks, Scope::Database).map_or_else(
+        || {
+            let summary = checks
+                .iter()
+                .filter(|c| c.scope == Scope::Database)
+                .map(|c| c.message.as_str())
+                .collect::<Vec<_>>()
+                .join("; ");
+            Cond::yes(CONDITION_DATABASE_READY, "ChecksPassed", summary)
+        },
+        |c| cond_of(CONDITION_DATABASE_READY, c),
+    );
+    let Some(lt) = &plan.log_tailing else {
+        let backlog = if database.status {
+            measure_backlog(client, plan).await
+        } else {
+            None
+        };
+        return Ok(Inspection {
+            ready: database.status,
+            database,
+            slot: None,
+            slot_status: None,
+            backlog,
+        });
+    };
+    if !database.status {
+        return Ok(Inspection {
+            database,
+            slot: Some(Cond::no(
+                CONDITION_SLOT_READY,
+                "DatabaseNotReady",
+                "the slot and publication are created once DatabaseReady is True",
+            )),
+            ready: false,
+            slot_status: None,
+            backlog: None,
+        });
+    }
+    if let Some(failed) = admin::first_failure(&checks, Scope::Slot) {
+        return Ok(Inspection {
+            database,
+            slot: Some(cond_of(CONDITION_SLOT_READY, failed)),
+            ready: false,
+            slot_status: None,
+            backlog: None,
+        });
+    }
+    let provisioned = match admin::provision(client, plan, &owner(relay)).await {
+        Ok(p) => p,
+        Err(err) => {
+            return Ok(Inspection {
+                database,
+                slot: Some(Cond::no(
+                    CONDITION_SLOT_READY,
+                    "SlotCreationFailed",
+                    format!(
+                        "creating slot {} or publication {} failed: {err}",
+                        lt.slot, lt.publication
+                    ),
+                )),
+                ready: false,
+                slot_status: None,
+                backlog: None,
+            });
+        }
+    };
+    let describe = |o: Option<Origin>| match o {
+        Some(Origin::Created) => "created by the operator, dropped with the OutboxRelay",
+        Some(Origin::Adopted) => "existed before, kept when the OutboxRelay is deleted",
+        None => "carries another comment, kept when the OutboxRelay is deleted",
+    };
+    let stats = admin::slot_state(client, &lt.slot).await?;
+    let active = stats.as_ref().is_some_and(|s| s.active);
+    let slot = Cond::yes(
+        CONDITION_SLOT_READY,
+        "SlotReady",
+        format!(
+            "replication slot {} ({}) and publication {} ({}) exist; {}",
+            lt.slot,
+            describe(provisioned.slot),
+            lt.publication,
+            describe(provisioned.publication),
+            if active {
+                "a relay streams the slot"
+            } else {
+                "no relay streams the slot yet"
+            }
+        ),
+    );
+    let slot_status = Some(SlotStatus {
+        name: lt.slot.clone(),
+        publication: Some(lt.publication.clone()),
+        confirmed_flush_lsn: stats.as_ref().and_then(|s| s.confirmed_flush_lsn.clone()),
+        retained_wal_bytes: stats.as_ref().map(|s| s.retained_wal_bytes),
+        wal_status: stats
+            .as_ref()
+            .map(|s| s.wal_status.clone())
+            .filter(|w| !w.is_empty()),
+        active: stats.as_ref().map(|s| s.active),
+    });
+    Ok(Inspection {
+        database,
+        slot: Some(slot),
+        ready: true,
+        slot_status,
+        backlog: measure_backlog(client, plan).await,
+    })
+}
+
+/// The backlog, or `None` when it cannot be measured cheaply right now (a statement
+/// timeout on a huge table): status then leaves it out rather than blocking.
+async fn measure_backlog(client: &Client, plan: &Plan) -> Option<Backlog> {
+    match admin::backlog(client, plan).await {
+        Ok(backlog) => backlog,
+        Err(err) => {
+            debug!(error = %err, "measuring the backlog failed; leaving it out of status");
+            None
+        }
+    }
+}
+
+/// Orphaned replication objects, per database, as last scanned.
+#[derive(Default)]
+pub(crate) struct Orphans {
+    by_database: Mutex<BTreeMap<String, BTreeSet<String>>>,
+    reported: Mutex<BTreeSet<String>>,
+}
+
+impl Orphans {
+    /// Records a database's orphans; returns the total and the ones not reported yet.
+    fn record(&self, database: &str, found: BTreeSet<String>) -> (usize, Vec<String>) {
+        let mut by_db = self
+            .by_database
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        by_db.insert(database.to_owned(), found.clone());
+        let total = by_db.values().map(BTreeSet::len).sum();
+        let mut reported = self
+            .reported
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let new = found
+            .into_iter()
+            .filter(|k| reported.insert(format!("{database}|{k}")))
+            .collect();
+        (total, new)
+    }
+}
+
+/// Finds publications (and their slots) the operator marked for an OutboxRelay that no
+/// longer exists, in this relay's database: counts them in a gauge and reports each once
+/// in a Warning Event. Never drops them: only a person can tell whether a consumer
+/// still needs the position. Failures are logged, not fatal.
+async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Client, url: &str) {
+    let marked = match admin::list_marked(client).await {
+        Ok(m) => m,
+        Err(err) => {
+            debug!(error = %err, "listing the operator's publications failed");
+            return;
+        }
+    };
+    let key = database_key(url);
+    let me = owner(relay);
+    let mut found = BTreeMap::new();
+    for m in marked {
+        let o = &m.marker.owner;
+        if *o == me {
+            continue;
+        }
+        if ctx
+            .watch_namespace
+            .as_deref()
+            .is_some_and(|ns| ns != o.namespace)
+        {
+            // Relays outside the watched namespace are not ours to judge.
+            continue;
+        }
+        let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &o.namespace);
+        let alive = match api.get_opt(&o.name).await {
+            Ok(found) => found.is_some_and(|r| r.uid().as_deref() == Some(o.uid.as_str())),
+            Err(err) => {
+                debug!(error = %err, "cannot look up the owner of a marked publication");
+                continue;
+            }
+        };
+        if alive {
+            continue;
+        }
+        let slot_note = if m.slot_exists && m.marker.slot_origin == Origin::Created {
+            format!(
+                "replication slot {} (retains WAL until dropped) and ",
+                m.marker.slot
+            )
+        } else {
+            String::new()
+        };
+        let note = format!(
+            "{slot_note}publication {} in database {key} were created for OutboxRelay {}/{} (uid {}), which no longer exists. The operator never drops them on its own: recreate OutboxRelay {}/{} to adopt them, or drop them after checking nothing consumes the slot (docs/runbooks.md, orphaned slot)",
+            m.publication, o.namespace, o.name, o.uid, o.namespace, o.name
+        );
+        found.insert(format!("{}/{}", m.publication, m.marker.slot), note);
+    }
+    let (total, new) = ctx.orphans.record(&key, found.keys().cloned().collect());
+    ctx.metrics.set_orphaned_slots(total);
+    for k in new {
+        if let Some(note) = found.get(&k) {
+            warn!(database = %key, orphan = %k, "replication objects whose OutboxRelay is gone");
+            super::reconcile::publish(relay, ctx, EventType::Warning, "OrphanedSlot", note.clone())
+                .await;
+        }
+    }
+}
+
+/// What the finalizer did in PostgreSQL, for its Event.
+pub(super) enum Cleanup {
+    /// Dropped / kept, as a sentence.
+    Done(EventType, &'static str, String),
+    /// Cannot be done now; retry.
+    Retry(String),
+}
+
+/// Drops the slot and publication the operator created for this relay (the relay's pods
+/// are gone by now). A database that is gone counts as cleaned; a missing Secret leaves
+/// the objects behind with a Warning (orphan detection keeps reporting them).
+pub(super) async fn drop_external(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> Result<Cleanup, kube::Error> {
+    let plan = Plan::for_relay(relay);
+    let Some(lt) = plan.log_tailing else {
+        return Ok(Cleanup::Done(
+            EventType::Normal,
+            "Deleted",
+            "nothing outside Kubernetes to drop (polling)".to_owned(),
+        ));
+    };
+    let Some(url) = read_url(relay, ctx).await? else {
+        return Ok(Cleanup::Done(
+            EventType::Warning,
+            "SlotLeftBehind",
+            format!(
+                "{} is gone, so replication slot {} and publication {} could not be dropped; they retain WAL on the database server until dropped (docs/runbooks.md, orphaned slot)",
+                secret_name(relay),
+                lt.slot,
+                lt.publication
+            ),
+        ));
+    };
+    let client = match connect(relay, &url).await {
+        Ok(c) => c,
+        Err(err) if admin::database_is_gone(&err) => {
+            return Ok(Cleanup::Done(
+                EventType::Normal,
+                "DatabaseGone",
+                format!(
+                    "the database is gone ({err}); replication slot {} and publication {} went with it",
+                    lt.slot, lt.publication
+                ),
+            ));
+        }
+        Err(err) => {
+            return Ok(Cleanup::Retry(format!(
+                "cannot connect to drop replication slot {}: {err}",
+                lt.slot
+            )));
+        }
+    };
+    match admin::drop_owned(&client, &lt.slot, &lt.publication, &owner(relay)).await {
+        Ok(d) => {
+            let mut parts = Vec::new();
+            if d.slot {
+                parts.push(format!(
+                    "dropped replication slot {}{}",
+                    lt.slot,
+                    if d.terminated_walsender {
+                        " (terminated the walsender still streaming it)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            if d.publication {
+                parts.push(format!("dropped publication {}", lt.publication));
+            }
+            if !d.kept.is_empty() {
+                parts.push(format!(
+                    "kept {} (not created by the operator)",
+                    d.kept.join(" and ")
+                ));
+            }
+            if parts.is_empty() {
+                parts.push("no replication slot or publication of this relay was left".to_owned());
+            }
+            Ok(Cleanup::Done(
+                EventType::Normal,
+                "SlotDropped",
+                parts.join("; "),
+            ))
+        }
+        Err(err) => Ok(Cleanup::Retry(format!(
+            "dropping replication slot {} failed: {err}",
+            lt.slot
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_keys_carry_no_credentials() {
+        let key = database_key("postgres://app:s3cret@db.example:6543/shop?sslmode=disable");
+        assert_eq!(key, "db.example:6543/shop");
+        assert!(!database_key("host=h user=u password=s3cret dbname=d").contains("s3cret"));
+    }
+
+    #[test]
+    fn orphans_are_reported_once_and_counted_per_database() {
+        let orphans = Orphans::default();
+        let set = |items: &[&str]| items.iter().map(|s| (*s).to_owned()).collect();
+        let (total, new) = orphans.record("a", set(&["p/s"]));
+        assert_eq!((total, new.len()), (1, 1));
+        let (total, new) = orphans.record("b", set(&["p/s", "q/t"]));
+        assert_eq!((total, new.len()), (3, 2));
+        let (total, new) = orphans.record("a", set(&["p/s"]));
+        assert_eq!((total, new.len()), (3, 0));
+        let (total, _) = orphans.record("b", BTreeSet::new());
+        assert_eq!(total, 1);
+    }
+}
