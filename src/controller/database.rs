@@ -402,6 +402,17 @@ pub(super) async fn drop_external(
         ));
     };
     let Some(url) = read_url(relay, ctx).await? else {
+        if relay.status.as_ref().is_none_or(|s| s.slot.is_none()) {
+            // Status never showed a slot: the checks never passed, nothing was created.
+            return Ok(Cleanup::Done(
+                EventType::Normal,
+                "Deleted",
+                format!(
+                    "{} is gone and status shows no replication slot: nothing to drop",
+                    secret_name(relay)
+                ),
+            ));
+        }
         return Ok(Cleanup::Done(
             EventType::Warning,
             "SlotLeftBehind",
