@@ -501,6 +501,47 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     drop(guard);
 }
 
+/// The relay never creates its slot or publication (the operator does, and drops them
+/// on delete): without them it waits, says why, and starts streaming once they exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_relay_waits_for_its_slot_and_never_creates_it() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    create_tables(&db.client).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: rig.kafka_bootstrap().to_owned(),
+        topic: common::fresh_topic(1).await,
+    };
+    let guard = SlotGuard::new(rig.pg_url());
+    let relay = RelayProcess::start(
+        &log_tailing_yaml(&broker, &guard.slot, true),
+        &db.url,
+        &broker,
+    );
+    common::wait_for_relays(
+        "the relay to report the missing slot",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { relay.log().contains("the operator creates them") },
+    )
+    .await;
+    let objects: (i64, i64) = db
+        .client
+        .query_one(
+            "SELECT (SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1), \
+                    (SELECT count(*) FROM pg_publication WHERE pubname = $1)",
+            &[&guard.slot],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(objects, (0, 0), "the relay created replication objects");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    wait_slot_active(&db.client, &guard.slot, &relay).await;
+    drop(relay);
+    drop(guard);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_tailing_delivers_inserts_in_commit_order_to_kafka() {
     let rig = common::Rig::load();
