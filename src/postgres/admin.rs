@@ -392,7 +392,10 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             let mut missing_privileges = Vec::new();
             for (privilege, why) in &plan.privileges {
                 let has: bool = client
-                    .query_one("SELECT has_table_privilege($1, $2)", &[&oid, privilege])
+                    .query_one(
+                        "SELECT has_table_privilege($1::oid, $2::text)",
+                        &[&oid, privilege],
+                    )
                     .await
                     .map_err(db("checking table privileges"))?
                     .get(0);
