@@ -63,10 +63,11 @@ async fn read_url(relay: &OutboxRelay, ctx: &Context) -> Result<Option<String>, 
 
 /// Connects like the relay does (same driver settings, same sslMode handling).
 async fn connect(relay: &OutboxRelay, url: &str) -> Result<Client, PgError> {
-    postgres::connect(
+    postgres::connect_as(
         url,
         &secret_name(relay),
         relay.spec.database.postgres.ssl_mode,
+        "outbox-operator",
     )
     .await
 }
@@ -132,6 +133,15 @@ pub(super) async fn inspect(relay: &OutboxRelay, ctx: &Context) -> Result<Inspec
     };
     let client = match connect(relay, &url).await {
         Ok(client) => client,
+        Err(PgError::Url { .. }) => {
+            return Ok(not_ready(
+                "InvalidURL",
+                format!(
+                    "{} does not hold a valid postgres:// URL or key=value connection string",
+                    secret_name(relay)
+                ),
+            ));
+        }
         Err(err) => {
             return Ok(not_ready(
                 "ConnectionFailed",

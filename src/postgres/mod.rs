@@ -139,6 +139,17 @@ pub fn partition_index_ddl(
 /// Connects with a short timeout and spawns the connection task. TLS is refused at
 /// validation (see `RelayConfig::validate`), so plain TCP is all that is needed here.
 pub async fn connect(url: &str, env: &str, ssl_mode: SslMode) -> Result<Client, PgError> {
+    connect_as(url, env, ssl_mode, "outbox-relay").await
+}
+
+/// [`connect`] under another `application_name` (the operator's own sessions show as
+/// `outbox-operator` in `pg_stat_activity`).
+pub async fn connect_as(
+    url: &str,
+    env: &str,
+    ssl_mode: SslMode,
+    application_name: &str,
+) -> Result<Client, PgError> {
     let mut config: tokio_postgres::Config = url.parse().map_err(|_| PgError::Url {
         env: env.to_owned(),
         // The parser's message can quote the input, which may hold the password.
@@ -150,7 +161,7 @@ pub async fn connect(url: &str, env: &str, ssl_mode: SslMode) -> Result<Client, 
         .connect_timeout(Duration::from_secs(5))
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(10))
-        .application_name("outbox-relay");
+        .application_name(application_name);
     let (client, connection) = config
         .connect(tokio_postgres::NoTls)
         .await
