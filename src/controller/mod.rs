@@ -89,6 +89,10 @@ pub enum Error {
     /// the slot in. Retried soon; not a failure.
     #[error("cleanup pending: {0}")]
     CleanupPending(String),
+    /// The finalizer cannot drop the slot now (database unreachable, slot kept in use);
+    /// retried with the usual back-off, the OutboxRelay stays until it succeeds.
+    #[error("cleanup blocked: {0}")]
+    CleanupBlocked(String),
     /// An object the API server returned lacks a field it always sets.
     #[error("the API server returned an object without {0}")]
     MissingField(&'static str),
@@ -111,6 +115,7 @@ impl Error {
             Error::Lease(_) => "leader_election",
             Error::MissingField(_) => "api_response",
             Error::CleanupPending(_) => "cleanup_pending",
+            Error::CleanupBlocked(_) => "cleanup_blocked",
         }
     }
 }

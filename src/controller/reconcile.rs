@@ -610,7 +610,7 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
                     message.clone(),
                 )
                 .await;
-                return Err(Error::CleanupPending(message));
+                return Err(Error::CleanupBlocked(message));
             }
         }
     }
