@@ -724,3 +724,79 @@ async fn an_orphaned_slot_is_reported_never_dropped_and_polling_backlog_is_in_st
     drop_slot(&db.client, &slot).await;
     db.drop_database().await;
 }
+
+/// The relay stops before its slot goes: while one of its pods is still there (held by
+/// a finalizer of the test's), the OutboxRelay stays and so does the slot; once the pod
+/// is gone, the finalizer drops the slot and lets the relay go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
+    use k8s_openapi::api::core::v1::Pod;
+    const HOLD: &str = "outbox.dev/test-hold";
+
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        create_secret(&client, &ns, "db", &db.url).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_held", ns.replace('-', "_"));
+        apply(&client, &ns, &manifest("held", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "held", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        // kube-controller-manager makes the Deployment's pod (Pending: no kubelet).
+        let selector = ListParams::default().labels("app.kubernetes.io/instance=held");
+        let pod = common::wait_for_some("the relay's pod", WAIT, || async {
+            pods.list(&selector).await.ok()?.items.into_iter().next()
+        })
+        .await;
+        let pod_name = pod.name_any();
+        pods.patch(
+            &pod_name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": [HOLD]}})),
+        )
+        .await
+        .unwrap();
+
+        relays
+            .delete("held", &DeleteParams::default())
+            .await
+            .unwrap();
+        // The Deployment goes and the pod is being deleted, but it is still there.
+        common::wait_for("the pod to be terminating", WAIT, || async {
+            pods.get_opt(&pod_name)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|p| p.metadata.deletion_timestamp.is_some())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            matches!(relays.get_opt("held").await, Ok(Some(_))),
+            "the OutboxRelay went while its pod was still there"
+        );
+        assert_eq!(
+            slot_count(&db.client, &slot).await,
+            1,
+            "slot dropped too early"
+        );
+
+        // The pod goes: the slot is dropped and the relay released.
+        pods.patch(
+            &pod_name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+        common::wait_for("the OutboxRelay to be gone", WAIT, || async {
+            matches!(relays.get_opt("held").await, Ok(None))
+        })
+        .await;
+        assert_eq!(slot_count(&db.client, &slot).await, 0);
+        db.drop_database().await;
+    })
+    .await;
+}

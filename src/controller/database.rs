@@ -477,7 +477,11 @@ pub(super) async fn drop_external(
                 ));
             }
             if parts.is_empty() {
-                parts.push("no replication slot or publication of this relay was left".to_owned());
+                return Ok(Cleanup::Done(
+                    EventType::Normal,
+                    "Deleted",
+                    "no replication slot or publication of this relay was left to drop".to_owned(),
+                ));
             }
             Ok(Cleanup::Done(
                 EventType::Normal,
