@@ -800,3 +800,54 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
     })
     .await;
 }
+
+/// A relay deleted after its Secret (as in a namespace deletion) does not hang: a Warning
+/// names the slot left behind, and orphan detection then reports it from a relay that
+/// shares the database. The slot stays until someone drops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_reported() {
+    with_controller(|client, ns, metrics| async move {
+        let db = outbox_database().await;
+        create_secret(&client, &ns, "db", &db.url).await;
+        create_secret(&client, &ns, "db-too", &db.url).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_lost", ns.replace('-', "_"));
+        apply(&client, &ns, &manifest("lost", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "lost", "SlotReady=True and status.slot", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                && r.status.as_ref().is_some_and(|s| s.slot.is_some())
+        })
+        .await;
+        Api::<Secret>::namespaced(client.clone(), &ns)
+            .delete("db", &DeleteParams::default())
+            .await
+            .unwrap();
+        delete_and_wait_gone(&relays, "lost").await;
+        let event = wait_event(&client, &ns, "lost", "SlotLeftBehind").await;
+        assert_eq!(event.type_.as_deref(), Some("Warning"));
+        let note = event.note.unwrap_or_default();
+        assert!(note.contains(&format!("replication slot {slot}")), "{note}");
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+
+        // Another relay on the same database sees the orphan.
+        let mut other = manifest("other", json!({"polling": {}}));
+        other["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-too");
+        apply(&client, &ns, &other).await;
+        common::wait_for("the orphaned-slot gauge", WAIT, || async {
+            metrics.orphaned_slots() == 1
+        })
+        .await;
+        let event = wait_event(&client, &ns, "other", "OrphanedSlot").await;
+        let note = event.note.unwrap_or_default();
+        assert!(note.contains(&format!("OutboxRelay {ns}/lost")), "{note}");
+        delete_and_wait_gone(&relays, "other").await;
+        assert_eq!(
+            slot_count(&db.client, &slot).await,
+            1,
+            "the operator dropped an orphan"
+        );
+        drop_slot(&db.client, &slot).await;
+        db.drop_database().await;
+    })
+    .await;
+}
