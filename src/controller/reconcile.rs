@@ -489,11 +489,15 @@ async fn update_status(
         generation,
         Timestamp::now(),
     );
-    // Tenths of a second: finer figures would only make writes.
-    let age = figures
-        .backlog
-        .and_then(|b| b.oldest_age_seconds)
-        .map(|a| (a * 10.0).round() / 10.0);
+    // No waiting row: age 0. Rows waiting without a created-at column: unknown (left
+    // out). Tenths of a second: finer figures would only make writes.
+    let age = figures.backlog.and_then(|b| {
+        if b.rows == 0 {
+            Some(0.0)
+        } else {
+            b.oldest_age_seconds.map(|a| (a * 10.0).round() / 10.0)
+        }
+    });
     let desired = OutboxRelayStatus {
         observed_generation: generation,
         conditions: merged,
@@ -501,10 +505,7 @@ async fn update_status(
         broker: relay.spec.broker.get().map(|b| b.name().to_owned()),
         backlog_rows: figures.backlog.map(|b| b.rows),
         oldest_unpublished_age_seconds: age,
-        oldest_unpublished_age: figures.backlog.map(|b| {
-            b.oldest_age_seconds
-                .map_or_else(|| "0s".to_owned(), human_age)
-        }),
+        oldest_unpublished_age: age.map(human_age),
         slot: figures.slot,
         partitions: None,
     };
