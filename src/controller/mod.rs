@@ -2,8 +2,11 @@
 //! child objects and status, and does so only while it holds the leader Lease.
 //!
 //! The pipeline of one reconcile (see `reconcile.rs`): validate and build (pure,
-//! `crate::resources`) → check the referenced Secrets (reads) → apply the children with
-//! server-side apply and delete the ones no longer built (writes) → update status.
+//! `crate::resources`) → check the referenced Secrets (reads) → check the database and,
+//! for log tailing, create or adopt the slot and publication (`database.rs`) → apply
+//! the children with server-side apply and delete the ones no longer built (writes) →
+//! update status (conditions, backlog, slot). The finalizer stops a log-tailing relay
+//! and then drops the slot and publication the operator created.
 
 mod database;
 mod metrics;

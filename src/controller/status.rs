@@ -10,7 +10,8 @@ use crate::api::OutboxRelayStatus;
 pub const CONDITION_READY: &str = "Ready";
 /// The spec or its Secrets keep the relay from running as asked.
 pub const CONDITION_DEGRADED: &str = "Degraded";
-/// What the controller can tell about the database: the connection Secret exists.
+/// The connection Secret exists, the controller connects, and the table has every
+/// configured column and the privileges the mode needs.
 pub const CONDITION_DATABASE_READY: &str = "DatabaseReady";
 /// What the controller can tell about the broker: its Secrets exist.
 pub const CONDITION_BROKER_READY: &str = "BrokerReady";
