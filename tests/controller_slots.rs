@@ -851,3 +851,51 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
     })
     .await;
 }
+
+/// A database dropped before its relay counts as cleaned: the finalizer gets
+/// `database does not exist` (3D000) and lets the relay go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_database_is_gone_is_released() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        create_secret(&client, &ns, "db", &db.url).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_gone", ns.replace('-', "_"));
+        apply(&client, &ns, &manifest("gone", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "gone", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        // A database with a slot cannot be dropped: the slot goes first, as a DBA would
+        // (again if the controller re-created it in between: it still owns it).
+        let admin_client = common::pg_admin().await;
+        let name = db.name.clone();
+        drop(db);
+        let mut exists = true;
+        for _ in 0..20 {
+            drop_slot(&admin_client, &slot).await;
+            let _ = admin_client
+                .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .await;
+            exists = admin_client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)",
+                    &[&name],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if !exists {
+                break;
+            }
+        }
+        assert!(!exists, "database {name} still exists");
+        delete_and_wait_gone(&relays, "gone").await;
+        let event = wait_event(&client, &ns, "gone", "DatabaseGone").await;
+        assert!(
+            event.note.unwrap_or_default().contains(&slot),
+            "the Event names the slot"
+        );
+    })
+    .await;
+}
