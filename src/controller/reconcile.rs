@@ -228,7 +228,7 @@ async fn check_secrets(relay: &OutboxRelay, ctx: &Context) -> Result<(Cond, Cond
         CONDITION_DATABASE_READY,
         "SecretFound",
         format!(
-            "Secret {} has key {}; the relay checks the connection itself",
+            "Secret {} has key {}; the database is checked once the broker Secrets exist too",
             relay.spec.database.postgres.connection_secret_ref.name,
             relay.spec.database.postgres.connection_secret_ref.key
         ),
