@@ -157,6 +157,24 @@ mod tests {
     }
 
     #[test]
+    fn figures_are_a_change_of_their_own() {
+        let a = OutboxRelayStatus {
+            backlog_rows: Some(3),
+            ..OutboxRelayStatus::default()
+        };
+        let b = OutboxRelayStatus {
+            backlog_rows: Some(4),
+            ..OutboxRelayStatus::default()
+        };
+        assert!(figures_differ(Some(&a), &b));
+        assert!(
+            !differs(Some(&a), &b),
+            "figures alone are not a condition change"
+        );
+        assert!(!figures_differ(Some(&a), &a.clone()));
+    }
+
+    #[test]
     fn a_new_generation_is_a_change() {
         let a = OutboxRelayStatus {
             observed_generation: Some(1),
