@@ -52,7 +52,7 @@ const DURING_ROLL: usize = 7_000;
 /// Where the events are read back, by a client of the test's own.
 enum Sink {
     Kafka { topic: String },
-    Nats(common::TestStream),
+    Nats(Box<common::TestStream>),
 }
 
 impl Sink {
@@ -727,5 +727,5 @@ async fn log_tailing_nats_relay_runs_end_to_end_through_the_operator() {
         processes: 1,
         log_tailing: true,
     };
-    run(scenario, Sink::Nats(stream), db).await;
+    run(scenario, Sink::Nats(Box::new(stream)), db).await;
 }

@@ -18,7 +18,6 @@
 #![forbid(unsafe_code)]
 
 #[path = "../common/mod.rs"]
-#[allow(dead_code, unused_imports)]
 mod common;
 
 use std::collections::BTreeMap;
