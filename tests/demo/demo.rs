@@ -42,7 +42,7 @@ struct Args {
     /// Stop on its own after this long (`40s`, `5m`); default: run until Ctrl-C.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
-    /// Prefix of every name the demo creates (namespaces, databases, aggregate type).
+    /// Prefix of the names the demo creates (namespaces, aggregate type, stream).
     #[arg(long, default_value = "demo")]
     prefix: String,
     /// The rig is shared with other tests: run one operator per demo namespace (each
