@@ -680,13 +680,9 @@ async fn print_tables(
         let output = tokio::process::Command::new(&kubectl)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .args([
-                "get",
-                "obr",
-                "-A",
-                "-l",
-                &format!("outbox.dev/demo={prefix}"),
-            ])
+            // The full resource name: on a shared rig, test CRDs may claim `obr` too.
+            .args(["get", "outboxrelays.outbox.dev", "-A"])
+            .args(["-l", &format!("outbox.dev/demo={prefix}")])
             .stdin(std::process::Stdio::null())
             .process_group(0)
             .kill_on_drop(true)
@@ -694,7 +690,7 @@ async fn print_tables(
             .await;
         match output {
             Ok(output) => {
-                say("kubectl get obr -A");
+                say("kubectl get obr -A   (outboxrelays.outbox.dev)");
                 print!("{}", String::from_utf8_lossy(&output.stdout));
                 eprint!("{}", String::from_utf8_lossy(&output.stderr));
             }
