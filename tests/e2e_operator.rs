@@ -382,6 +382,22 @@ async fn body(
             "{name}: the process of old pod {pod} never ended: {history:?}"
         );
     }
+    if scenario.log_tailing {
+        // Recreate: a slot admits one consumer, so the old process ended before any new
+        // one started.
+        let first_new_start = history
+            .iter()
+            .position(|e| matches!(e, ProcessEvent::Started(pod) if !first.contains(pod)));
+        for pod in &first {
+            let ended = history
+                .iter()
+                .position(|e| *e == ProcessEvent::Ended(pod.clone()));
+            assert!(
+                ended < first_new_start,
+                "{name}: old pod {pod} ended after a new one started: {history:?}"
+            );
+        }
+    }
     assert!(
         at_roll_done > at_edit,
         "{name}: no event was committed while the relay rolled ({at_edit} before, {at_roll_done} after)"
