@@ -261,6 +261,7 @@ async fn main() {
         let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), table).await;
+    say("generators and consumers stopped; deleting the OutboxRelays");
     let mut clean = true;
     for (relay, manifest, _) in &relays {
         let name = manifest["metadata"]["name"].as_str().unwrap_or_default();
