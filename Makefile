@@ -21,8 +21,8 @@ test: provision lint ## provision the rig, lint, start every server, run all tes
 	$(CARGO) build --all-targets --locked
 	tests/rig/with-rig.sh $(CARGO) test --all-targets --locked --no-fail-fast
 
-demo: ## run the operator end to end on a local control plane
-	@echo "make demo arrives with the end-to-end issue (#8); until then, make test runs the rig and the tests."
+demo: provision ## the operator end to end on a rig of its own, until Ctrl-C (DEMO_ARGS="--duration 2m")
+	tests/rig/demo.sh $(DEMO_ARGS)
 
 provision: ## install or build every server the tests need (cached under $(CACHE))
 	tests/rig/provision.sh

@@ -13,17 +13,14 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
@@ -31,6 +28,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use common::operator;
 use common::pod_runner::PodRunner;
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -77,76 +75,6 @@ impl Running {
             other => panic!("the controller did not stop cleanly: {other:?}"),
         }
     }
-}
-
-fn example(file: &str) -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples")
-        .join(file);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{} is not YAML: {e}", path.display()))
-}
-
-async fn apply(client: &Client, namespace: &str, manifest: &Value) -> OutboxRelay {
-    let api: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
-    let name = manifest["metadata"]["name"].as_str().unwrap_or_default();
-    api.patch(
-        name,
-        &PatchParams::apply("e2e-user"),
-        &Patch::Apply(manifest),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("applying example {name} failed: {e}"))
-}
-
-async fn create_secret(client: &Client, namespace: &str, name: &str, data: &[(&str, &str)]) {
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            ..ObjectMeta::default()
-        },
-        data: Some(
-            data.iter()
-                .map(|(k, v)| ((*k).to_owned(), ByteString(v.as_bytes().to_vec())))
-                .collect::<BTreeMap<_, _>>(),
-        ),
-        ..Secret::default()
-    };
-    Api::<Secret>::namespaced(client.clone(), namespace)
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap_or_else(|e| panic!("creating Secret {name} failed: {e}"));
-}
-
-fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
-    relay
-        .status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-        .cloned()
-}
-
-fn describe(relay: Option<&OutboxRelay>) -> String {
-    relay.and_then(|r| r.status.as_ref()).map_or_else(
-        || "no status".to_owned(),
-        |s| serde_json::to_string_pretty(s).unwrap_or_default(),
-    )
-}
-
-/// A database made from examples/schema.sql, as a user would create it.
-async fn example_database() -> common::TestDatabase {
-    let db = common::fresh_database().await;
-    let schema =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/schema.sql"))
-            .unwrap_or_else(|e| panic!("cannot read examples/schema.sql: {e}"));
-    db.client
-        .batch_execute(&schema)
-        .await
-        .unwrap_or_else(|e| panic!("examples/schema.sql failed: {e}"));
-    db
 }
 
 /// Inserts `ROWS` rows of `aggregate_type` over six aggregates; returns their ids.
@@ -280,17 +208,29 @@ async fn wait_ready(relays: &Api<OutboxRelay>, name: &str, runner: &PodRunner) -
         || runner.log_tails(30),
         || async {
             let relay = relays.get_opt(name).await.ok().flatten()?;
-            let ready = condition(&relay, "Ready")?;
+            let ready = operator::condition(&relay, "Ready")?;
             (ready.status == "True" && ready.observed_generation == relay.metadata.generation)
                 .then_some(relay)
         },
     )
     .await;
-    let ready = condition(&relay, "Ready").unwrap_or_else(|| panic!("no Ready condition"));
-    assert_eq!(ready.reason, "RelayAvailable", "{}", describe(Some(&relay)));
+    let ready =
+        operator::condition(&relay, "Ready").unwrap_or_else(|| panic!("no Ready condition"));
+    assert_eq!(
+        ready.reason,
+        "RelayAvailable",
+        "{}",
+        operator::describe(Some(&relay))
+    );
     for type_ in ["DatabaseReady", "BrokerReady"] {
-        let cond = condition(&relay, type_).unwrap_or_else(|| panic!("no {type_} condition"));
-        assert_eq!(cond.status, "True", "{type_}: {}", describe(Some(&relay)));
+        let cond =
+            operator::condition(&relay, type_).unwrap_or_else(|| panic!("no {type_} condition"));
+        assert_eq!(
+            cond.status,
+            "True",
+            "{type_}: {}",
+            operator::describe(Some(&relay))
+        );
     }
     relay
 }
@@ -378,7 +318,7 @@ async fn polling_example_publishes(
         .unwrap_or_default()
         .to_owned();
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    let created = apply(&client, &ns, &manifest).await;
+    let created = operator::apply_relay(&client, &ns, &manifest).await;
     let wanted = created.spec.replicas;
     let runner = runner.unwrap_or_else(|| panic!("polling examples need the pod runner"));
 
@@ -485,66 +425,10 @@ impl Drop for Replication {
     }
 }
 
-/// Drops the slot (ending a walsender still holding it) and the publication, and
-/// checks both are gone.
+/// Drops the slot and publication and checks both are gone.
 async fn drop_replication(objects: &ReplicationObjects) -> Result<(), String> {
-    let ReplicationObjects {
-        slot,
-        publication,
-        database_url,
-    } = objects;
-    let admin = common::pg_connect(common::Rig::load().pg_url())
+    operator::drop_slot_and_publication(&objects.slot, &objects.publication, &objects.database_url)
         .await
-        .map_err(|e| format!("cannot connect to drop slot {slot}: {e}"))?;
-    let mut slot_gone = false;
-    for _ in 0..100 {
-        let _ = admin
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                &[slot],
-            )
-            .await;
-        let _ = admin
-            .query_one(
-                "SELECT count(pg_drop_replication_slot(slot_name)) \
-                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-                &[slot],
-            )
-            .await;
-        slot_gone = admin
-            .query_one(
-                "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
-                &[slot],
-            )
-            .await
-            .is_ok_and(|r| r.get::<_, bool>(0));
-        if slot_gone {
-            break;
-        }
-        // The terminated walsender takes a moment to release the slot.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    if !slot_gone {
-        return Err(format!("replication slot {slot} could not be dropped"));
-    }
-    let db = common::pg_connect(database_url)
-        .await
-        .map_err(|e| format!("cannot connect to drop publication {publication}: {e}"))?;
-    db.batch_execute(&format!("DROP PUBLICATION IF EXISTS \"{publication}\""))
-        .await
-        .map_err(|e| format!("dropping publication {publication} failed: {e}"))?;
-    let left = db
-        .query_one(
-            "SELECT count(*) FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
-        .await
-        .map_err(|e| format!("looking up publication {publication} failed: {e}"))?;
-    if left.get::<_, i64>(0) != 0 {
-        return Err(format!("publication {publication} is still there"));
-    }
-    Ok(())
 }
 
 /// Rows left in the outbox table.
@@ -577,7 +461,7 @@ async fn log_tailing_example_publishes(
         .to_owned();
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let runner = runner.unwrap_or_else(|| panic!("log-tailing examples need the pod runner"));
-    let created = apply(&client, &ns, &manifest).await;
+    let created = operator::apply_relay(&client, &ns, &manifest).await;
     let spec = created
         .spec
         .mode
@@ -637,7 +521,7 @@ async fn log_tailing_example_publishes(
         relay.status.as_ref().and_then(|s| s.mode.as_deref()),
         Some("logTailing"),
         "{name}: {}",
-        describe(Some(&relay))
+        operator::describe(Some(&relay))
     );
     let ids = insert_rows(&db, aggregate_type).await;
     wait_every_row(&name, &sink, &ids, &runner).await;
@@ -707,13 +591,13 @@ fn aggregate_type() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
         common::create_topic(rig.kafka_bootstrap(), &topic, 3, &[]).await;
-        let mut manifest = example("polling-kafka.yaml");
+        let mut manifest = operator::example_manifest("polling-kafka.yaml");
         manifest["spec"]["broker"]["kafka"]["bootstrapServers"] = json!(rig.kafka_bootstrap());
         polling_example_publishes(
             client,
@@ -732,13 +616,13 @@ async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
         common::create_topic(rig.kafka_bootstrap(), &topic, 3, &[]).await;
-        let mut manifest = example("orders-relay.yaml");
+        let mut manifest = operator::example_manifest("orders-relay.yaml");
         manifest["spec"]["broker"]["kafka"]["bootstrapServers"] = json!(rig.kafka_bootstrap());
         polling_example_publishes(
             client,
@@ -757,8 +641,8 @@ async fn orders_example_reaches_ready_and_publishes_every_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
         let kind = aggregate_type();
         // The example's header: "a stream must capture outbox.>". A stream capturing
         // only this test's subject keeps parallel tests apart.
@@ -774,7 +658,7 @@ async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
             })
             .await
             .unwrap_or_else(|e| panic!("creating stream {stream_name} failed: {e}"));
-        let mut manifest = example("polling-nats.yaml");
+        let mut manifest = operator::example_manifest("polling-nats.yaml");
         manifest["spec"]["broker"]["nats"]["url"] = json!(common::Rig::load().nats_url());
         let sink = Sink::Nats(common::TestStream {
             client: nats,
@@ -794,10 +678,10 @@ async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     use lapin::types::FieldTable;
 
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
+        let db = operator::example_database().await;
         let rig = common::Rig::load();
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-        create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
         let kind = aggregate_type();
         // The example publishes to exchange `outbox` with the aggregate type as routing
         // key; a queue bound to this test's key sees this test's events only.
@@ -826,7 +710,7 @@ async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
             )
             .await
             .unwrap_or_else(|e| panic!("binding the queue failed: {e}"));
-        let manifest = example("polling-rabbitmq.yaml");
+        let manifest = operator::example_manifest("polling-rabbitmq.yaml");
         polling_example_publishes(client, ns, runner, manifest, db, &kind, Sink::Amqp(queue)).await;
     })
     .await;
@@ -840,13 +724,13 @@ async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
     let replication = Replication::default();
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
         common::create_topic(rig.kafka_bootstrap(), &topic, 3, &[]).await;
-        let mut manifest = example("log-tailing-kafka.yaml");
+        let mut manifest = operator::example_manifest("log-tailing-kafka.yaml");
         manifest["spec"]["broker"]["kafka"] = json!({"bootstrapServers": rig.kafka_bootstrap()});
         log_tailing_example_publishes(
             client,
@@ -879,9 +763,9 @@ async fn log_tailing_nats_example_reaches_ready_and_publishes_every_row() {
     let replication = Replication::default();
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-        create_secret(&client, &ns, "orders-nats", &[("nats.creds", CREDS)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(&client, &ns, "orders-nats", &[("nats.creds", CREDS)]).await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
         let jetstream = async_nats::jetstream::new(nats.clone());
@@ -895,7 +779,7 @@ async fn log_tailing_nats_example_reaches_ready_and_publishes_every_row() {
             })
             .await
             .unwrap_or_else(|e| panic!("creating stream {stream_name} failed: {e}"));
-        let mut manifest = example("log-tailing-nats.yaml");
+        let mut manifest = operator::example_manifest("log-tailing-nats.yaml");
         manifest["spec"]["broker"]["nats"]["url"] = json!(common::Rig::load().nats_url());
         let sink = Sink::Nats(common::TestStream {
             client: nats,
@@ -918,10 +802,10 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     let replication = Replication::default();
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
-        let db = example_database().await;
+        let db = operator::example_database().await;
         let rig = common::Rig::load();
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-        create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
         let kind = aggregate_type();
         // Exchange `outbox`, routing key = aggregate type, as for polling-rabbitmq.
         let queue = common::fresh_queue().await;
@@ -949,7 +833,7 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
             )
             .await
             .unwrap_or_else(|e| panic!("binding the queue failed: {e}"));
-        let manifest = example("log-tailing-rabbitmq.yaml");
+        let manifest = operator::example_manifest("log-tailing-rabbitmq.yaml");
         log_tailing_example_publishes(
             client,
             ns,
@@ -973,8 +857,8 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
 async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_down() {
     with_operator(true, |client, ns, runner| async move {
         let runner = runner.unwrap_or_else(|| panic!("this test needs the pod runner"));
-        let db = example_database().await;
-        create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        let db = operator::example_database().await;
+        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
         let jetstream = async_nats::jetstream::new(nats.clone());
@@ -998,9 +882,9 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
         let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
             Api::namespaced(client.clone(), &ns);
 
-        let mut manifest = example("polling-nats.yaml");
+        let mut manifest = operator::example_manifest("polling-nats.yaml");
         manifest["spec"]["broker"]["nats"]["url"] = json!(common::Rig::load().nats_url());
-        apply(&client, &ns, &manifest).await;
+        operator::apply_relay(&client, &ns, &manifest).await;
         let first: BTreeSet<String> = common::wait_for_some_or(
             "three relay processes of generation 1",
             WAIT,
@@ -1014,7 +898,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
 
         // Any change of the relay config rolls the pods (config-hash annotation).
         manifest["spec"]["mode"]["polling"]["interval"] = json!("2s");
-        let changed = apply(&client, &ns, &manifest).await;
+        let changed = operator::apply_relay(&client, &ns, &manifest).await;
         assert_eq!(changed.metadata.generation, Some(2));
         common::wait_for_some_or(
             "three new relay processes and none of the old ones",
@@ -1034,7 +918,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
                 let deployment = deployments.get("polling-nats-relay").await.ok()?;
                 let status = deployment.status?;
                 let relay = relays.get("polling-nats").await.ok()?;
-                let ready = condition(&relay, "Ready")?;
+                let ready = operator::condition(&relay, "Ready")?;
                 (status.updated_replicas == Some(3)
                     && status.available_replicas == Some(3)
                     && status.replicas == Some(3)
@@ -1064,7 +948,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
 
         // Scaling down stops processes; the relay stays Ready.
         manifest["spec"]["replicas"] = json!(1);
-        apply(&client, &ns, &manifest).await;
+        operator::apply_relay(&client, &ns, &manifest).await;
         common::wait_for_some_or(
             "one relay process left after scaling to 1",
             WAIT,
@@ -1074,7 +958,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
         .await;
         common::wait_for("Ready=True for generation 3", WAIT, || async {
             relays.get("polling-nats").await.ok().is_some_and(|r| {
-                condition(&r, "Ready")
+                operator::condition(&r, "Ready")
                     .is_some_and(|c| c.status == "True" && c.observed_generation == Some(3))
             })
         })

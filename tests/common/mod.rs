@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
+pub mod app_writer;
+pub mod operator;
 pub mod pod_runner;
 pub mod private;
 
@@ -810,7 +812,7 @@ impl RelayProcess {
         let stderr_path = dir.path().join("relay.log");
         let stderr = std::fs::File::create(&stderr_path)
             .unwrap_or_else(|err| panic!("create log file: {err}"));
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"));
+        let mut command = std::process::Command::new(operator::operator_binary());
         command
             .arg("relay")
             .arg("--config")

@@ -524,6 +524,10 @@ async fn supervise(
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(stderr.unwrap_or_else(|_| std::process::Stdio::null()))
+            // A process group of its own, as a container has: a Ctrl-C in the terminal
+            // of an interactive run (make demo) must not reach the relays directly; they
+            // stop when their pods are deleted, as in a cluster.
+            .process_group(0)
             .kill_on_drop(true);
         let mut child = match command.spawn() {
             Ok(child) => child,

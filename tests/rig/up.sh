@@ -14,7 +14,8 @@ mkdir -p "$RIG_DIR/pids" "$RIG_DIR/logs"
 chmod 755 "$RIG_DIR"
 : >"$RIG_ENV"
 env_set OUTBOX_RIG_RUN_DIR "$RIG_DIR"
-ln -sfn "$RIG_DIR" "$REPO/.rig"
+# OUTBOX_RIG_LINK=0 (the demo's rig) leaves the .rig link to the test rig.
+[ "${OUTBOX_RIG_LINK:-1}" = 0 ] || ln -sfn "$RIG_DIR" "$REPO/.rig"
 
 # spawn NAME CMD...: runs a server in its own session (so a Ctrl-C in the terminal does
 # not reach it), output to logs/NAME.log, and records its PID.

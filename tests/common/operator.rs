@@ -1,0 +1,280 @@
+//! The operator as a user runs it: the `outbox-operator controller` binary as a process
+//! against the rig's API server, plus what a user does with kubectl (Secrets, applying
+//! manifests, reading conditions). Shared by the end-to-end tests and the demo.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::Client;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use outbox_operator::api::OutboxRelay;
+use serde_json::Value;
+
+use super::Rig;
+
+/// The `outbox-operator` binary under test. Integration tests get its path from cargo;
+/// the demo (a cargo example, for which cargo sets no such variable) finds it next to
+/// its own folder: examples are built into `<target>/<profile>/examples/`.
+pub fn operator_binary() -> PathBuf {
+    if let Some(path) = option_env!("CARGO_BIN_EXE_outbox-operator") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| panic!("{} has no parent folder", exe.display()));
+    let binary = profile_dir.join("outbox-operator");
+    assert!(
+        binary.is_file(),
+        "{} is missing: build it with `cargo build --bin outbox-operator`",
+        binary.display()
+    );
+    binary
+}
+
+/// `outbox-operator controller` running as a process with the rig's kubeconfig; logs go
+/// to a file (a pipe nobody reads would fill and block it). SIGKILLed when dropped.
+pub struct ControllerProcess {
+    child: Child,
+    log_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ControllerProcess {
+    /// Starts the controller watching `namespace` (all namespaces with `None`), with a
+    /// Lease of its own (`lease`) in `lease_namespace`, so that it never competes with
+    /// another test's controller.
+    pub fn start(namespace: Option<&str>, lease: &str, lease_namespace: &str) -> Self {
+        let rig = Rig::load();
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let log_path = dir.path().join("controller.log");
+        let log = std::fs::File::create(&log_path)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", log_path.display()));
+        let mut command = Command::new(operator_binary());
+        command
+            .arg("controller")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(["--lease-name", lease])
+            .args(["--lease-namespace", lease_namespace])
+            .args(["--identity", lease])
+            .env("KUBECONFIG", rig.kubeconfig())
+            .env("RUST_LOG", "info")
+            .env_remove("POD_NAMESPACE")
+            .env_remove("POD_NAME")
+            .env_remove("OUTBOX_WATCH_NAMESPACE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            // Its own process group: a Ctrl-C in the terminal of an interactive run
+            // (make demo) must not stop the operator before it has cleaned up.
+            .process_group(0);
+        if let Some(namespace) = namespace {
+            command.args(["--namespace", namespace]);
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start the controller binary: {e}"));
+        Self {
+            child,
+            log_path,
+            _dir: dir,
+        }
+    }
+
+    /// The process id, for messages.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The last `lines` lines it logged.
+    pub fn log_tail(&self, lines: usize) -> String {
+        super::private::tail(&self.log_path, lines)
+    }
+
+    /// SIGTERM, then waits (up to `timeout`) for a clean exit; returns the exit status,
+    /// or an error with the log tail when it had to be SIGKILLed.
+    pub fn stop(&mut self, timeout: Duration) -> Result<std::process::ExitStatus, String> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .stdin(Stdio::null())
+            .status();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Err(format!(
+                    "the controller did not exit within {timeout:?} of SIGTERM; log tail:\n{}",
+                    self.log_tail(30)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for ControllerProcess {
+    fn drop(&mut self) {
+        if self.is_running() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// An example manifest from `examples/`, parsed.
+pub fn example_manifest(file: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(file);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{} is not YAML: {e}", path.display()))
+}
+
+/// A database made from examples/schema.sql, as a user would create it.
+pub async fn example_database() -> super::TestDatabase {
+    let db = super::fresh_database().await;
+    let schema =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/schema.sql"))
+            .unwrap_or_else(|e| panic!("cannot read examples/schema.sql: {e}"));
+    db.client
+        .batch_execute(&schema)
+        .await
+        .unwrap_or_else(|e| panic!("examples/schema.sql failed: {e}"));
+    db
+}
+
+/// Server-side applies an OutboxRelay manifest, as `kubectl apply --server-side` would.
+pub async fn apply_relay(client: &Client, namespace: &str, manifest: &Value) -> OutboxRelay {
+    let api: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
+    let name = manifest["metadata"]["name"].as_str().unwrap_or_default();
+    api.patch(
+        name,
+        &PatchParams::apply("e2e-user"),
+        &Patch::Apply(manifest),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("applying OutboxRelay {name} failed: {e}"))
+}
+
+/// Creates an Opaque Secret with string `data`.
+pub async fn create_secret(client: &Client, namespace: &str, name: &str, data: &[(&str, &str)]) {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        data: Some(
+            data.iter()
+                .map(|(k, v)| ((*k).to_owned(), ByteString(v.as_bytes().to_vec())))
+                .collect::<BTreeMap<_, _>>(),
+        ),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_or_else(|e| panic!("creating Secret {name} failed: {e}"));
+}
+
+/// The condition `type_` of a relay's status.
+pub fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
+    relay
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .cloned()
+}
+
+/// A relay's status as pretty JSON, for failure messages.
+pub fn describe(relay: Option<&OutboxRelay>) -> String {
+    relay.and_then(|r| r.status.as_ref()).map_or_else(
+        || "no status".to_owned(),
+        |s| serde_json::to_string_pretty(s).unwrap_or_default(),
+    )
+}
+
+/// True when the relay reports `Ready=True` for its current generation.
+pub fn is_ready(relay: &OutboxRelay) -> bool {
+    condition(relay, "Ready")
+        .is_some_and(|c| c.status == "True" && c.observed_generation == relay.metadata.generation)
+}
+
+/// Drops the slot (ending a walsender still holding it) and the publication, and
+/// checks both are gone.
+pub async fn drop_slot_and_publication(
+    slot: &str,
+    publication: &str,
+    database_url: &str,
+) -> Result<(), String> {
+    let admin = super::pg_connect(super::Rig::load().pg_url())
+        .await
+        .map_err(|e| format!("cannot connect to drop slot {slot}: {e}"))?;
+    let mut slot_gone = false;
+    for _ in 0..100 {
+        let _ = admin
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&slot],
+            )
+            .await;
+        let _ = admin
+            .query_one(
+                "SELECT count(pg_drop_replication_slot(slot_name)) \
+                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                &[&slot],
+            )
+            .await;
+        slot_gone = admin
+            .query_one(
+                "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .is_ok_and(|r| r.get::<_, bool>(0));
+        if slot_gone {
+            break;
+        }
+        // The terminated walsender takes a moment to release the slot.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if !slot_gone {
+        return Err(format!("replication slot {slot} could not be dropped"));
+    }
+    let db = super::pg_connect(database_url)
+        .await
+        .map_err(|e| format!("cannot connect to drop publication {publication}: {e}"))?;
+    db.batch_execute(&format!("DROP PUBLICATION IF EXISTS \"{publication}\""))
+        .await
+        .map_err(|e| format!("dropping publication {publication} failed: {e}"))?;
+    let left = db
+        .query_one(
+            "SELECT count(*) FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| format!("looking up publication {publication} failed: {e}"))?;
+    if left.get::<_, i64>(0) != 0 {
+        return Err(format!("publication {publication} is still there"));
+    }
+    Ok(())
+}
