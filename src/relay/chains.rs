@@ -22,7 +22,7 @@ pub(super) struct ChainResult {
 /// Splits a batch (in the order rows must go out: id order for polling, commit order
 /// for log tailing) into chains: one per aggregate in `perAggregate` mode, one per row
 /// otherwise. Each chain keeps the batch's order.
-pub(super) fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> {
+pub fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> {
     if !per_aggregate {
         return rows.into_iter().map(|r| vec![r]).collect();
     }
