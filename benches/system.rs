@@ -779,7 +779,7 @@ struct LatencyResult {
 /// arrival; the relay's CPU and RSS are sampled from /proc meanwhile.
 async fn relay_latency(plan: &Plan, case: &LatencyCase) -> LatencyResult {
     let setup = setup(case.mode, case.target, 4).await;
-    let relay = setup.start_relay();
+    let mut relay = setup.start_relay();
     if let Some(slot) = &setup.slot {
         wait_slot(&setup.db.client, &slot.slot, true, &relay.process).await;
     }
@@ -795,17 +795,23 @@ async fn relay_latency(plan: &Plan, case: &LatencyCase) -> LatencyResult {
         .await
         .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
     let first = insert_payloads(&setup.db.client, &statement, 0..1).await;
-    common::wait_for_relays(
-        "the first row to reach the consumer",
-        Duration::from_secs(60),
-        &[&relay.process],
-        || async {
-            first
-                .iter()
-                .all(|id| received.lock().is_ok_and(|r| r.contains_key(id)))
-        },
-    )
+    let arrived = tokio::time::timeout(Duration::from_secs(60), async {
+        while !first
+            .iter()
+            .all(|id| received.lock().is_ok_and(|r| r.contains_key(id)))
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
     .await;
+    if arrived.is_err() {
+        let published = relay.published().await;
+        panic!(
+            "the first row (id {first:?}) did not reach the consumer within 60 s; the relay \
+             reports {published} published\n--- relay log tail ---\n{}",
+            relay.process.log_tail(40)
+        );
+    }
 
     let tick = Duration::from_millis(10);
     let per_tick = i64::from(case.rate / 100).max(1);
@@ -905,6 +911,7 @@ async fn start_consumer(
                 .set("group.id", format!("bench-{}", common::unique_suffix()))
                 .set("enable.auto.commit", "false")
                 .set("fetch.wait.max.ms", "10")
+                .set("auto.offset.reset", "earliest")
                 .create()
                 .unwrap_or_else(|err| panic!("Kafka consumer: {err}"));
             let mut assignment = rdkafka::TopicPartitionList::new();
