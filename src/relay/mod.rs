@@ -1,7 +1,7 @@
 //! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
 
 mod backoff;
-mod chains;
+pub mod chains;
 pub mod config;
 pub mod http;
 mod log_tailing;

@@ -17,8 +17,9 @@
 //! at its first failure, so a later event is never acknowledged while an earlier one is
 //! not. This holds for every broker alike (Kafka's idempotent producer would keep order
 //! per Kafka partition even when pipelined, but a rejected message in the middle would
-//! still let its successors through, and NATS/AMQP give no such guarantee). Different
-//! chains run concurrently, so a batch of many aggregates costs a few round trips.
+//! still let its successors through, and NATS/AMQP give no such guarantee). All chains
+//! of a batch are in flight at once, so a batch of many aggregates costs as many round
+//! trips as its longest chain has rows.
 //! In `ordering.mode: none` every row is its own chain.
 //!
 //! # Attempts
@@ -34,13 +35,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
 use super::backoff::{Backoff, MAX_BACKOFF};
-use super::chains::{ChainResult, chains, publish_chain};
+use super::chains::{ChainResult, chains, publish_chains};
 use super::config::Settings;
 use super::http::Health;
 use super::metrics::ErrorLabels;
@@ -51,8 +51,6 @@ use crate::postgres::{
     self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
 };
 
-/// Chains published at once within a batch.
-const CONCURRENT_CHAINS: usize = 64;
 /// How often ownership is rebalanced (and a dead replica's partitions taken over).
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
 /// How often backlog and oldest-age metrics are measured.
@@ -421,11 +419,7 @@ impl Publisher {
         let chains = chains(rows, self.per_aggregate());
         let broker = self.broker.as_ref();
         let (kind, template) = (self.kind, self.template.as_str());
-        let results: Vec<ChainResult> = futures::stream::iter(chains)
-            .map(|chain| publish_chain(broker, kind, template, chain))
-            .buffer_unordered(CONCURRENT_CHAINS)
-            .collect()
-            .await;
+        let results: Vec<ChainResult> = publish_chains(broker, kind, template, chains).await;
         let mut ids = Vec::with_capacity(selected);
         let mut lags = Vec::new();
         let mut unavailable = false;

@@ -190,7 +190,7 @@ spawn kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" \
   --tls-cert-file "$KUBE_DIR/apiserver.crt" --tls-private-key-file "$KUBE_DIR/apiserver.key" \
   --client-ca-file "$KUBE_DIR/ca.crt" \
   --token-auth-file "$KUBE_DIR/tokens.csv" --authorization-mode RBAC \
-  --service-cluster-ip-range 10.0.0.0/24 \
+  --service-cluster-ip-range 10.0.0.0/16 \
   --service-account-issuer https://kubernetes.default.svc.cluster.local \
   --service-account-key-file "$KUBE_DIR/sa.pub" \
   --service-account-signing-key-file "$KUBE_DIR/sa.key" \

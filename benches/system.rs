@@ -1,0 +1,1611 @@
+//! End-to-end benchmark on the test rig's real servers: the relay binary (release build
+//! under `cargo bench`) between PostgreSQL and Kafka / NATS JetStream, and the controller
+//! binary against the rig's kube-apiserver.
+//!
+//! `cargo bench --bench system` (what `make bench` runs, with `--bench`) measures and
+//! writes `results.md` and `results.json` to `$OUTBOX_BENCH_DIR` (default
+//! `~/.cache/outbox-operator/bench`). Without `--bench` (`cargo test --all-targets` in
+//! CI) it does a smoke run of a few seconds that exercises every measurement on tiny
+//! sizes, checks that every event arrived, and writes nothing.
+//!
+//! Every figure is reported next to the baselines measured in the same run (the broker's
+//! raw produce rate through the relay's own producer with no database; PostgreSQL's raw
+//! outbox insert rate), so results compare across machines as ratios. No figure is
+//! asserted: the smoke run only checks that the machinery works.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{RelayBroker, RelayOptions, RelayProcess};
+use futures::StreamExt;
+use outbox_operator::broker::kafka::KafkaBroker;
+use outbox_operator::broker::nats::NatsBroker;
+use outbox_operator::broker::{Broker, BrokerKind, Message, build_message};
+use outbox_operator::postgres::OutboxRow;
+use serde_json::{Value, json};
+
+/// Kafka partitions of every topic the benchmark creates (relay runs and baseline alike).
+const KAFKA_PARTITIONS: i32 = 4;
+/// Distinct aggregate ids of every workload.
+const AGGREGATES: i64 = 1000;
+/// Rows per insert transaction of the writers (pre-fill and PostgreSQL baseline).
+const ROWS_PER_TX: i64 = 100;
+/// Polling interval of every polling relay in the benchmark.
+const POLL_INTERVAL: &str = "100ms";
+/// Messages in flight while measuring a broker's raw produce rate.
+const CEILING_WINDOW: usize = 10_000;
+
+// ---------------------------------------------------------------------------------------
+// What is measured
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Polling { batch: i32 },
+    LogTailing,
+}
+
+impl Mode {
+    fn label(self) -> String {
+        match self {
+            Mode::Polling { batch } => format!("polling (batch {batch})"),
+            Mode::LogTailing => "log tailing".to_owned(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Target {
+    Kafka,
+    Nats,
+}
+
+impl Target {
+    fn label(self) -> &'static str {
+        match self {
+            Target::Kafka => "Kafka",
+            Target::Nats => "NATS JetStream",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ThroughputCase {
+    mode: Mode,
+    target: Target,
+    partitions: i32,
+    replicas: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct LatencyCase {
+    mode: Mode,
+    target: Target,
+    rate: u32,
+}
+
+/// Sizes and the grid: `--bench` gets the real run, anything else a smoke run.
+struct Plan {
+    full: bool,
+    ceiling_events: usize,
+    pg_rows: i64,
+    backlog: i64,
+    max_drain: Duration,
+    latency_run: Duration,
+    latency_warmup: Duration,
+    relays: usize,
+    throughput: Vec<ThroughputCase>,
+    latency: Vec<LatencyCase>,
+}
+
+impl Plan {
+    fn new(full: bool) -> Plan {
+        let polling = |batch| Mode::Polling { batch };
+        let tc = |mode, target, partitions, replicas| ThroughputCase {
+            mode,
+            target,
+            partitions,
+            replicas,
+        };
+        let lc = |mode, target, rate| LatencyCase { mode, target, rate };
+        if !full {
+            return Plan {
+                full,
+                ceiling_events: 2_000,
+                pg_rows: 1_000,
+                backlog: 1_000,
+                max_drain: Duration::from_secs(60),
+                latency_run: Duration::from_secs(2),
+                latency_warmup: Duration::from_millis(500),
+                relays: 5,
+                throughput: vec![
+                    tc(polling(500), Target::Kafka, 4, 2),
+                    tc(Mode::LogTailing, Target::Nats, 4, 1),
+                ],
+                latency: vec![lc(Mode::LogTailing, Target::Kafka, 200)],
+            };
+        }
+        // Not the full cartesian product (4 modes x 2 brokers x 3 partition counts x 2
+        // replica counts = 48 runs would not fit the time budget). Each dimension is varied
+        // around one reference point, polling with batch 500 to Kafka, 4 partitions, one
+        // replica: batch size (100/500/2000), partitions (1/4/16) and replicas (1/2 at 4
+        // and 16 partitions), then log tailing and NATS at the reference point. Log
+        // tailing runs one consumer whatever the partitions and replicas say (a slot
+        // admits one reader), so varying those for it would measure nothing.
+        Plan {
+            full,
+            ceiling_events: 100_000,
+            pg_rows: 50_000,
+            backlog: 40_000,
+            max_drain: Duration::from_secs(15),
+            latency_run: Duration::from_secs(10),
+            latency_warmup: Duration::from_secs(2),
+            relays: 500,
+            throughput: vec![
+                tc(polling(500), Target::Kafka, 4, 1),
+                tc(polling(100), Target::Kafka, 4, 1),
+                tc(polling(2000), Target::Kafka, 4, 1),
+                tc(polling(500), Target::Kafka, 1, 1),
+                tc(polling(500), Target::Kafka, 16, 1),
+                tc(polling(500), Target::Kafka, 4, 2),
+                tc(polling(500), Target::Kafka, 16, 2),
+                tc(Mode::LogTailing, Target::Kafka, 4, 1),
+                tc(polling(500), Target::Nats, 4, 1),
+                tc(Mode::LogTailing, Target::Nats, 4, 1),
+            ],
+            latency: vec![
+                lc(polling(500), Target::Kafka, 1000),
+                lc(polling(500), Target::Kafka, 5000),
+                lc(Mode::LogTailing, Target::Kafka, 1000),
+                lc(Mode::LogTailing, Target::Kafka, 5000),
+                lc(polling(500), Target::Nats, 5000),
+                lc(Mode::LogTailing, Target::Nats, 5000),
+            ],
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry point
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|err| panic!("cannot start a tokio runtime: {err}"));
+    runtime.block_on(run(Plan::new(full)));
+}
+
+async fn run(plan: Plan) {
+    let rig = common::Rig::load();
+    // Fail at once, with how to start them, when a server is missing.
+    common::require_listening("PostgreSQL", common::host_port(rig.pg_url())).await;
+    common::require_listening("Kafka", rig.kafka_bootstrap()).await;
+    common::require_listening("NATS", common::host_port(rig.nats_url())).await;
+    let kube = common::kube_client().await;
+    let started = Instant::now();
+    let what = if plan.full {
+        "benchmark"
+    } else {
+        "smoke run (pass --bench for the benchmark)"
+    };
+    eprintln!(
+        "outbox-operator system {what}; relay binary {}",
+        env!("CARGO_BIN_EXE_outbox-operator")
+    );
+
+    let kafka_ceiling = broker_ceiling(Target::Kafka, plan.ceiling_events).await;
+    eprintln!("  Kafka raw produce: {kafka_ceiling:.0} events/s");
+    let nats_ceiling = broker_ceiling(Target::Nats, plan.ceiling_events).await;
+    eprintln!("  NATS raw publish: {nats_ceiling:.0} events/s");
+    let pg_ceiling = postgres_ceiling(plan.pg_rows).await;
+    eprintln!("  PostgreSQL raw insert: {pg_ceiling:.0} rows/s");
+    let ceiling = |t: Target| match t {
+        Target::Kafka => kafka_ceiling,
+        Target::Nats => nats_ceiling,
+    };
+
+    // OUTBOX_BENCH_ONLY=throughput,latency,operator runs a part (for profiling a case).
+    let only = std::env::var("OUTBOX_BENCH_ONLY").unwrap_or_default();
+    let part = |name: &str| only.is_empty() || only.split(',').any(|p| p.trim() == name);
+    let mut throughput = Vec::new();
+    for case in plan.throughput.iter().filter(|_| part("throughput")) {
+        let rate = relay_throughput(&plan, case).await;
+        eprintln!(
+            "  {} -> {}, {} partitions, {} replicas: {rate:.0} events/s ({:.0}% of the broker ceiling)",
+            case.mode.label(),
+            case.target.label(),
+            case.partitions,
+            case.replicas,
+            100.0 * rate / ceiling(case.target)
+        );
+        throughput.push((*case, rate));
+    }
+
+    let mut latency = Vec::new();
+    for case in plan.latency.iter().filter(|_| part("latency")) {
+        let result = relay_latency(&plan, case).await;
+        eprintln!(
+            "  latency {} -> {} at {}/s: p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms; relay {:.0}% CPU, {:.0} MiB RSS",
+            case.mode.label(),
+            case.target.label(),
+            case.rate,
+            result.p50_ms,
+            result.p99_ms,
+            result.p999_ms,
+            result.relay_cpu_percent,
+            result.relay_rss_peak_mib
+        );
+        latency.push((*case, result));
+    }
+
+    // OUTBOX_BENCH_RELAYS overrides the operator-scale count (a shared rig has fewer
+    // free Service IPs than the benchmark's own).
+    let relays = std::env::var("OUTBOX_BENCH_RELAYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(plan.relays);
+    let operator = if part("operator") {
+        operator_scale(&kube, relays).await
+    } else {
+        OperatorResult::default()
+    };
+    eprintln!(
+        "  operator: {} relays reconciled in {:.1} s, {:.1} CPU s, peak RSS {:.0} MiB",
+        operator.relays, operator.all_reconciled_s, operator.cpu_seconds, operator.peak_rss_mib
+    );
+
+    let report = Report {
+        full: plan.full,
+        machine: machine(),
+        kafka_ceiling,
+        nats_ceiling,
+        pg_ceiling,
+        throughput,
+        latency,
+        operator,
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    let markdown = report.markdown();
+    println!("{markdown}");
+    if plan.full {
+        let dir = std::env::var_os("OUTBOX_BENCH_DIR").map_or_else(
+            || {
+                std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/outbox-operator/bench")
+            },
+            std::path::PathBuf::from,
+        );
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|err| panic!("cannot create {}: {err}", dir.display()));
+        let json = serde_json::to_string_pretty(&report.json())
+            .unwrap_or_else(|err| panic!("cannot serialize the results: {err}"));
+        for (name, text) in [("results.md", &markdown), ("results.json", &json)] {
+            let path = dir.join(name);
+            std::fs::write(&path, text)
+                .unwrap_or_else(|err| panic!("cannot write {}: {err}", path.display()));
+            eprintln!("wrote {}", path.display());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Workload
+
+/// A 1 KiB JSON payload of aggregate `seq % 1000`, like the pre-fill writes.
+fn payload(seq: i64) -> String {
+    let mut p = format!(
+        r#"{{"aggregate": "agg-{}", "seq": {seq}, "data": ""#,
+        seq % AGGREGATES
+    );
+    p.push_str(&"x".repeat(1024 - p.len() - 2));
+    p.push_str(r#""}"#);
+    p
+}
+
+fn row(id: i64) -> OutboxRow {
+    OutboxRow {
+        id,
+        aggregate_type: "order".into(),
+        aggregate_id: Some(format!("agg-{}", id % AGGREGATES)),
+        event_type: Some("Happened".into()),
+        payload: payload(id).into_bytes(),
+        headers: vec![("traceparent".into(), "00-trace-01".into())],
+        partition: 0,
+        created_at: None,
+    }
+}
+
+/// Inserts rows `first..first + count` server-side, `ROWS_PER_TX` per transaction, with
+/// 1 KiB JSON payloads over `AGGREGATES` aggregates.
+async fn prefill(client: &tokio_postgres::Client, first: i64, count: i64) {
+    let statement = client
+        .prepare(
+            "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
+             SELECT 'order', 'agg-' || (i % 1000), 'Happened', \
+                    jsonb_build_object('aggregate', 'agg-' || (i % 1000), 'seq', i, \
+                                       'data', repeat('x', 975)), \
+                    '00-trace-01' \
+             FROM generate_series($1::int8, $2::int8) AS i",
+        )
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: preparing the pre-fill failed: {err}"));
+    let mut next = first;
+    while next < first + count {
+        let last = (next + ROWS_PER_TX).min(first + count) - 1;
+        client
+            .execute(&statement, &[&next, &last])
+            .await
+            .unwrap_or_else(|err| panic!("PostgreSQL: pre-fill insert failed: {err}"));
+        next = last + 1;
+    }
+}
+
+/// Inserts the given 1 KiB payloads in one transaction (one statement) and returns the
+/// ids, in insertion order, once committed.
+async fn insert_payloads(
+    client: &tokio_postgres::Client,
+    statement: &tokio_postgres::Statement,
+    seqs: std::ops::Range<i64>,
+) -> Vec<i64> {
+    let aggregates: Vec<String> = seqs
+        .clone()
+        .map(|s| format!("agg-{}", s % AGGREGATES))
+        .collect();
+    let payloads: Vec<String> = seqs.map(payload).collect();
+    client
+        .query(statement, &[&aggregates, &payloads])
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: insert failed: {err}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+const INSERT_PAYLOADS: &str = "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
+     SELECT 'order', a, 'Happened', p::jsonb, '00-trace-01' \
+     FROM unnest($1::text[], $2::text[]) AS t(a, p) RETURNING id";
+
+// ---------------------------------------------------------------------------------------
+// Baselines
+
+/// The broker's raw produce rate through the relay's own producer (same client
+/// settings: Kafka idempotent, acks=all, linger 1 ms; JetStream with Nats-Msg-Id and a
+/// PubAck per message), `CEILING_WINDOW` messages in flight, no database.
+async fn broker_ceiling(target: Target, events: usize) -> f64 {
+    let (broker, kind, destination, cleanup) = broker_for(target).await;
+    let messages: Vec<Message> = (1..=i64::try_from(events).unwrap_or(0))
+        .map(|i| {
+            build_message(kind, &destination, &row(i))
+                .unwrap_or_else(|err| panic!("building a message failed: {err}"))
+        })
+        .collect();
+    // Warm up: connections, metadata, the producer id.
+    let (warmup, measured) = messages.split_at(messages.len() / 10);
+    publish_all(broker.as_ref(), warmup).await;
+    let started = Instant::now();
+    publish_all(broker.as_ref(), measured).await;
+    let rate = measured.len() as f64 / started.elapsed().as_secs_f64();
+    drop(broker);
+    cleanup.run().await;
+    rate
+}
+
+async fn publish_all(broker: &dyn Broker, messages: &[Message]) {
+    let mut results = futures::stream::iter(messages)
+        .map(|m| broker.publish(m))
+        .buffer_unordered(CEILING_WINDOW);
+    while let Some(result) = results.next().await {
+        result.unwrap_or_else(|err| panic!("baseline publish failed: {err}"));
+    }
+}
+
+/// What a run created on a broker, removed afterwards so the rig's disk does not fill.
+enum BrokerCleanup {
+    KafkaTopic(String),
+    NatsStream(Box<common::TestStream>),
+}
+
+impl BrokerCleanup {
+    async fn run(self) {
+        match self {
+            BrokerCleanup::KafkaTopic(topic) => {
+                use rdkafka::admin::{AdminClient, AdminOptions};
+                use rdkafka::client::DefaultClientContext;
+                if let Ok(admin) =
+                    common::kafka_config().create::<AdminClient<DefaultClientContext>>()
+                {
+                    let _ = admin
+                        .delete_topics(&[topic.as_str()], &AdminOptions::new())
+                        .await;
+                }
+            }
+            BrokerCleanup::NatsStream(stream) => {
+                let _ = stream.jetstream.delete_stream(&stream.name).await;
+            }
+        }
+    }
+}
+
+/// A fresh topic or stream and a broker client of the relay's own kind for it.
+async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, BrokerCleanup) {
+    let rig = common::Rig::load();
+    match target {
+        Target::Kafka => {
+            let topic = common::fresh_topic(KAFKA_PARTITIONS).await;
+            let config = serde_yaml::from_str(&format!(
+                "{{bootstrapServers: \"{}\", topic: \"{topic}\"}}",
+                rig.kafka_bootstrap()
+            ))
+            .unwrap_or_else(|err| panic!("Kafka config: {err}"));
+            let broker = KafkaBroker::new(&config, None)
+                .unwrap_or_else(|err| panic!("Kafka producer: {err}"));
+            (
+                Box::new(broker),
+                BrokerKind::Kafka,
+                topic.clone(),
+                BrokerCleanup::KafkaTopic(topic),
+            )
+        }
+        Target::Nats => {
+            let stream = common::fresh_stream().await;
+            let subject = format!("{}.events", stream.subject_prefix);
+            let config = serde_yaml::from_str(&format!(
+                "{{url: \"{}\", subject: \"{subject}\"}}",
+                rig.nats_url()
+            ))
+            .unwrap_or_else(|err| panic!("NATS config: {err}"));
+            let broker = NatsBroker::new(&config)
+                .await
+                .unwrap_or_else(|err| panic!("NATS client: {err}"));
+            (
+                Box::new(broker),
+                BrokerKind::Nats,
+                subject,
+                BrokerCleanup::NatsStream(Box::new(stream)),
+            )
+        }
+    }
+}
+
+/// PostgreSQL's raw outbox insert rate: 4 writers, `ROWS_PER_TX` client-built 1 KiB
+/// rows per transaction, into the outbox table with its partition index.
+async fn postgres_ceiling(rows: i64) -> f64 {
+    const WRITERS: i64 = 4;
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let per_writer = rows / WRITERS;
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let client = common::pg_connect(&db.url)
+            .await
+            .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+        writers.push(async move {
+            let statement = client
+                .prepare(INSERT_PAYLOADS)
+                .await
+                .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+            let mut seq = w * per_writer;
+            let end = seq + per_writer;
+            while seq < end {
+                let next = (seq + ROWS_PER_TX).min(end);
+                insert_payloads(&client, &statement, seq..next).await;
+                seq = next;
+            }
+        });
+    }
+    let started = Instant::now();
+    futures::future::join_all(writers).await;
+    let rate = (per_writer * WRITERS) as f64 / started.elapsed().as_secs_f64();
+    db.drop_database().await;
+    rate
+}
+
+// ---------------------------------------------------------------------------------------
+// Relays under test
+
+/// A database with an outbox table, a topic or stream, and the relay config for both.
+struct Setup {
+    db: common::TestDatabase,
+    broker: RelayBroker,
+    yaml: String,
+    slot: Option<SlotGuard>,
+    cleanup: BrokerCleanup,
+}
+
+async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, partitions).await;
+    let (broker, cleanup) = match target {
+        Target::Kafka => {
+            let topic = common::fresh_topic(KAFKA_PARTITIONS).await;
+            (
+                RelayBroker::Kafka {
+                    bootstrap: rig.kafka_bootstrap().to_owned(),
+                    topic: topic.clone(),
+                },
+                BrokerCleanup::KafkaTopic(topic),
+            )
+        }
+        Target::Nats => {
+            let stream = common::fresh_stream().await;
+            (
+                RelayBroker::Nats {
+                    url: rig.nats_url().to_owned(),
+                    subject: format!("{}.events", stream.subject_prefix),
+                },
+                BrokerCleanup::NatsStream(Box::new(stream)),
+            )
+        }
+    };
+    let batch_size = match mode {
+        Mode::Polling { batch } => batch,
+        Mode::LogTailing => 500,
+    };
+    let options = RelayOptions {
+        partitions,
+        batch_size,
+        interval: POLL_INTERVAL,
+        ..RelayOptions::default()
+    };
+    let mut yaml = common::relay_config_yaml(&broker, &options);
+    let mut slot = None;
+    if mode == Mode::LogTailing {
+        let guard = SlotGuard::new(rig.pg_url());
+        yaml = yaml
+            .lines()
+            .map(|line| {
+                if line.starts_with("mode:") {
+                    format!(
+                        "mode: {{logTailing: {{slotName: {0}, publicationName: {0}, \
+                         heartbeatInterval: 1s, deleteAfterPublish: true}}}}",
+                        guard.slot
+                    )
+                } else {
+                    line.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        slot = Some(guard);
+    }
+    Setup {
+        db,
+        broker,
+        yaml,
+        slot,
+        cleanup,
+    }
+}
+
+impl Setup {
+    fn start_relay(&self) -> Relay {
+        Relay::new(RelayProcess::start(&self.yaml, &self.db.url, &self.broker))
+    }
+
+    /// Starts a log-tailing relay, waits until it streams (it creates slot and
+    /// publication), and stops it again: rows written afterwards wait in the slot.
+    async fn create_slot(&self) {
+        let slot = &self
+            .slot
+            .as_ref()
+            .unwrap_or_else(|| panic!("not log tailing"))
+            .slot;
+        let mut relay = self.start_relay();
+        wait_slot(&self.db.client, slot, true, &relay.process).await;
+        relay.process.terminate(Duration::from_secs(30));
+        wait_slot(&self.db.client, slot, false, &relay.process).await;
+    }
+
+    async fn teardown(self, relays: Vec<Relay>) {
+        drop(relays);
+        drop(self.slot);
+        self.cleanup.run().await;
+        self.db.drop_database().await;
+    }
+}
+
+async fn wait_slot(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    active: bool,
+    relay: &RelayProcess,
+) {
+    common::wait_for_relays(
+        if active {
+            "the relay to stream its slot"
+        } else {
+            "the slot to be released"
+        },
+        Duration::from_secs(60),
+        &[relay],
+        || async {
+            client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active = $2",
+                    &[&slot, &active],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        },
+    )
+    .await;
+}
+
+/// A relay process and its metrics endpoint.
+struct Relay {
+    process: RelayProcess,
+    addr: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Relay {
+    fn new(process: RelayProcess) -> Relay {
+        Relay {
+            process,
+            addr: None,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// `outbox_relay_published_total`, 0 until the relay answers.
+    async fn published(&mut self) -> f64 {
+        if self.addr.is_none() {
+            self.addr = Some(self.process.http_addr().await);
+        }
+        let addr = self.addr.as_deref().unwrap_or_default();
+        let Ok(response) = self
+            .http
+            .get(format!("http://{addr}/metrics"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+        else {
+            return 0.0;
+        };
+        let text = response.text().await.unwrap_or_default();
+        common::metric_value(&text, "outbox_relay_published_total").unwrap_or(0.0)
+    }
+
+    fn pid(&self) -> u32 {
+        self.process.child.id()
+    }
+}
+
+async fn published(relays: &mut [Relay]) -> f64 {
+    let mut total = 0.0;
+    for relay in relays.iter_mut() {
+        total += relay.published().await;
+    }
+    total
+}
+
+/// Sustained relay throughput: a backlog of `plan.backlog` rows waits in the table (or,
+/// for log tailing, in the slot) before the relays start; the rate is measured from the
+/// first published row until the backlog is drained or `plan.max_drain` has passed.
+async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> f64 {
+    let setup = setup(case.mode, case.target, case.partitions).await;
+    if case.mode == Mode::LogTailing {
+        setup.create_slot().await;
+    }
+    prefill(&setup.db.client, 1, plan.backlog).await;
+    let mut relays: Vec<Relay> = (0..case.replicas).map(|_| setup.start_relay()).collect();
+    let target = plan.backlog as f64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // The clock starts at the last sample that saw nothing published yet (a lower bound
+    // of the first publish), so a backlog drained between two samples still counts.
+    let mut last_zero = Instant::now();
+    let mut first: Option<(Instant, f64)> = None;
+    let rate = loop {
+        let now_published = published(&mut relays).await;
+        let now = Instant::now();
+        match first {
+            None if now > deadline => {
+                let logs: String = relays.iter().map(|r| r.process.log_tail(30)).collect();
+                panic!("no relay published within 120 s:\n{logs}");
+            }
+            None if now_published == 0.0 => last_zero = now,
+            None if now_published > 0.0 => {
+                first = Some((last_zero, 0.0));
+                if now_published >= target {
+                    break now_published / now.duration_since(last_zero).as_secs_f64();
+                }
+            }
+            Some((t0, p0))
+                if now_published >= target || now.duration_since(t0) >= plan.max_drain =>
+            {
+                let elapsed = now.duration_since(t0).as_secs_f64();
+                break if elapsed > 0.0 {
+                    (now_published - p0) / elapsed
+                } else {
+                    0.0
+                };
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    if !plan.full {
+        // The smoke run checks that every row made it, once the relays have drained.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while published(&mut relays).await < target {
+            if Instant::now() > deadline {
+                let logs: String = relays.iter().map(|r| r.process.log_tail(30)).collect();
+                panic!("the relays did not publish the whole backlog within 60 s:\n{logs}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let received = match (&setup.broker, &setup.cleanup) {
+            (RelayBroker::Kafka { topic, .. }, _) => {
+                let topic = topic.clone();
+                tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+                    .await
+                    .unwrap_or_else(|err| panic!("consumer: {err}"))
+            }
+            (_, BrokerCleanup::NatsStream(stream)) => common::consume_nats(stream).await,
+            _ => unreachable!("a NATS relay has a NATS stream"),
+        };
+        let distinct: std::collections::HashSet<i64> = received.iter().map(|r| r.id).collect();
+        assert_eq!(
+            distinct.len() as i64,
+            plan.backlog,
+            "the broker did not receive every row of the backlog"
+        );
+    }
+    setup.teardown(relays).await;
+    rate
+}
+
+// ---------------------------------------------------------------------------------------
+// Latency and resource use
+
+struct LatencyResult {
+    offered: f64,
+    samples: usize,
+    lost: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    p999_ms: f64,
+    max_ms: f64,
+    relay_cpu_percent: f64,
+    relay_rss_peak_mib: f64,
+    relay_rss_avg_mib: f64,
+}
+
+/// Commit → consumer receive: a writer commits `rate` rows per second in 10 ms ticks and
+/// notes each row's commit time; a consumer in this process notes each message's
+/// arrival; the relay's CPU and RSS are sampled from /proc meanwhile.
+async fn relay_latency(plan: &Plan, case: &LatencyCase) -> LatencyResult {
+    let setup = setup(case.mode, case.target, 4).await;
+    let mut relay = setup.start_relay();
+    if let Some(slot) = &setup.slot {
+        wait_slot(&setup.db.client, &slot.slot, true, &relay.process).await;
+    }
+    let received: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let consumer = start_consumer(&setup, received.clone(), stop.clone()).await;
+
+    // One row end to end first, so the relay, producer and consumer are all warm.
+    let statement = setup
+        .db
+        .client
+        .prepare(INSERT_PAYLOADS)
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+    let first = insert_payloads(&setup.db.client, &statement, 0..1).await;
+    let arrived = tokio::time::timeout(Duration::from_secs(60), async {
+        while !first
+            .iter()
+            .all(|id| received.lock().is_ok_and(|r| r.contains_key(id)))
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    if arrived.is_err() {
+        let published = relay.published().await;
+        panic!(
+            "the first row (id {first:?}) did not reach the consumer within 60 s; the relay \
+             reports {published} published\n--- relay log tail ---\n{}",
+            relay.process.log_tail(40)
+        );
+    }
+
+    let tick = Duration::from_millis(10);
+    let per_tick = i64::from(case.rate / 100).max(1);
+    let mut committed: Vec<(i64, Instant)> = Vec::new();
+    let mut ticker = tokio::time::interval(tick);
+    let begin = Instant::now();
+    let measure_from = begin + plan.latency_warmup;
+    let end = measure_from + plan.latency_run;
+    let mut sampler: Option<ProcSampler> = None;
+    let mut seq = 1;
+    let mut measured_rows = 0usize;
+    while Instant::now() < end {
+        ticker.tick().await;
+        if sampler.is_none() && Instant::now() >= measure_from {
+            sampler = Some(ProcSampler::start(relay.pid()));
+        }
+        let ids = insert_payloads(&setup.db.client, &statement, seq..seq + per_tick).await;
+        seq += per_tick;
+        let at = Instant::now();
+        if at >= measure_from {
+            measured_rows += ids.len();
+            committed.extend(ids.into_iter().map(|id| (id, at)));
+        }
+    }
+    let offered = measured_rows as f64 / end.duration_since(measure_from).as_secs_f64();
+    let usage = match sampler {
+        Some(s) => s.stop().await,
+        None => ProcUsage::default(),
+    };
+    // Let the tail arrive.
+    let _ = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let done = received
+                .lock()
+                .is_ok_and(|r| committed.iter().all(|(id, _)| r.contains_key(id)));
+            if done {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = consumer.await;
+    let received = received.lock().map(|r| r.clone()).unwrap_or_default();
+    let mut latencies: Vec<f64> = committed
+        .iter()
+        .filter_map(|(id, at)| {
+            received
+                .get(id)
+                .map(|got| got.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    let lost = committed.len() - latencies.len();
+    if !plan.full {
+        assert_eq!(
+            lost, 0,
+            "rows committed in the latency run never reached the consumer"
+        );
+    }
+    latencies.sort_by(f64::total_cmp);
+    let pct = |q: f64| -> f64 {
+        if latencies.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1;
+        latencies[i]
+    };
+    let result = LatencyResult {
+        offered,
+        samples: latencies.len(),
+        lost,
+        p50_ms: pct(0.50),
+        p99_ms: pct(0.99),
+        p999_ms: pct(0.999),
+        max_ms: latencies.last().copied().unwrap_or(f64::NAN),
+        relay_cpu_percent: usage.cpu_percent,
+        relay_rss_peak_mib: usage.rss_peak_mib,
+        relay_rss_avg_mib: usage.rss_avg_mib,
+    };
+    setup.teardown(vec![relay]).await;
+    result
+}
+
+/// Consumes the run's topic or subject in this process, noting each row's arrival.
+async fn start_consumer(
+    setup: &Setup,
+    received: Arc<Mutex<HashMap<i64, Instant>>>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    match &setup.broker {
+        RelayBroker::Kafka { bootstrap, topic } => {
+            use rdkafka::Message as _;
+            use rdkafka::consumer::{BaseConsumer, Consumer};
+            use rdkafka::message::Headers;
+            let consumer: BaseConsumer = common::kafka_config_for(bootstrap)
+                .set("group.id", format!("bench-{}", common::unique_suffix()))
+                .set("enable.auto.commit", "false")
+                .set("fetch.wait.max.ms", "10")
+                .set("auto.offset.reset", "earliest")
+                .create()
+                .unwrap_or_else(|err| panic!("Kafka consumer: {err}"));
+            let mut assignment = rdkafka::TopicPartitionList::new();
+            for p in 0..KAFKA_PARTITIONS {
+                assignment
+                    .add_partition_offset(topic, p, rdkafka::Offset::Beginning)
+                    .unwrap_or_else(|err| panic!("assign: {err}"));
+            }
+            consumer
+                .assign(&assignment)
+                .unwrap_or_else(|err| panic!("Kafka assign: {err}"));
+            tokio::task::spawn_blocking(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some(Ok(message)) = consumer.poll(Duration::from_millis(50)) else {
+                        continue;
+                    };
+                    let at = Instant::now();
+                    let id = message.headers().and_then(|h| {
+                        h.iter()
+                            .find(|h| h.key == "id")
+                            .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse().ok())
+                    });
+                    if let (Some(id), Ok(mut r)) = (id, received.lock()) {
+                        r.entry(id).or_insert(at);
+                    }
+                }
+            })
+        }
+        RelayBroker::Nats { subject, .. } => {
+            let BrokerCleanup::NatsStream(stream) = &setup.cleanup else {
+                unreachable!("a NATS relay has a NATS stream")
+            };
+            let mut subscription = stream
+                .client
+                .subscribe(subject.clone())
+                .await
+                .unwrap_or_else(|err| panic!("NATS subscribe: {err}"));
+            stream
+                .client
+                .flush()
+                .await
+                .unwrap_or_else(|err| panic!("NATS flush: {err}"));
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let next = tokio::time::timeout(Duration::from_millis(50), subscription.next());
+                    let Ok(Some(message)) = next.await else {
+                        continue;
+                    };
+                    let at = Instant::now();
+                    let id = message
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("Nats-Msg-Id"))
+                        .and_then(|v| v.as_str().parse().ok());
+                    if let (Some(id), Ok(mut r)) = (id, received.lock()) {
+                        r.entry(id).or_insert(at);
+                    }
+                }
+            })
+        }
+        RelayBroker::Amqp { .. } => unreachable!("the benchmark does not use RabbitMQ"),
+    }
+}
+
+#[derive(Default)]
+struct ProcUsage {
+    cpu_percent: f64,
+    rss_peak_mib: f64,
+    rss_avg_mib: f64,
+}
+
+/// Samples a process's CPU time and RSS from /proc every 100 ms.
+struct ProcSampler {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<ProcUsage>,
+}
+
+impl ProcSampler {
+    fn start(pid: u32) -> ProcSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let started = Instant::now();
+            let cpu0 = cpu_seconds(pid).unwrap_or(0.0);
+            let mut rss = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                if let Some(kib) = status_kib(pid, "VmRSS:") {
+                    rss.push(kib as f64 / 1024.0);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let cpu = cpu_seconds(pid).unwrap_or(cpu0) - cpu0;
+            ProcUsage {
+                cpu_percent: 100.0 * cpu / started.elapsed().as_secs_f64(),
+                rss_peak_mib: rss.iter().copied().fold(0.0, f64::max),
+                rss_avg_mib: if rss.is_empty() {
+                    0.0
+                } else {
+                    rss.iter().sum::<f64>() / rss.len() as f64
+                },
+            }
+        });
+        ProcSampler { stop, task }
+    }
+
+    async fn stop(self) -> ProcUsage {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap_or_default()
+    }
+}
+
+/// User plus system CPU seconds of `pid` (/proc/PID/stat fields 14 and 15).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; fields count from after its closing paren.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / clock_ticks())
+}
+
+fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// A `kB` line of /proc/PID/status, such as `VmRSS:` or `VmHWM:`.
+fn status_kib(pid: u32, key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// Operator scale
+
+#[derive(Default)]
+struct OperatorResult {
+    relays: usize,
+    applied_s: f64,
+    all_reconciled_s: f64,
+    reconciled: usize,
+    cpu_seconds: f64,
+    peak_rss_mib: f64,
+}
+
+/// Applies `count` OutboxRelays at once to a controller process and measures until
+/// every one has its ConfigMap, Deployment and Service and a status for its generation.
+async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+    use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+    use outbox_operator::api::OutboxRelay;
+    use outbox_operator::resources::{config_map_name, relay_object_name};
+
+    let rig = common::Rig::load();
+    common::install_outbox_crd(client).await;
+    let ns = common::fresh_namespace(client).await;
+    // A real database and table, so the controller's checks find what they look for.
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some("bench-db".to_owned()),
+            ..ObjectMeta::default()
+        },
+        data: Some([("uri".to_owned(), ByteString(db.url.clone().into_bytes()))].into()),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_or_else(|err| panic!("Kubernetes: creating the Secret failed: {err}"));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|err| panic!("no free port: {err}"));
+    let log_dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
+    let log_path = log_dir.path().join("controller.log");
+    let log_file = std::fs::File::create(&log_path).unwrap_or_else(|err| panic!("log: {err}"));
+    let mut controller = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
+        .args([
+            "controller",
+            "--namespace",
+            &ns,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .args(["--identity", "bench"])
+        .env("KUBECONFIG", rig.kubeconfig())
+        .env_remove("POD_NAMESPACE")
+        .env_remove("POD_NAME")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .unwrap_or_else(|err| panic!("cannot start the controller: {err}"));
+    let pid = controller.id();
+    let tail = || {
+        format!(
+            "\n--- controller log ---\n{}",
+            common::private::tail(&log_path, 40)
+        )
+    };
+    let http = reqwest::Client::new();
+    common::wait_for_some_or(
+        "the controller to lead",
+        Duration::from_secs(60),
+        tail,
+        || async {
+            let text = http
+                .get(format!("http://127.0.0.1:{port}/metrics"))
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            text.lines()
+                .any(|l| l == "outbox_operator_leader 1")
+                .then_some(())
+        },
+    )
+    .await;
+
+    let manifests: Vec<Value> = (0..count)
+        .map(|i| {
+            json!({
+                "apiVersion": "outbox.dev/v1alpha1",
+                "kind": "OutboxRelay",
+                "metadata": {"name": format!("bench-{i:04}"), "namespace": ns},
+                "spec": {
+                    "database": {"postgres": {
+                        "connectionSecretRef": {"name": "bench-db", "key": "uri"},
+                        "sslMode": "disable"}},
+                    "mode": {"polling": {"interval": "500ms", "batchSize": 500}},
+                    "broker": {"kafka": {"bootstrapServers": rig.kafka_bootstrap()}},
+                    "ordering": {"mode": "perAggregate", "partitions": 4},
+                    "replicas": 1
+                }
+            })
+        })
+        .collect();
+    let mut expect_deployments = std::collections::HashSet::new();
+    let mut expect_config_maps = std::collections::HashSet::new();
+    for manifest in &manifests {
+        let relay: OutboxRelay = serde_json::from_value(manifest.clone())
+            .unwrap_or_else(|err| panic!("bench manifest is not an OutboxRelay: {err}"));
+        expect_deployments.insert(relay_object_name(&relay));
+        expect_config_maps.insert(config_map_name(&relay));
+    }
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+
+    let cpu0 = cpu_seconds(pid).unwrap_or(0.0);
+    let started = Instant::now();
+    let apply = PatchParams::apply("outbox-bench");
+    futures::stream::iter(&manifests)
+        .map(|m| {
+            let name = m["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let (relays, apply) = (&relays, &apply);
+            async move {
+                relays
+                    .patch(&name, apply, &Patch::Apply(m))
+                    .await
+                    .unwrap_or_else(|err| panic!("applying OutboxRelay {name} failed: {err}"));
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+    let applied_s = started.elapsed().as_secs_f64();
+
+    let timeout = Duration::from_secs(240);
+    let names = |list: Vec<String>, expected: &std::collections::HashSet<String>| {
+        list.iter().filter(|n| expected.contains(*n)).count()
+    };
+    let mut reconciled = 0;
+    let all_reconciled_s = loop {
+        let lp = ListParams::default();
+        let r = relays.list(&lp).await.map(|l| {
+            l.items
+                .iter()
+                .filter(|r| {
+                    r.status.as_ref().and_then(|s| s.observed_generation) == r.metadata.generation
+                })
+                .count()
+        });
+        let d = deployments.list_metadata(&lp).await.map(|l| {
+            names(
+                l.items
+                    .into_iter()
+                    .filter_map(|o| o.metadata.name)
+                    .collect(),
+                &expect_deployments,
+            )
+        });
+        let c = config_maps.list_metadata(&lp).await.map(|l| {
+            names(
+                l.items
+                    .into_iter()
+                    .filter_map(|o| o.metadata.name)
+                    .collect(),
+                &expect_config_maps,
+            )
+        });
+        let s = services.list_metadata(&lp).await.map(|l| {
+            names(
+                l.items
+                    .into_iter()
+                    .filter_map(|o| o.metadata.name)
+                    .collect(),
+                &expect_deployments,
+            )
+        });
+        if let (Ok(r), Ok(d), Ok(c), Ok(s)) = (r, d, c, s) {
+            reconciled = r.min(d).min(c).min(s);
+            if reconciled == count {
+                break started.elapsed().as_secs_f64();
+            }
+        }
+        if started.elapsed() > timeout {
+            eprintln!("  operator: only {reconciled}/{count} relays reconciled after {timeout:?}");
+            break f64::NAN;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let cpu_seconds_used = cpu_seconds(pid).unwrap_or(cpu0) - cpu0;
+    let peak_rss_mib = status_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    if all_reconciled_s.is_nan() && !plan_is_full() {
+        panic!(
+            "the controller did not reconcile {count} relays in {timeout:?}{}",
+            tail()
+        );
+    }
+
+    // Clean up while the controller runs, so it can take its finalizers off.
+    let _ = relays
+        .delete_collection(&Default::default(), &ListParams::default())
+        .await;
+    let _ = tokio::time::timeout(Duration::from_secs(120), async {
+        while relays
+            .list_metadata(&ListParams::default())
+            .await
+            .map_or(true, |l| !l.items.is_empty())
+        {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    })
+    .await;
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let _ = tokio::time::timeout(Duration::from_secs(30), async {
+        while matches!(controller.try_wait(), Ok(None)) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let _ = controller.kill();
+    let _ = controller.wait();
+    common::delete_namespace(client, &ns).await;
+    db.drop_database().await;
+    OperatorResult {
+        relays: count,
+        applied_s,
+        all_reconciled_s,
+        reconciled,
+        cpu_seconds: cpu_seconds_used,
+        peak_rss_mib,
+    }
+}
+
+fn plan_is_full() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
+
+// ---------------------------------------------------------------------------------------
+// Replication slots
+
+/// Drops a replication slot when dropped (also on panic), terminating a walsender that
+/// still holds it: a leaked slot would retain the shared cluster's WAL.
+struct SlotGuard {
+    admin_url: String,
+    slot: String,
+}
+
+impl SlotGuard {
+    fn new(admin_url: &str) -> Self {
+        Self {
+            admin_url: admin_url.to_owned(),
+            slot: format!("bench_{}", common::unique_suffix()),
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let (url, slot) = (self.admin_url.clone(), self.slot.clone());
+        // Drop may run inside the runtime: use a thread with its own.
+        let dropped = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return false;
+            };
+            rt.block_on(async move {
+                let Ok(client) = common::pg_connect(&url).await else {
+                    return false;
+                };
+                for _ in 0..100 {
+                    let _ = client
+                        .execute(
+                            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                            &[&slot],
+                        )
+                        .await;
+                    let _ = client
+                        .query_one(
+                            "SELECT count(pg_drop_replication_slot(slot_name)) \
+                             FROM pg_replication_slots WHERE slot_name = $1",
+                            &[&slot],
+                        )
+                        .await;
+                    let gone = client
+                        .query_one(
+                            "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
+                            &[&slot],
+                        )
+                        .await
+                        .is_ok_and(|r| r.get::<_, bool>(0));
+                    if gone {
+                        return true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                false
+            })
+        })
+        .join()
+        .unwrap_or(false);
+        if !dropped {
+            eprintln!(
+                "WARNING: replication slot {} could not be dropped",
+                self.slot
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Report
+
+struct Report {
+    full: bool,
+    machine: Value,
+    kafka_ceiling: f64,
+    nats_ceiling: f64,
+    pg_ceiling: f64,
+    throughput: Vec<(ThroughputCase, f64)>,
+    latency: Vec<(LatencyCase, LatencyResult)>,
+    operator: OperatorResult,
+    wall_seconds: f64,
+}
+
+fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned())
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let memory_gib =
+        status_like("/proc/meminfo", "MemTotal:").map_or(0.0, |k| k as f64 / 1024.0 / 1024.0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .unwrap_or_default();
+    let date = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .unwrap_or_default();
+    json!({
+        "cpu": model,
+        "cores": cores,
+        "memory_gib": (memory_gib * 10.0).round() / 10.0,
+        "kernel": kernel.trim(),
+        "commit": commit.trim(),
+        "date": date.trim(),
+    })
+}
+
+fn status_like(path: &str, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn pct(ratio: f64) -> String {
+    format!("{:.0}%", 100.0 * ratio)
+}
+
+impl Report {
+    fn ceiling(&self, target: Target) -> f64 {
+        match target {
+            Target::Kafka => self.kafka_ceiling,
+            Target::Nats => self.nats_ceiling,
+        }
+    }
+
+    fn markdown(&self) -> String {
+        let m = &self.machine;
+        let mut out = String::new();
+        let mut line = |s: String| {
+            out.push_str(&s);
+            out.push('\n');
+        };
+        line(format!(
+            "## outbox-operator benchmark{}",
+            if self.full {
+                ""
+            } else {
+                " (smoke run: tiny sizes, figures meaningless)"
+            }
+        ));
+        line(String::new());
+        line(format!(
+            "{} cores ({}), {} GiB, Linux {}; commit {}, {}; {:.0} s.",
+            m["cores"],
+            m["cpu"].as_str().unwrap_or(""),
+            m["memory_gib"],
+            m["kernel"].as_str().unwrap_or(""),
+            m["commit"].as_str().unwrap_or(""),
+            m["date"].as_str().unwrap_or(""),
+            self.wall_seconds
+        ));
+        line(String::new());
+        line("### Baselines (same run)".to_owned());
+        line(String::new());
+        line("| baseline | events/s |".to_owned());
+        line("|---|---:|".to_owned());
+        line(format!(
+            "| Kafka raw produce (relay's producer settings, no database) | {:.0} |",
+            self.kafka_ceiling
+        ));
+        line(format!(
+            "| NATS JetStream raw publish (relay's client, no database) | {:.0} |",
+            self.nats_ceiling
+        ));
+        line(format!(
+            "| PostgreSQL raw outbox insert (4 writers, 100 rows/tx) | {:.0} |",
+            self.pg_ceiling
+        ));
+        line(String::new());
+        line("### Relay throughput (1 KiB JSON, 1,000 aggregates, perAggregate)".to_owned());
+        line(String::new());
+        line("| mode | broker | partitions | replicas | events/s | of broker ceiling | of PG insert rate |".to_owned());
+        line("|---|---|---:|---:|---:|---:|---:|".to_owned());
+        for (case, rate) in &self.throughput {
+            line(format!(
+                "| {} | {} | {} | {} | {:.0} | {} | {} |",
+                case.mode.label(),
+                case.target.label(),
+                case.partitions,
+                case.replicas,
+                rate,
+                pct(rate / self.ceiling(case.target)),
+                pct(rate / self.pg_ceiling)
+            ));
+        }
+        line(String::new());
+        line(format!(
+            "### End-to-end latency, commit → consumer receive, and relay resource use (polling interval {POLL_INTERVAL})"
+        ));
+        line(String::new());
+        line("| mode | broker | offered events/s | of broker ceiling | p50 ms | p99 ms | p99.9 ms | max ms | lost | relay CPU | relay RSS avg / peak MiB |".to_owned());
+        line("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned());
+        for (case, r) in &self.latency {
+            line(format!(
+                "| {} | {} | {:.0} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.0}% | {:.0} / {:.0} |",
+                case.mode.label(),
+                case.target.label(),
+                r.offered,
+                pct(r.offered / self.ceiling(case.target)),
+                r.p50_ms,
+                r.p99_ms,
+                r.p999_ms,
+                r.max_ms,
+                r.lost,
+                r.relay_cpu_percent,
+                r.relay_rss_avg_mib,
+                r.relay_rss_peak_mib
+            ));
+        }
+        line(String::new());
+        line("### Operator scale".to_owned());
+        line(String::new());
+        let o = &self.operator;
+        line("| OutboxRelays applied at once | all applied after s | all reconciled after s | reconciled | controller CPU s | controller peak RSS MiB |".to_owned());
+        line("|---:|---:|---:|---:|---:|---:|".to_owned());
+        let reconciled_after = if o.all_reconciled_s.is_nan() {
+            "not within 240".to_owned()
+        } else {
+            format!("{:.1}", o.all_reconciled_s)
+        };
+        line(format!(
+            "| {} | {:.1} | {reconciled_after} | {}/{} | {:.1} | {:.0} |",
+            o.relays, o.applied_s, o.reconciled, o.relays, o.cpu_seconds, o.peak_rss_mib
+        ));
+        out
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "machine": self.machine,
+            "wall_seconds": self.wall_seconds,
+            "baselines": {
+                "kafka_produce_events_per_s": self.kafka_ceiling,
+                "nats_publish_events_per_s": self.nats_ceiling,
+                "postgres_insert_rows_per_s": self.pg_ceiling,
+            },
+            "throughput": self.throughput.iter().map(|(c, rate)| json!({
+                "mode": match c.mode { Mode::Polling { .. } => "polling", Mode::LogTailing => "logTailing" },
+                "batch_size": match c.mode { Mode::Polling { batch } => Some(batch), Mode::LogTailing => None },
+                "broker": c.target.label(),
+                "partitions": c.partitions,
+                "replicas": c.replicas,
+                "events_per_s": rate,
+                "ratio_of_broker_ceiling": rate / self.ceiling(c.target),
+                "ratio_of_postgres_insert": rate / self.pg_ceiling,
+            })).collect::<Vec<_>>(),
+            "latency": self.latency.iter().map(|(c, r)| json!({
+                "mode": match c.mode { Mode::Polling { .. } => "polling", Mode::LogTailing => "logTailing" },
+                "broker": c.target.label(),
+                "polling_interval": POLL_INTERVAL,
+                "target_events_per_s": c.rate,
+                "offered_events_per_s": r.offered,
+                "ratio_of_broker_ceiling": r.offered / self.ceiling(c.target),
+                "samples": r.samples,
+                "lost": r.lost,
+                "p50_ms": r.p50_ms,
+                "p99_ms": r.p99_ms,
+                "p999_ms": r.p999_ms,
+                "max_ms": r.max_ms,
+                "relay_cpu_percent": r.relay_cpu_percent,
+                "relay_rss_avg_mib": r.relay_rss_avg_mib,
+                "relay_rss_peak_mib": r.relay_rss_peak_mib,
+            })).collect::<Vec<_>>(),
+            "operator": {
+                "relays": self.operator.relays,
+                "applied_s": self.operator.applied_s,
+                "all_reconciled_s": self.operator.all_reconciled_s,
+                "reconciled": self.operator.reconciled,
+                "controller_cpu_seconds": self.operator.cpu_seconds,
+                "controller_peak_rss_mib": self.operator.peak_rss_mib,
+            },
+        })
+    }
+}
