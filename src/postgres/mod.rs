@@ -393,14 +393,29 @@ impl OutboxTable {
         };
         let pexpr = partition_expr(&columns.aggregate_id, partitions);
         // ORDER BY id: always from the oldest unpublished row, never from a remembered
-        // position, because rows commit out of id order. SKIP LOCKED: rows a concurrent
-        // batch holds (ordering none, or a dying owner's open transaction) are left alone
-        // instead of waited for.
+        // position, because rows commit out of id order.
+        //
+        // The candidates are found per partition (a LATERAL join over the owned
+        // partitions, each an ordered scan of the `(partition, id)` index that stops
+        // after `$2` entries) and only then merged and cut to `$2`. A single
+        // `<partition> = ANY($1) ORDER BY id LIMIT $2` cannot read that index in id
+        // order across partitions, so it read and sorted the whole backlog every batch
+        // (105 ms at 40,000 waiting rows, against 7 ms this way). Each partition's
+        // candidates are a prefix of it in id order, so per-aggregate order holds.
+        //
+        // Only the chosen rows are locked, in the outer statement. FOR UPDATE re-checks
+        // the predicate on the current row version, so a row published meanwhile drops
+        // out; SKIP LOCKED leaves rows a concurrent batch holds (ordering none, or a
+        // dying owner's open transaction) alone instead of waiting for them.
         let select_sql = format!(
-            "SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+            "WITH candidates AS MATERIALIZED (\
+             SELECT c.id FROM unnest($1::int8[]) AS p(n) CROSS JOIN LATERAL (\
+             SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = p.n \
+             ORDER BY {id} LIMIT $2) AS c ORDER BY c.id LIMIT $2) \
+             SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
              {pexpr}, {created}{headers} \
-             FROM {qualified} WHERE {unpublished}{pexpr} = ANY($1::int8[]) \
-             ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+             FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
+             ORDER BY {id} FOR UPDATE SKIP LOCKED",
             id = quote(&columns.id),
             at = quote(&columns.aggregate_type),
             aid = quote(&columns.aggregate_id),
@@ -430,6 +445,11 @@ impl OutboxTable {
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
         let partitions: Vec<i64> = partitions.iter().copied().collect();
+        // The planner underestimates how many rows one partition holds and would rather
+        // bitmap-scan all of them and sort than walk the index in order and stop early.
+        tx.batch_execute("SET LOCAL enable_bitmapscan = off")
+            .await
+            .map_err(db("preparing the batch query"))?;
         let rows = tx
             .query(&self.select_sql, &[&partitions, &limit])
             .await

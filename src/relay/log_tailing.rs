@@ -50,14 +50,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::RelayError;
 use super::backoff::Backoff;
-use super::chains::{ChainResult, chains, publish_chain};
+use super::chains::{ChainResult, chains, publish_chains};
 use super::config::{LogTailingSettings, Settings};
 use super::http::Health;
 use super::metrics::{ErrorLabels, WAL_STATUSES, WalStatusLabels};
@@ -73,8 +73,6 @@ use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError, admin};
 const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 /// A batch stops taking further (already received) transactions at this many rows.
 const MAX_BATCH_ROWS: usize = 1000;
-/// Chains published at once within a batch.
-const CONCURRENT_CHAINS: usize = 64;
 /// How often the slot's statistics are read.
 const STATS_EVERY: Duration = Duration::from_secs(3);
 /// How long the replication connection may take to start streaming.
@@ -537,11 +535,8 @@ impl LogTailer {
         while !pending.is_empty() {
             let broker = self.broker.as_ref();
             let (kind, template) = (self.kind, self.template.as_str());
-            let results: Vec<ChainResult> = futures::stream::iter(std::mem::take(&mut pending))
-                .map(|chain| publish_chain(broker, kind, template, chain))
-                .buffer_unordered(CONCURRENT_CHAINS)
-                .collect()
-                .await;
+            let results: Vec<ChainResult> =
+                publish_chains(broker, kind, template, std::mem::take(&mut pending)).await;
             let now_unix = unix_now();
             for result in results {
                 for (id, created) in result.published {
