@@ -32,11 +32,13 @@
 //!
 //! # deleteAfterPublish
 //!
-//! Published row ids are deleted (by id, in chunks, on the normal connection) once the
-//! server has been sent the confirmation covering their commit. The deletes go through
-//! the slot as well and are ignored there. Ids waiting for deletion live in memory: a
-//! crash between confirmation and delete leaves those rows in the table (already
-//! published, never republished).
+//! Published row ids are deleted (by id, in chunks) once the server has been sent the
+//! confirmation covering their commit. A task of their own does it, on a connection of
+//! its own, so a `DELETE` never holds up the path from stream to broker (inline, it
+//! added 50–60 ms to the p99 latency at 5,000 events/s). The deletes go through the slot
+//! as well and are ignored there. Ids waiting for deletion live in memory: a crash
+//! between confirmation and delete leaves those rows in the table (already published,
+//! never republished).
 //!
 //! # Slot and publication
 //!
@@ -52,7 +54,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use super::RelayError;
@@ -82,6 +84,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
 /// Ids per delete statement: short statements, short locks.
 const DELETE_CHUNK: usize = 1000;
+/// How long shutdown waits for the deleter to finish the deletes it was handed.
+const DELETER_DRAIN: Duration = Duration::from_secs(10);
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 
@@ -216,6 +220,8 @@ pub(super) struct LogTailer {
     columns: Columns,
     /// Published ids to delete once the server has the confirmation of `Lsn`.
     pending_deletes: Vec<(Lsn, Vec<i64>)>,
+    /// Confirmed ids go here, to the deleter task (with `deleteAfterPublish`).
+    deleter: Option<mpsc::UnboundedSender<Vec<i64>>>,
     /// Failed attempts per row id (for logs; rows are retried until they go through).
     attempts: HashMap<i64, u32>,
 }
@@ -251,6 +257,7 @@ impl LogTailer {
             stop,
             columns,
             pending_deletes: Vec::new(),
+            deleter: None,
             attempts: HashMap::new(),
         }
     }
@@ -287,6 +294,23 @@ impl LogTailer {
             self.health.clone(),
             self.stop.clone(),
         ));
+        let deleter = self.lt.delete_after_publish.then(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            self.deleter = Some(tx);
+            let t = &self.settings.config.table;
+            tokio::spawn(delete_loop(
+                DeleteTarget {
+                    url: self.settings.database_url.clone(),
+                    env: self.settings.config.database.url_env.clone(),
+                    ssl_mode: self.settings.config.database.ssl_mode,
+                    schema: t.schema.clone(),
+                    table: t.name.clone(),
+                    id_column: self.columns.id.clone(),
+                },
+                rx,
+                self.stop.clone(),
+            ))
+        });
         let mut backoff = Backoff::new();
         let result = loop {
             if self.stopping() {
@@ -313,6 +337,15 @@ impl LogTailer {
             self.nap(backoff.step()).await;
         };
         stats.abort();
+        // Closing the channel lets the deleter finish what it was handed, and stop.
+        self.deleter = None;
+        if let Some(task) = deleter
+            && tokio::time::timeout(DELETER_DRAIN, task).await.is_err()
+        {
+            tracing::warn!(
+                "published rows not deleted within {DELETER_DRAIN:?} of shutdown; they stay in the table (already published)"
+            );
+        }
         result
     }
 
@@ -354,7 +387,7 @@ impl LogTailer {
                 "{missing}; the operator creates them once its database checks pass (see the OutboxRelay's SlotReady condition)"
             ))));
         }
-        self.delete_after_reconnect(&client).await?;
+        self.hand_over_after_reconnect(&client).await?;
         let config = repl::replication_config(
             &self.settings.database_url,
             &self.settings.config.database.url_env,
@@ -389,8 +422,7 @@ impl LogTailer {
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            self.delete_confirmed(&client, stream.metrics().last_applied_lsn())
-                .await?;
+            self.hand_over_confirmed(stream.metrics().last_applied_lsn());
             let _ = tokio::time::timeout(Duration::from_secs(5), stream.shutdown()).await;
         }
         result
@@ -423,7 +455,7 @@ impl LogTailer {
                         last_progress = Instant::now();
                     }
                     () = tokio::time::sleep(CONFIRM_EVERY), if deletes_pending => {
-                        self.delete_confirmed(client, stream.metrics().last_applied_lsn()).await?;
+                        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
                     }
                 }
             };
@@ -447,7 +479,7 @@ impl LogTailer {
                 };
             }
             if let Some(lsn) = batch.confirm {
-                self.publish(batch.rows, client, stream, lsn).await?;
+                self.publish(batch.rows, stream, lsn).await?;
                 last_progress = Instant::now();
             }
         }
@@ -521,7 +553,6 @@ impl LogTailer {
     async fn publish(
         &mut self,
         rows: Vec<OutboxRow>,
-        client: &Client,
         stream: &ReplicationClient,
         confirm: Lsn,
     ) -> Result<(), SessionEnd> {
@@ -583,8 +614,7 @@ impl LogTailer {
         if self.lt.delete_after_publish && !ids.is_empty() {
             self.pending_deletes.push((confirm, ids));
         }
-        self.delete_confirmed(client, stream.metrics().last_applied_lsn())
-            .await?;
+        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
         Ok(())
     }
 
@@ -617,32 +647,26 @@ impl LogTailer {
         }
     }
 
-    /// Deletes the published rows whose commits the server has been sent a
-    /// confirmation for (`confirmed`).
-    async fn delete_confirmed(&mut self, client: &Client, confirmed: Lsn) -> Result<(), PgError> {
-        while let Some((lsn, _)) = self.pending_deletes.first() {
-            if *lsn > confirmed {
-                break;
-            }
-            let (lsn, ids) = self.pending_deletes.remove(0);
-            let t = &self.settings.config.table;
-            for (n, chunk) in ids.chunks(DELETE_CHUNK).enumerate() {
-                if let Err(err) =
-                    repl::delete_rows(client, &t.schema, &t.name, &self.columns.id, chunk).await
-                {
-                    // Keep this chunk and the ones after it for the next attempt.
-                    let left = ids[n * DELETE_CHUNK..].to_vec();
-                    self.pending_deletes.insert(0, (lsn, left));
-                    return Err(err);
-                }
+    /// Hands the published rows whose commits the server has been sent a confirmation
+    /// for (`confirmed`) to the deleter.
+    fn hand_over_confirmed(&mut self, confirmed: Lsn) {
+        let ready = self
+            .pending_deletes
+            .iter()
+            .take_while(|(lsn, _)| *lsn <= confirmed)
+            .count();
+        for (_, ids) in self.pending_deletes.drain(..ready) {
+            if let Some(deleter) = &self.deleter {
+                // A closed channel means the deleter is gone (shutdown): the rows stay,
+                // already published.
+                let _ = deleter.send(ids);
             }
         }
-        Ok(())
     }
 
-    /// After a reconnect: deletes rows whose commits the slot shows as confirmed; the
+    /// After a reconnect: hands over rows whose commits the slot shows as confirmed; the
     /// others will be streamed (and published) again, and queued again then.
-    async fn delete_after_reconnect(&mut self, client: &Client) -> Result<(), PgError> {
+    async fn hand_over_after_reconnect(&mut self, client: &Client) -> Result<(), PgError> {
         if self.pending_deletes.is_empty() {
             return Ok(());
         }
@@ -651,9 +675,76 @@ impl LogTailer {
             .and_then(|s| s.confirmed_flush_lsn)
             .and_then(|text| Lsn::parse(&text).ok())
             .unwrap_or(Lsn(0));
-        self.delete_confirmed(client, confirmed).await?;
+        self.hand_over_confirmed(confirmed);
         self.pending_deletes.clear();
         Ok(())
+    }
+}
+
+/// Where the deleter deletes.
+struct DeleteTarget {
+    url: String,
+    env: String,
+    ssl_mode: crate::api::SslMode,
+    schema: String,
+    table: String,
+    id_column: String,
+}
+
+/// Deletes the ids it is handed, in chunks, on its own connection; reconnects with
+/// backoff when the database is away. Ends when the channel closes and everything
+/// handed over is deleted, or, once shutdown began, after a few failed attempts.
+async fn delete_loop(
+    target: DeleteTarget,
+    mut ids_rx: mpsc::UnboundedReceiver<Vec<i64>>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut client: Option<Client> = None;
+    let mut backoff = Backoff::new();
+    while let Some(mut ids) = ids_rx.recv().await {
+        // Whatever else is already queued goes out with it.
+        while let Ok(more) = ids_rx.try_recv() {
+            ids.extend(more);
+        }
+        for chunk in ids.chunks(DELETE_CHUNK) {
+            let mut failures = 0u32;
+            loop {
+                let result = match &client {
+                    Some(c) if !c.is_closed() => repl::delete_rows(
+                        c,
+                        &target.schema,
+                        &target.table,
+                        &target.id_column,
+                        chunk,
+                    )
+                    .await
+                    .map(|_| ()),
+                    _ => match postgres::connect(&target.url, &target.env, target.ssl_mode).await {
+                        Ok(c) => {
+                            client = Some(c);
+                            continue;
+                        }
+                        Err(err) => Err(err),
+                    },
+                };
+                match result {
+                    Ok(()) => {
+                        backoff.reset();
+                        break;
+                    }
+                    Err(err) => {
+                        failures += 1;
+                        if *stop.borrow() && failures >= 3 {
+                            tracing::warn!(error = %err, rows = ids.len(), "shutting down with published rows not deleted; they stay in the table");
+                            return;
+                        }
+                        tracing::warn!(error = %err, "deleting published rows failed; retrying");
+                        client = None;
+                        tokio::time::sleep(backoff.step()).await;
+                    }
+                }
+            }
+        }
     }
 }
 
