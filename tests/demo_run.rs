@@ -141,6 +141,18 @@ async fn demo_prints_events_and_lag_then_stops_everything_it_started() {
             .lines()
             .any(|l| l.starts_with(&format!("{prefix}-{example} ")) && l.contains(example));
         assert!(row, "no `kubectl get obr` row for {example}\n{output}");
+        // NAMESPACE NAME MODE BROKER READY BACKLOG ...: at some point the relay is
+        // ready and its status carries a backlog figure (the operator's measurement).
+        let measured = stdout.lines().any(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields.first() == Some(&format!("{prefix}-{example}").as_str())
+                && fields.get(4) == Some(&"True")
+                && fields.get(5).is_some_and(|b| b.parse::<u64>().is_ok())
+        });
+        assert!(
+            measured,
+            "no `kubectl get obr` row for {example} with READY True and a BACKLOG number\n{output}"
+        );
     }
     let header = stdout.lines().any(|l| {
         [
