@@ -558,6 +558,9 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
     let mut slot = None;
     if mode == Mode::LogTailing {
         let guard = SlotGuard::new(rig.pg_url());
+        // The operator creates slot and publication before a relay starts; here the
+        // same code does. Rows written from now on wait in the slot.
+        common::create_replication(&db.client, &guard.slot, &guard.slot).await;
         yaml = yaml
             .lines()
             .map(|line| {
@@ -587,20 +590,6 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
 impl Setup {
     fn start_relay(&self) -> Relay {
         Relay::new(RelayProcess::start(&self.yaml, &self.db.url, &self.broker))
-    }
-
-    /// Starts a log-tailing relay, waits until it streams (it creates slot and
-    /// publication), and stops it again: rows written afterwards wait in the slot.
-    async fn create_slot(&self) {
-        let slot = &self
-            .slot
-            .as_ref()
-            .unwrap_or_else(|| panic!("not log tailing"))
-            .slot;
-        let mut relay = self.start_relay();
-        wait_slot(&self.db.client, slot, true, &relay.process).await;
-        relay.process.terminate(Duration::from_secs(30));
-        wait_slot(&self.db.client, slot, false, &relay.process).await;
     }
 
     async fn teardown(self, relays: Vec<Relay>) {
@@ -693,9 +682,6 @@ async fn published(relays: &mut [Relay]) -> f64 {
 /// first published row until the backlog is drained or `plan.max_drain` has passed.
 async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> f64 {
     let setup = setup(case.mode, case.target, case.partitions).await;
-    if case.mode == Mode::LogTailing {
-        setup.create_slot().await;
-    }
     prefill(&setup.db.client, 1, plan.backlog).await;
     let mut relays: Vec<Relay> = (0..case.replicas).map(|_| setup.start_relay()).collect();
     let target = plan.backlog as f64;
