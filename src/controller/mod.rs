@@ -160,6 +160,11 @@ pub struct ControllerArgs {
     /// (backlog, oldest unpublished age, slot lag).
     #[arg(long, env = "OUTBOX_STATUS_INTERVAL", default_value_t = 10)]
     pub status_interval_seconds: u64,
+    /// OutboxRelays reconciled at the same time. Each holds a database connection and a
+    /// few API requests while it runs, so this bounds both (and the operator's memory)
+    /// when many relays change at once.
+    #[arg(long, env = "OUTBOX_MAX_CONCURRENT_RECONCILES", default_value_t = 32)]
+    pub max_concurrent_reconciles: u16,
 }
 
 impl ControllerArgs {
@@ -176,6 +181,7 @@ impl ControllerArgs {
             lease_duration_seconds: 15,
             resync_seconds: 300,
             status_interval_seconds: 10,
+            max_concurrent_reconciles: 32,
         }
     }
 
@@ -201,8 +207,15 @@ pub(crate) struct Context {
     watch_namespace: Option<String>,
     /// Orphaned slots found so far.
     orphans: database::Orphans,
+    /// Database connections for checks and status.
+    pools: database::Pools,
     /// When each relay's measured figures were last written (by uid).
     figures_written: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// What was last applied for each relay (by uid), so a status refresh with nothing
+    /// changed does not re-apply and re-list every child.
+    applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,
+    /// Whether the Prometheus Operator's CRDs are served, and when that was looked up.
+    monitoring: std::sync::Mutex<Option<(bool, std::time::Instant)>>,
     /// Reconciles running now; shutdown waits for this to reach zero.
     in_flight: AtomicUsize,
 }
@@ -317,7 +330,10 @@ pub async fn run(
         status_interval: Duration::from_secs(args.status_interval_seconds.max(1)),
         watch_namespace: args.namespace.clone(),
         orphans: database::Orphans::default(),
+        pools: database::Pools::default(),
         figures_written: std::sync::Mutex::new(std::collections::HashMap::new()),
+        applied: std::sync::Mutex::new(std::collections::HashMap::new()),
+        monitoring: std::sync::Mutex::new(None),
         in_flight: AtomicUsize::new(0),
     });
 
@@ -344,7 +360,12 @@ pub async fn run(
                 _ = stopping.wait_for(|s| *s) => {}
             }
         };
-        let controller = run_controller(ctx.clone(), args.namespace.as_deref(), trigger);
+        let controller = run_controller(
+            ctx.clone(),
+            args.namespace.as_deref(),
+            args.max_concurrent_reconciles,
+            trigger,
+        );
         tokio::pin!(controller);
         let mut stopped = stop_rx.clone();
         tokio::select! {
@@ -418,6 +439,7 @@ where
 async fn run_controller(
     ctx: Arc<Context>,
     namespace: Option<&str>,
+    concurrency: u16,
     stop: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let client = &ctx.client;
@@ -431,6 +453,7 @@ async fn run_controller(
     .owns(scoped::<Deployment>(client, namespace), children.clone())
     .owns(scoped::<Service>(client, namespace), children.clone())
     .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
+    .with_config(kube::runtime::controller::Config::default().concurrency(concurrency.max(1)))
     .graceful_shutdown_on(stop)
     .run(
         |relay, ctx| async move {

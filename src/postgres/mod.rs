@@ -52,6 +52,9 @@ pub enum PgError {
     /// The replication slot or publication is missing, in use or in conflict.
     #[error("{0}")]
     Replication(String),
+    /// No pooled connection could be had (the pool's wait or create timeout).
+    #[error("PostgreSQL connection pool: {0}")]
+    Pool(String),
     /// The connection URL cannot be used.
     #[error("database URL (from ${env}): {message}")]
     Url {
@@ -150,6 +153,27 @@ pub async fn connect_as(
     ssl_mode: SslMode,
     application_name: &str,
 ) -> Result<Client, PgError> {
+    let config = client_config(url, env, ssl_mode, application_name)?;
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db("connect"))?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            tracing::warn!(error = %err, "PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// The driver settings [`connect_as`] uses (short connect timeout, keepalives, plain
+/// TCP, `application_name`), for callers that keep connections in a pool.
+pub fn client_config(
+    url: &str,
+    env: &str,
+    ssl_mode: SslMode,
+    application_name: &str,
+) -> Result<tokio_postgres::Config, PgError> {
     let mut config: tokio_postgres::Config = url.parse().map_err(|_| PgError::Url {
         env: env.to_owned(),
         // The parser's message can quote the input, which may hold the password.
@@ -162,16 +186,7 @@ pub async fn connect_as(
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(10))
         .application_name(application_name);
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(db("connect"))?;
-    tokio::spawn(async move {
-        if let Err(err) = connection.await {
-            tracing::warn!(error = %err, "PostgreSQL connection ended");
-        }
-    });
-    Ok(client)
+    Ok(config)
 }
 
 /// Advisory-lock key space of one outbox table. Keys are two int4s: the table's
