@@ -822,6 +822,18 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
             .delete("db", &DeleteParams::default())
             .await
             .unwrap();
+        // The controller notices the Secret is gone before the relay is deleted; status
+        // must still show the slot, or the finalizer would take it for never created.
+        wait_relay(
+            &relays,
+            "lost",
+            "DatabaseReady=False (SecretNotFound) with status.slot kept",
+            |r| {
+                condition(r, "DatabaseReady").is_some_and(|c| c.reason == "SecretNotFound")
+                    && r.status.as_ref().is_some_and(|s| s.slot.is_some())
+            },
+        )
+        .await;
         delete_and_wait_gone(&relays, "lost").await;
         let event = wait_event(&client, &ns, "lost", "SlotLeftBehind").await;
         assert_eq!(event.type_.as_deref(), Some("Warning"));

@@ -29,7 +29,7 @@ use super::status::{
 };
 use super::{Context, Error, FINALIZER};
 use crate::api::{OutboxRelay, OutboxRelayStatus, SecretKeyRef, SlotStatus};
-use crate::postgres::admin::{Backlog, human_age};
+use crate::postgres::admin::{Backlog, Plan, human_age};
 use crate::resources::{
     BuildError, Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND,
     PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, SecretUse, build,
@@ -112,6 +112,13 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         Err(err) => return Err(err.into()),
     };
 
+    // While the database cannot be looked at (Secret missing, database unreachable),
+    // status keeps showing the slot as last seen: the finalizer reads it to tell a slot
+    // left behind from one never created, and a slot does not vanish because its
+    // Secret did.
+    let last_slot = Plan::for_relay(relay)
+        .log_tailing
+        .and(relay.status.as_ref().and_then(|s| s.slot.clone()));
     let (database, broker) = check_secrets(relay, ctx).await?;
     let secrets_ok = database.status && broker.status;
     if !secrets_ok {
@@ -125,7 +132,11 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             database,
             broker,
         ];
-        update_status(relay, ctx, conditions, Figures::default()).await?;
+        let figures = Figures {
+            backlog: None,
+            slot: last_slot,
+        };
+        update_status(relay, ctx, conditions, figures).await?;
         return Ok(Action::requeue(SECRET_RETRY));
     }
 
@@ -153,6 +164,10 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             broker,
         ];
         conditions.extend(slot_cond);
+        let figures = Figures {
+            slot: figures.slot.or(last_slot),
+            ..figures
+        };
         update_status(relay, ctx, conditions, figures).await?;
         return Ok(Action::requeue(refresh));
     }
