@@ -1,7 +1,8 @@
 //! `outbox-operator check -f relay.yaml`: runs the controller's database checks for each
-//! OutboxRelay in a manifest against the database whose URL is in the environment, and
+//! OutboxRelay in a manifest against the database whose URL is in the environment, then
+//! connects to its broker with the relay's settings and looks for the destination;
 //! prints one line per check, with the fix for each failure. Read-only: it creates no
-//! slot or publication.
+//! slot, publication, topic, stream or exchange.
 
 use std::io::Write;
 use std::path::Path;
@@ -9,8 +10,10 @@ use std::path::Path;
 use kube::ResourceExt;
 
 use crate::Error;
+use crate::broker::probe;
 use crate::postgres::admin::{self, Plan};
 use crate::postgres::redact_url;
+use crate::relay::config::RelayConfig;
 
 /// Default variable holding the database URL, as in the relay's pods.
 pub const DEFAULT_URL_ENV: &str = "OUTBOX_DATABASE_URL";
@@ -49,40 +52,62 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
                 redact_url(&url)
             ),
         );
-        let client =
-            match crate::postgres::connect(&url, url_env, relay.spec.database.postgres.ssl_mode)
-                .await
-            {
-                Ok(client) => client,
-                Err(err) => {
-                    all_ok = false;
-                    line(
-                        out,
-                        &format!(
-                            "FAIL  connection    {err}; check the URL, the network and pg_hba.conf"
-                        ),
-                    );
-                    continue;
+        all_ok &= check_database(&relay, &plan, &url, url_env, out).await;
+        match RelayConfig::for_relay(&relay) {
+            Ok(config) => {
+                for probe in probe::probe(&config.broker).await {
+                    all_ok &= probe.ok;
+                    report(out, probe.ok, probe.name, &probe.message);
                 }
-            };
-        let facts = match admin::gather(&client, &plan).await {
-            Ok(facts) => facts,
+            }
             Err(err) => {
                 all_ok = false;
-                line(out, &format!("FAIL  queries       {err}"));
-                continue;
+                report(out, false, "spec", &err.to_string());
             }
-        };
-        for check in admin::evaluate(&plan, &facts) {
-            all_ok &= check.ok;
-            let verdict = if check.ok { "ok  " } else { "FAIL" };
-            line(
-                out,
-                &format!("{verdict}  {:<12}  {}", check.name, check.message),
-            );
         }
     }
     Ok(all_ok)
+}
+
+/// The controller's database checks, one line each; false when one failed.
+async fn check_database(
+    relay: &crate::api::OutboxRelay,
+    plan: &Plan,
+    url: &str,
+    url_env: &str,
+    out: &mut impl Write,
+) -> bool {
+    let client =
+        match crate::postgres::connect(url, url_env, relay.spec.database.postgres.ssl_mode).await {
+            Ok(client) => client,
+            Err(err) => {
+                report(
+                    out,
+                    false,
+                    "connection",
+                    &format!("{err}; check the URL, the network and pg_hba.conf"),
+                );
+                return false;
+            }
+        };
+    let facts = match admin::gather(&client, plan).await {
+        Ok(facts) => facts,
+        Err(err) => {
+            report(out, false, "queries", &err.to_string());
+            return false;
+        }
+    };
+    let mut all_ok = true;
+    for check in admin::evaluate(plan, &facts) {
+        all_ok &= check.ok;
+        report(out, check.ok, check.name, &check.message);
+    }
+    all_ok
+}
+
+fn report(out: &mut impl Write, ok: bool, name: &str, message: &str) {
+    let verdict = if ok { "ok  " } else { "FAIL" };
+    line(out, &format!("{verdict}  {name:<12}  {message}"));
 }
 
 fn line(out: &mut impl Write, text: &str) {

@@ -20,48 +20,54 @@ impl KafkaBroker {
     /// Builds the producer (this does not connect yet: librdkafka connects lazily).
     /// `sasl` is the user name and password, read from the environment by the caller.
     pub fn new(config: &KafkaConfig, sasl: Option<(String, String)>) -> Result<Self, PublishError> {
-        let mut client = ClientConfig::new();
-        // Defaults a user may tune through `properties`.
-        client
-            .set("message.timeout.ms", "20000")
-            .set("socket.connection.setup.timeout.ms", "5000")
-            .set("linger.ms", "1");
-        for (key, value) in &config.properties {
-            client.set(key, value);
-        }
-        // Fixed, after the user's properties: idempotence keeps each Kafka partition in
-        // send order without duplicates from internal retries (it requires
-        // max.in.flight <= 5), and acks=all means "acknowledged" survives a broker loss.
-        client
-            .set("bootstrap.servers", &config.bootstrap_servers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("max.in.flight.requests.per.connection", "5");
-        let protocol = match (config.tls, config.sasl.is_some()) {
-            (false, false) => "plaintext",
-            (true, false) => "ssl",
-            (false, true) => "sasl_plaintext",
-            (true, true) => "sasl_ssl",
-        };
-        client.set("security.protocol", protocol);
-        if let Some(ca) = &config.tls_ca_file {
-            client.set("ssl.ca.location", ca);
-        }
-        if let (Some(s), Some((user, password))) = (&config.sasl, sasl) {
-            let mechanism = serde_json::to_value(s.mechanism)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
-            client
-                .set("sasl.mechanism", mechanism)
-                .set("sasl.username", user)
-                .set("sasl.password", password);
-        }
-        let producer = client.create().map_err(|err| {
+        let producer = client_config(config, sasl).create().map_err(|err| {
             PublishError::transient(format!("cannot create the Kafka producer: {err}"))
         })?;
         Ok(Self { producer })
     }
+}
+
+/// The producer settings the relay uses: the user's `properties` first, then what
+/// correctness needs, then TLS and SASL. `check` connects with the same.
+pub(super) fn client_config(config: &KafkaConfig, sasl: Option<(String, String)>) -> ClientConfig {
+    let mut client = ClientConfig::new();
+    // Defaults a user may tune through `properties`.
+    client
+        .set("message.timeout.ms", "20000")
+        .set("socket.connection.setup.timeout.ms", "5000")
+        .set("linger.ms", "1");
+    for (key, value) in &config.properties {
+        client.set(key, value);
+    }
+    // Fixed, after the user's properties: idempotence keeps each Kafka partition in
+    // send order without duplicates from internal retries (it requires
+    // max.in.flight <= 5), and acks=all means "acknowledged" survives a broker loss.
+    client
+        .set("bootstrap.servers", &config.bootstrap_servers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("max.in.flight.requests.per.connection", "5");
+    let protocol = match (config.tls, config.sasl.is_some()) {
+        (false, false) => "plaintext",
+        (true, false) => "ssl",
+        (false, true) => "sasl_plaintext",
+        (true, true) => "sasl_ssl",
+    };
+    client.set("security.protocol", protocol);
+    if let Some(ca) = &config.tls_ca_file {
+        client.set("ssl.ca.location", ca);
+    }
+    if let (Some(s), Some((user, password))) = (&config.sasl, sasl) {
+        let mechanism = serde_json::to_value(s.mechanism)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        client
+            .set("sasl.mechanism", mechanism)
+            .set("sasl.username", user)
+            .set("sasl.password", password);
+    }
+    client
 }
 
 /// Errors that say this message will never be accepted as it is.

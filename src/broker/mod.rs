@@ -4,6 +4,7 @@
 pub mod amqp;
 pub mod kafka;
 pub mod nats;
+pub mod probe;
 
 use futures::future::BoxFuture;
 
