@@ -75,6 +75,10 @@ async fn connect(relay: &OutboxRelay, url: &str) -> Result<Client, PgError> {
     .await
 }
 
+/// Orphan scans of one database are this many status intervals apart (a minute by
+/// default).
+const ORPHAN_SCAN_EVERY: u32 = 6;
+
 /// Connections per database the controller keeps at most.
 const POOL_SIZE: usize = 4;
 /// A pooled connection unused this long is closed; a pool unused this long is dropped.
@@ -380,9 +384,25 @@ async fn measure_backlog(client: &Client, plan: &Plan) -> Option<Backlog> {
 pub(crate) struct Orphans {
     by_database: Mutex<BTreeMap<String, BTreeSet<String>>>,
     reported: Mutex<BTreeSet<String>>,
+    /// When each database was last scanned.
+    scanned: Mutex<HashMap<String, Instant>>,
 }
 
 impl Orphans {
+    /// True when `database` is due for a scan (not scanned within `every`); marks it
+    /// scanned now. One relay per database scans; the others skip.
+    fn claim_scan(&self, database: &str, every: Duration) -> bool {
+        let mut scanned = self
+            .scanned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if scanned.get(database).is_some_and(|at| at.elapsed() < every) {
+            return false;
+        }
+        scanned.insert(database.to_owned(), Instant::now());
+        true
+    }
+
     /// Records a database's orphans; returns the total and the ones not reported yet.
     fn record(&self, database: &str, found: BTreeSet<String>) -> (usize, Vec<String>) {
         let mut by_db = self
@@ -407,7 +427,19 @@ impl Orphans {
 /// longer exists, in this relay's database: counts them in a gauge and reports each once
 /// in a Warning Event. Never drops them: only a person can tell whether a consumer
 /// still needs the position. Failures are logged, not fatal.
+///
+/// A database is scanned at most once per [`ORPHAN_SCAN_EVERY`] status intervals, by
+/// whichever of its relays comes first: every relay scanning on every refresh would
+/// cost one API read per marked publication per relay, quadratic in the relays sharing
+/// a database.
 async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Client, url: &str) {
+    let key = database_key(url);
+    if !ctx
+        .orphans
+        .claim_scan(&key, ctx.status_interval * ORPHAN_SCAN_EVERY)
+    {
+        return;
+    }
     let marked = match admin::list_marked(client).await {
         Ok(m) => m,
         Err(err) => {
@@ -415,7 +447,6 @@ async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Client, url: 
             return;
         }
     };
-    let key = database_key(url);
     let me = owner(relay);
     let mut found = BTreeMap::new();
     for m in marked {
@@ -584,6 +615,16 @@ mod tests {
         let key = database_key("postgres://app:s3cret@db.example:6543/shop?sslmode=disable");
         assert_eq!(key, "db.example:6543/shop");
         assert!(!database_key("host=h user=u password=s3cret dbname=d").contains("s3cret"));
+    }
+
+    #[test]
+    fn each_database_is_scanned_for_orphans_once_per_period() {
+        let orphans = Orphans::default();
+        let every = Duration::from_secs(60);
+        assert!(orphans.claim_scan("a", every));
+        assert!(!orphans.claim_scan("a", every), "a second relay skips");
+        assert!(orphans.claim_scan("b", every), "another database is its own");
+        assert!(orphans.claim_scan("a", Duration::ZERO), "due again after the period");
     }
 
     #[test]
