@@ -514,7 +514,7 @@ struct Setup {
     db: common::TestDatabase,
     broker: RelayBroker,
     yaml: String,
-    slot: Option<SlotGuard>,
+    slot: Option<common::SlotGuard>,
     cleanup: BrokerCleanup,
 }
 
@@ -557,7 +557,7 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
     let mut yaml = common::relay_config_yaml(&broker, &options);
     let mut slot = None;
     if mode == Mode::LogTailing {
-        let guard = SlotGuard::new(rig.pg_url());
+        let guard = common::SlotGuard::new(rig.pg_url(), "bench");
         // The operator creates slot and publication before a relay starts; here the
         // same code does. Rows written from now on wait in the slot.
         common::create_replication(&db.client, &guard.slot, &guard.slot).await;
@@ -1297,81 +1297,6 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
 
 fn plan_is_full() -> bool {
     std::env::args().any(|a| a == "--bench")
-}
-
-// ---------------------------------------------------------------------------------------
-// Replication slots
-
-/// Drops a replication slot when dropped (also on panic), terminating a walsender that
-/// still holds it: a leaked slot would retain the shared cluster's WAL.
-struct SlotGuard {
-    admin_url: String,
-    slot: String,
-}
-
-impl SlotGuard {
-    fn new(admin_url: &str) -> Self {
-        Self {
-            admin_url: admin_url.to_owned(),
-            slot: format!("bench_{}", common::unique_suffix()),
-        }
-    }
-}
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        let (url, slot) = (self.admin_url.clone(), self.slot.clone());
-        // Drop may run inside the runtime: use a thread with its own.
-        let dropped = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return false;
-            };
-            rt.block_on(async move {
-                let Ok(client) = common::pg_connect(&url).await else {
-                    return false;
-                };
-                for _ in 0..100 {
-                    let _ = client
-                        .execute(
-                            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                             WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                            &[&slot],
-                        )
-                        .await;
-                    let _ = client
-                        .query_one(
-                            "SELECT count(pg_drop_replication_slot(slot_name)) \
-                             FROM pg_replication_slots WHERE slot_name = $1",
-                            &[&slot],
-                        )
-                        .await;
-                    let gone = client
-                        .query_one(
-                            "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
-                            &[&slot],
-                        )
-                        .await
-                        .is_ok_and(|r| r.get::<_, bool>(0));
-                    if gone {
-                        return true;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                false
-            })
-        })
-        .join()
-        .unwrap_or(false);
-        if !dropped {
-            eprintln!(
-                "WARNING: replication slot {} could not be dropped",
-                self.slot
-            );
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------

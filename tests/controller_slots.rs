@@ -204,30 +204,6 @@ async fn publication_comment(
         .map(|r| r.get(0))
 }
 
-/// Drops a slot left by a test (best effort; terminates its walsender first).
-async fn drop_slot(client: &tokio_postgres::Client, slot: &str) {
-    for _ in 0..50 {
-        let _ = client
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                &[&slot],
-            )
-            .await;
-        let _ = client
-            .execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                 WHERE slot_name = $1 AND NOT active",
-                &[&slot],
-            )
-            .await;
-        if slot_count(client, slot).await == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn events_of(client: &Client, namespace: &str, relay: &str) -> Vec<Event> {
     Api::<Event>::namespaced(client.clone(), namespace)
         .list(&ListParams::default())
@@ -614,7 +590,7 @@ async fn a_foreign_slot_of_the_same_name_is_adopted_and_kept() {
         })
         .await;
     }
-    drop_slot(&db.client, &slot).await;
+    common::drop_slot(&db.client, &slot).await;
     db.drop_database().await;
 }
 
@@ -721,7 +697,7 @@ async fn an_orphaned_slot_is_reported_never_dropped_and_polling_backlog_is_in_st
         })
         .await;
     }
-    drop_slot(&db.client, &slot).await;
+    common::drop_slot(&db.client, &slot).await;
     db.drop_database().await;
 }
 
@@ -858,7 +834,7 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
             1,
             "the operator dropped an orphan"
         );
-        drop_slot(&db.client, &slot).await;
+        common::drop_slot(&db.client, &slot).await;
         db.drop_database().await;
     })
     .await;
@@ -885,7 +861,7 @@ async fn a_relay_whose_database_is_gone_is_released() {
         drop(db);
         let mut exists = true;
         for _ in 0..20 {
-            drop_slot(&admin_client, &slot).await;
+            common::drop_slot(&admin_client, &slot).await;
             let _ = admin_client
                 .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                 .await;

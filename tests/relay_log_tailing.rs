@@ -17,82 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Received, RelayBroker, RelayOptions, RelayProcess};
+use common::{Received, RelayBroker, RelayOptions, RelayProcess, SlotGuard};
 use rand::Rng;
-
-/// Drops a replication slot when the test ends (pass or fail), terminating a walsender
-/// that still holds it.
-struct SlotGuard {
-    admin_url: String,
-    slot: String,
-}
-
-impl SlotGuard {
-    fn new(admin_url: &str) -> Self {
-        Self {
-            admin_url: admin_url.to_owned(),
-            slot: format!("lt_{}", common::unique_suffix()),
-        }
-    }
-}
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        let (url, slot) = (self.admin_url.clone(), self.slot.clone());
-        // Drop runs inside the test's runtime: use a thread with its own.
-        let done = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return false;
-            };
-            rt.block_on(async move {
-                let Ok(client) = common::pg_connect(&url).await else {
-                    return false;
-                };
-                for _ in 0..100 {
-                    let _ = client
-                        .execute(
-                            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                             WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                            &[&slot],
-                        )
-                        .await;
-                    let dropped = client
-                        .query_one(
-                            "SELECT count(pg_drop_replication_slot(slot_name)) \
-                             FROM pg_replication_slots WHERE slot_name = $1",
-                            &[&slot],
-                        )
-                        .await;
-                    let gone = client
-                        .query_one(
-                            "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
-                            &[&slot],
-                        )
-                        .await
-                        .map(|r| r.get::<_, bool>(0))
-                        .unwrap_or(false);
-                    if gone {
-                        return true;
-                    }
-                    let _ = dropped;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                false
-            })
-        })
-        .join()
-        .unwrap_or(false);
-        if !done {
-            eprintln!(
-                "WARNING: replication slot {} could not be dropped",
-                self.slot
-            );
-        }
-    }
-}
 
 /// A log-tailing relay config: the polling config of tests/common with its mode line
 /// replaced.
@@ -452,7 +378,7 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     create_tables(&db.client).await;
-    let guard = SlotGuard::new(rig.pg_url());
+    let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
@@ -512,7 +438,7 @@ async fn log_tailing_relay_waits_for_its_slot_and_never_creates_it() {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: common::fresh_topic(1).await,
     };
-    let guard = SlotGuard::new(rig.pg_url());
+    let guard = SlotGuard::new(rig.pg_url(), "lt");
     let relay = RelayProcess::start(
         &log_tailing_yaml(&broker, &guard.slot, true),
         &db.url,
@@ -582,7 +508,7 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: topic.clone(),
     };
-    let guard = SlotGuard::new(rig.pg_url());
+    let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = log_tailing_yaml(&broker, &guard.slot, true);
     let client = &db.client;
@@ -640,7 +566,7 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic,
     };
-    let guard = SlotGuard::new(rig.pg_url());
+    let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let relay = RelayProcess::start(
         &log_tailing_yaml(&broker, &guard.slot, true),
@@ -765,7 +691,7 @@ async fn outage_scenario(
     consume: impl AsyncFnOnce() -> Vec<Received>,
 ) {
     let started = Instant::now();
-    let guard = SlotGuard::new(admin_url);
+    let guard = SlotGuard::new(admin_url, "lt");
     {
         let client = common::pg_connect(db_url).await.unwrap();
         create_tables(&client).await;

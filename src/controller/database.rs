@@ -623,8 +623,14 @@ mod tests {
         let every = Duration::from_secs(60);
         assert!(orphans.claim_scan("a", every));
         assert!(!orphans.claim_scan("a", every), "a second relay skips");
-        assert!(orphans.claim_scan("b", every), "another database is its own");
-        assert!(orphans.claim_scan("a", Duration::ZERO), "due again after the period");
+        assert!(
+            orphans.claim_scan("b", every),
+            "another database is its own"
+        );
+        assert!(
+            orphans.claim_scan("a", Duration::ZERO),
+            "due again after the period"
+        );
     }
 
     #[test]

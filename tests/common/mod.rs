@@ -1271,3 +1271,84 @@ pub async fn create_replication(client: &tokio_postgres::Client, slot: &str, pub
         .await
         .unwrap_or_else(|err| panic!("creating slot {slot} and publication {publication}: {err}"));
 }
+
+// ---------------------------------------------------------------------------------------
+// Replication slots
+
+/// Drops replication slot `slot`, terminating a walsender still streaming it (it takes
+/// a moment to let go), and returns whether it is gone. Best effort, for cleanups.
+pub async fn drop_slot(client: &tokio_postgres::Client, slot: &str) -> bool {
+    for _ in 0..100 {
+        let _ = client
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&slot],
+            )
+            .await;
+        let _ = client
+            .query_one(
+                "SELECT count(pg_drop_replication_slot(slot_name)) \
+                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                &[&slot],
+            )
+            .await;
+        let gone = client
+            .query_one(
+                "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .is_ok_and(|r| r.get::<_, bool>(0));
+        if gone {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// A slot name `<prefix>_<random>` whose slot is dropped when the guard goes (pass or
+/// fail): a leaked slot would retain the shared cluster's WAL.
+pub struct SlotGuard {
+    admin_url: String,
+    pub slot: String,
+}
+
+impl SlotGuard {
+    pub fn new(admin_url: &str, prefix: &str) -> Self {
+        Self {
+            admin_url: admin_url.to_owned(),
+            slot: format!("{prefix}_{}", unique_suffix()),
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let (url, slot) = (self.admin_url.clone(), self.slot.clone());
+        // Drop may run inside a runtime: use a thread with its own.
+        let dropped = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return false;
+            };
+            rt.block_on(async move {
+                match pg_connect(&url).await {
+                    Ok(client) => drop_slot(&client, &slot).await,
+                    Err(_) => false,
+                }
+            })
+        })
+        .join()
+        .unwrap_or(false);
+        if !dropped {
+            eprintln!(
+                "WARNING: replication slot {} could not be dropped",
+                self.slot
+            );
+        }
+    }
+}

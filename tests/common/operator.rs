@@ -228,35 +228,7 @@ pub async fn drop_slot_and_publication(
     let admin = super::pg_connect(super::Rig::load().pg_url())
         .await
         .map_err(|e| format!("cannot connect to drop slot {slot}: {e}"))?;
-    let mut slot_gone = false;
-    for _ in 0..100 {
-        let _ = admin
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                &[&slot],
-            )
-            .await;
-        let _ = admin
-            .query_one(
-                "SELECT count(pg_drop_replication_slot(slot_name)) \
-                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-                &[&slot],
-            )
-            .await;
-        slot_gone = admin
-            .query_one(
-                "SELECT count(*) = 0 FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .is_ok_and(|r| r.get::<_, bool>(0));
-        if slot_gone {
-            break;
-        }
-        // The terminated walsender takes a moment to release the slot.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let slot_gone = super::drop_slot(&admin, slot).await;
     if !slot_gone {
         return Err(format!("replication slot {slot} could not be dropped"));
     }
