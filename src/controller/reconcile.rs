@@ -28,8 +28,8 @@ use super::status::{
     CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, figures_differ, find, merge,
 };
 use super::{Context, Error, FINALIZER};
-use crate::api::{OutboxRelay, OutboxRelayStatus, SecretKeyRef, SlotStatus};
-use crate::postgres::admin::{Backlog, Plan, human_age};
+use crate::api::{Mode, OutboxRelay, OutboxRelayStatus, SecretKeyRef, SlotStatus};
+use crate::postgres::admin::{Backlog, human_age};
 use crate::resources::{
     BuildError, Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND,
     PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, SecretUse, build,
@@ -116,9 +116,9 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     // status keeps showing the slot as last seen: the finalizer reads it to tell a slot
     // left behind from one never created, and a slot does not vanish because its
     // Secret did.
-    let last_slot = Plan::for_relay(relay)
-        .log_tailing
-        .and(relay.status.as_ref().and_then(|s| s.slot.clone()));
+    let last_slot = matches!(relay.spec.mode.get(), Some(Mode::LogTailing(_)))
+        .then(|| relay.status.as_ref().and_then(|s| s.slot.clone()))
+        .flatten();
     let (database, broker) = check_secrets(relay, ctx).await?;
     let secrets_ok = database.status && broker.status;
     if !secrets_ok {
@@ -426,8 +426,7 @@ async fn apply_if_changed(
             return Ok(current);
         }
     }
-    let mut applied = apply_children(relay, ctx, desired, monitoring).await?;
-    applied.fingerprint = fingerprint;
+    let applied = apply_children(relay, ctx, desired, monitoring, fingerprint).await?;
     let deployment = applied.deployment.clone();
     ctx.applied
         .lock()
@@ -436,13 +435,15 @@ async fn apply_if_changed(
     Ok(deployment)
 }
 
-/// Applies every desired child, deletes the children no longer built, and returns the
-/// Deployment as the API server has it (with its status) and the versions it left.
+/// Applies every desired child (whose hash is `fingerprint`), deletes the children no
+/// longer built, and returns the Deployment as the API server has it (with its status)
+/// and the versions it left.
 async fn apply_children(
     relay: &OutboxRelay,
     ctx: &Context,
     desired: &Desired,
     monitoring: bool,
+    fingerprint: u64,
 ) -> Result<Applied, Error> {
     let client = &ctx.client;
     let namespace = relay.namespace().unwrap_or_default();
@@ -531,7 +532,7 @@ async fn apply_children(
         .await?;
     }
     Ok(Applied {
-        fingerprint: 0,
+        fingerprint,
         deployment_generation: deployment.metadata.generation,
         config_map_version: config_map.metadata.resource_version,
         service_version: service.metadata.resource_version,
