@@ -7,20 +7,20 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use common::operator;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
-use outbox_operator::postgres::admin::{self, Marker, Origin, Owner, Plan, SlotPlan};
+use outbox_operator::postgres::admin::{Marker, Origin, Owner};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -73,24 +73,6 @@ fn start_controller(client: &Client, namespace: &str) -> Running {
     }
 }
 
-async fn create_secret(client: &Client, namespace: &str, name: &str, url: &str) {
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            ..ObjectMeta::default()
-        },
-        data: Some(BTreeMap::from([(
-            "uri".to_owned(),
-            ByteString(url.as_bytes().to_vec()),
-        )])),
-        ..Secret::default()
-    };
-    Api::<Secret>::namespaced(client.clone(), namespace)
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
-}
-
 /// A relay reading Secret `db`, publishing to a NATS URL nobody needs to reach (the rig
 /// runs no pods): log tailing with `mode`, or polling.
 fn manifest(name: &str, mode: Value) -> Value {
@@ -105,18 +87,6 @@ fn manifest(name: &str, mode: Value) -> Value {
             "replicas": 1
         }
     })
-}
-
-async fn apply(client: &Client, namespace: &str, manifest: &Value) -> OutboxRelay {
-    let api: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
-    let name = manifest["metadata"]["name"].as_str().unwrap();
-    api.patch(
-        name,
-        &PatchParams::apply("test-user"),
-        &Patch::Apply(manifest),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("applying {name}: {e}"))
 }
 
 fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
@@ -266,12 +236,14 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
  {
     with_controller(|client, ns, _metrics| async move {
         let db = outbox_database().await;
-        create_secret(&client, &ns, "db", &db.url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
         let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_orders", ns.replace('-', "_"));
 
-        let created = apply(&client, &ns, &manifest("orders", json!({"logTailing": {}}))).await;
+        let created =
+            operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
+                .await;
         let relay = wait_relay(&relays, "orders", "SlotReady=True with status.slot", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
                 && r.status.as_ref().is_some_and(|s| s.slot.is_some())
@@ -359,7 +331,9 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
         drop(stream);
 
         // Recreated: a fresh slot and publication, marked for the new uid.
-        let again = apply(&client, &ns, &manifest("orders", json!({"logTailing": {}}))).await;
+        let again =
+            operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
+                .await;
         wait_relay(&relays, "orders", "SlotReady=True again", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
         })
@@ -418,9 +392,9 @@ async fn wal_level_replica_names_the_setting_and_creates_nothing() {
     );
 
     with_controller(|client, ns, _metrics| async move {
-        create_secret(&client, &ns, "db", &url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-        apply(&client, &ns, &manifest("orders", json!({"logTailing": {}}))).await;
+        operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}}))).await;
         let relay = wait_relay(&relays, "orders", "SlotReady=False", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "False")
         })
@@ -481,13 +455,13 @@ async fn a_missing_column_and_a_role_without_replication_are_conditions() {
 
     with_controller(|client, ns, _metrics| async move {
         let role = role_name;
-        create_secret(&client, &ns, "db", &url).await;
-        create_secret(&client, &ns, "db-norepl", &role_url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
+        operator::create_secret(&client, &ns, "db-norepl", &[("uri", &role_url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
 
         let mut missing = manifest("missing-column", json!({"polling": {}}));
         missing["spec"]["table"] = json!({"headers": ["tenant_id"]});
-        apply(&client, &ns, &missing).await;
+        operator::apply_relay(&client, &ns, &missing).await;
         let relay = wait_relay(&relays, "missing-column", "DatabaseReady=False", |r| {
             condition(r, "DatabaseReady").is_some_and(|c| c.status == "False")
         })
@@ -509,7 +483,7 @@ async fn a_missing_column_and_a_role_without_replication_are_conditions() {
 
         let mut norepl = manifest("norepl", json!({"logTailing": {}}));
         norepl["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-norepl");
-        apply(&client, &ns, &norepl).await;
+        operator::apply_relay(&client, &ns, &norepl).await;
         let relay = wait_relay(&relays, "norepl", "SlotReady=False", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "False")
         })
@@ -558,9 +532,9 @@ async fn a_foreign_slot_of_the_same_name_is_adopted_and_kept() {
     {
         let db_client = &db.client;
         with_controller(|client, ns, _metrics| async move {
-            create_secret(&client, &ns, "db", &url).await;
+            operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
             let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-            apply(
+            operator::apply_relay(
                 &client,
                 &ns,
                 &manifest("orders", json!({"logTailing": {"slotName": slot_name}})),
@@ -605,33 +579,19 @@ async fn an_orphaned_slot_is_reported_never_dropped_and_polling_backlog_is_in_st
         with_controller(|client, ns, metrics| async move {
             // What the operator would have left for a relay deleted while its Secret
             // was gone: a marked publication and a slot it created.
-            let plan = Plan {
-                schema: "public".to_owned(),
-                table: "outbox".to_owned(),
-                id: "id".to_owned(),
-                columns: Vec::new(),
-                created_at: "created_at".to_owned(),
-                published_at: None,
-                privileges: Vec::new(),
-                log_tailing: Some(SlotPlan {
-                    slot: slot_name.clone(),
-                    publication: slot_name.clone(),
-                    delete_after_publish: true,
-                }),
-            };
             let ghost = Owner {
                 namespace: ns.clone(),
                 name: "ghost".to_owned(),
                 uid: "00000000-0000-0000-0000-000000000000".to_owned(),
             };
-            admin::provision(db_client, &plan, &ghost).await.unwrap();
+            common::create_replication_for(db_client, &slot_name, &slot_name, &ghost).await;
 
-            create_secret(&client, &ns, "db", &url).await;
+            operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
             for i in 0..3 {
                 common::insert_row(db_client, "Order", &format!("o-{i}"), &json!({"n": i})).await;
             }
             let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-            apply(&client, &ns, &manifest("live", json!({"polling": {}}))).await;
+            operator::apply_relay(&client, &ns, &manifest("live", json!({"polling": {}}))).await;
             // No pods run in the rig: the rows wait, and status says so.
             let relay = wait_relay(&relays, "live", "status.backlogRows 3", |r| {
                 r.status.as_ref().and_then(|s| s.backlog_rows) == Some(3)
@@ -711,11 +671,11 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
 
     with_controller(|client, ns, _metrics| async move {
         let db = outbox_database().await;
-        create_secret(&client, &ns, "db", &db.url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_held", ns.replace('-', "_"));
-        apply(&client, &ns, &manifest("held", json!({"logTailing": {}}))).await;
+        operator::apply_relay(&client, &ns, &manifest("held", json!({"logTailing": {}}))).await;
         wait_relay(&relays, "held", "SlotReady=True", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
         })
@@ -784,11 +744,11 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
 async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_reported() {
     with_controller(|client, ns, metrics| async move {
         let db = outbox_database().await;
-        create_secret(&client, &ns, "db", &db.url).await;
-        create_secret(&client, &ns, "db-too", &db.url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        operator::create_secret(&client, &ns, "db-too", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_lost", ns.replace('-', "_"));
-        apply(&client, &ns, &manifest("lost", json!({"logTailing": {}}))).await;
+        operator::apply_relay(&client, &ns, &manifest("lost", json!({"logTailing": {}}))).await;
         wait_relay(&relays, "lost", "SlotReady=True and status.slot", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
                 && r.status.as_ref().is_some_and(|s| s.slot.is_some())
@@ -820,7 +780,7 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
         // Another relay on the same database sees the orphan.
         let mut other = manifest("other", json!({"polling": {}}));
         other["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-too");
-        apply(&client, &ns, &other).await;
+        operator::apply_relay(&client, &ns, &other).await;
         common::wait_for("the orphaned-slot gauge", WAIT, || async {
             metrics.orphaned_slots() == 1
         })
@@ -846,10 +806,10 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
 async fn a_relay_whose_database_is_gone_is_released() {
     with_controller(|client, ns, _metrics| async move {
         let db = outbox_database().await;
-        create_secret(&client, &ns, "db", &db.url).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_gone", ns.replace('-', "_"));
-        apply(&client, &ns, &manifest("gone", json!({"logTailing": {}}))).await;
+        operator::apply_relay(&client, &ns, &manifest("gone", json!({"logTailing": {}}))).await;
         wait_relay(&relays, "gone", "SlotReady=True", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
         })

@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use kube::{Client, ResourceExt};
+use kube::Client;
+use kube::api::{Api, DeleteParams};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
 use serde_json::{Value, json};
@@ -160,37 +160,7 @@ where
         .catch_unwind()
         .await;
 
-    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    let _ = relays
-        .delete_collection(&DeleteParams::default(), &ListParams::default())
-        .await;
-    let gone = tokio::time::timeout(WAIT, async {
-        while !relays
-            .list(&ListParams::default())
-            .await
-            .is_ok_and(|l| l.items.is_empty())
-        {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    })
-    .await;
-    if gone.is_err() {
-        // Never leave a namespace stuck on our finalizer.
-        for relay in relays
-            .list(&ListParams::default())
-            .await
-            .into_iter()
-            .flat_map(|l| l.items)
-        {
-            let _ = relays
-                .patch(
-                    &relay.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                )
-                .await;
-        }
-    }
+    operator::delete_relays(&client, &ns, WAIT).await;
     running.stop().await;
     drop(runner);
     common::delete_namespace(&client, &ns).await;
@@ -674,9 +644,6 @@ async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
-    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
-    use lapin::types::FieldTable;
-
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
         let rig = common::Rig::load();
@@ -686,30 +653,7 @@ async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
         // The example publishes to exchange `outbox` with the aggregate type as routing
         // key; a queue bound to this test's key sees this test's events only.
         let queue = common::fresh_queue().await;
-        queue
-            .channel
-            .exchange_declare(
-                "outbox".into(),
-                lapin::ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("declaring exchange outbox failed: {e}"));
-        queue
-            .channel
-            .queue_bind(
-                queue.name.as_str().into(),
-                "outbox".into(),
-                kind.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("binding the queue failed: {e}"));
+        common::bind_queue(&queue, "outbox", &kind).await;
         let manifest = operator::example_manifest("polling-rabbitmq.yaml");
         polling_example_publishes(client, ns, runner, manifest, db, &kind, Sink::Amqp(queue)).await;
     })

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use serde_json::{Value, json};
@@ -163,37 +163,7 @@ async fn run(scenario: Scenario, sink: Sink, db: common::TestDatabase) {
         );
     }
 
-    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    let _ = relays
-        .delete_collection(&DeleteParams::default(), &ListParams::default())
-        .await;
-    let gone = tokio::time::timeout(WAIT, async {
-        while !relays
-            .list(&ListParams::default())
-            .await
-            .is_ok_and(|l| l.items.is_empty())
-        {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    })
-    .await;
-    if gone.is_err() {
-        // Never leave the namespace stuck on the operator's finalizer.
-        for relay in relays
-            .list(&ListParams::default())
-            .await
-            .into_iter()
-            .flat_map(|l| l.items)
-        {
-            let _ = relays
-                .patch(
-                    &relay.name_any(),
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                )
-                .await;
-        }
-    }
+    operator::delete_relays(&client, &ns, WAIT).await;
     let stopped = controller.stop(WAIT);
     drop(runner);
     // A slot nobody drops retains the shared cluster's WAL: with every relay process

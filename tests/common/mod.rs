@@ -1129,13 +1129,20 @@ pub fn aggregate_of(payload: &[u8]) -> String {
 
 /// Declares a topic exchange `test-x-<random>` bound to `queue` for every routing key.
 pub async fn fresh_exchange_for(queue: &TestQueue) -> String {
+    let exchange = format!("test-x-{}", unique_suffix());
+    bind_queue(queue, &exchange, "#").await;
+    exchange
+}
+
+/// Declares durable topic exchange `exchange` (when missing) and binds `queue` to it
+/// with `routing_key`.
+pub async fn bind_queue(queue: &TestQueue, exchange: &str, routing_key: &str) {
     use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
     use lapin::types::FieldTable;
-    let exchange = format!("test-x-{}", unique_suffix());
     queue
         .channel
         .exchange_declare(
-            exchange.as_str().into(),
+            exchange.into(),
             lapin::ExchangeKind::Topic,
             ExchangeDeclareOptions {
                 durable: true,
@@ -1144,19 +1151,23 @@ pub async fn fresh_exchange_for(queue: &TestQueue) -> String {
             FieldTable::default(),
         )
         .await
-        .unwrap_or_else(|err| panic!("RabbitMQ exchange_declare: {err}"));
+        .unwrap_or_else(|err| panic!("RabbitMQ: declaring exchange {exchange} failed: {err}"));
     queue
         .channel
         .queue_bind(
             queue.name.as_str().into(),
-            exchange.as_str().into(),
-            "#".into(),
+            exchange.into(),
+            routing_key.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )
         .await
-        .unwrap_or_else(|err| panic!("RabbitMQ queue_bind: {err}"));
-    exchange
+        .unwrap_or_else(|err| {
+            panic!(
+                "RabbitMQ: binding {} to {exchange} failed: {err}",
+                queue.name
+            )
+        });
 }
 
 /// What a delivery check found: counted, then asserted by the caller.
@@ -1246,7 +1257,22 @@ pub async fn install_outbox_crd(client: &kube::Client) {
 /// the operator's own code (`outbox_operator::postgres::admin::provision`), for tests
 /// that run a log-tailing relay without the controller: the relay never creates them.
 pub async fn create_replication(client: &tokio_postgres::Client, slot: &str, publication: &str) {
-    use outbox_operator::postgres::admin::{self, Owner, Plan, SlotPlan};
+    let owner = outbox_operator::postgres::admin::Owner {
+        namespace: "test".to_owned(),
+        name: slot.replace('_', "-"),
+        uid: format!("test-{slot}"),
+    };
+    create_replication_for(client, slot, publication, &owner).await;
+}
+
+/// [`create_replication`] marked as made for the OutboxRelay `owner`.
+pub async fn create_replication_for(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    publication: &str,
+    owner: &outbox_operator::postgres::admin::Owner,
+) {
+    use outbox_operator::postgres::admin::{self, Plan, SlotPlan};
 
     let plan = Plan {
         schema: "public".to_owned(),
@@ -1262,12 +1288,7 @@ pub async fn create_replication(client: &tokio_postgres::Client, slot: &str, pub
             delete_after_publish: true,
         }),
     };
-    let owner = Owner {
-        namespace: "test".to_owned(),
-        name: slot.replace('_', "-"),
-        uid: format!("test-{slot}"),
-    };
-    admin::provision(client, &plan, &owner)
+    admin::provision(client, &plan, owner)
         .await
         .unwrap_or_else(|err| panic!("creating slot {slot} and publication {publication}: {err}"));
 }

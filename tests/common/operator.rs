@@ -12,9 +12,10 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::Client;
-use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use outbox_operator::api::OutboxRelay;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::Rig;
 
@@ -171,6 +172,42 @@ pub async fn apply_relay(client: &Client, namespace: &str, manifest: &Value) -> 
     )
     .await
     .unwrap_or_else(|e| panic!("applying OutboxRelay {name} failed: {e}"))
+}
+
+/// Deletes every OutboxRelay of `namespace` and waits up to `wait` for them to go (the
+/// operator's finalizer runs meanwhile); then removes the finalizer from any left, so
+/// the namespace can never get stuck on it. For test cleanups.
+pub async fn delete_relays(client: &Client, namespace: &str, wait: Duration) {
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
+    let _ = relays
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    let gone = tokio::time::timeout(wait, async {
+        while !relays
+            .list(&ListParams::default())
+            .await
+            .is_ok_and(|l| l.items.is_empty())
+        {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    if gone.is_err() {
+        for relay in relays
+            .list(&ListParams::default())
+            .await
+            .into_iter()
+            .flat_map(|l| l.items)
+        {
+            let _ = relays
+                .patch(
+                    &relay.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                )
+                .await;
+        }
+    }
 }
 
 /// Creates an Opaque Secret with string `data`.

@@ -561,33 +561,8 @@ async fn consume_nats(
 
 /// A queue bound to exchange `outbox` (the example's) for the demo's routing key.
 async fn amqp_queue_for(routing_key: &str) -> common::TestQueue {
-    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
-    use lapin::types::FieldTable;
     let queue = common::fresh_queue().await;
-    queue
-        .channel
-        .exchange_declare(
-            "outbox".into(),
-            lapin::ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("RabbitMQ: declaring exchange outbox failed: {e}"));
-    queue
-        .channel
-        .queue_bind(
-            queue.name.as_str().into(),
-            "outbox".into(),
-            routing_key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("RabbitMQ: binding the queue failed: {e}"));
+    common::bind_queue(&queue, "outbox", routing_key).await;
     queue
 }
 
