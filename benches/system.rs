@@ -438,13 +438,16 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
     match target {
         Target::Kafka => {
             let topic = common::fresh_topic(KAFKA_PARTITIONS).await;
-            let config = serde_yaml::from_str(&format!(
-                "{{bootstrapServers: \"{}\", topic: \"{topic}\"}}",
-                rig.kafka_bootstrap()
-            ))
-            .unwrap_or_else(|err| panic!("Kafka config: {err}"));
-            let broker = KafkaBroker::new(&config, None)
-                .unwrap_or_else(|err| panic!("Kafka producer: {err}"));
+            let config = outbox_operator::spec::config::KafkaSettings {
+                bootstrap_servers: rig.kafka_bootstrap().to_owned(),
+                topic: topic.clone(),
+                tls: false,
+                ca_file: None,
+                sasl: None,
+                properties: Default::default(),
+            };
+            let broker =
+                KafkaBroker::new(&config).unwrap_or_else(|err| panic!("Kafka producer: {err}"));
             (
                 Box::new(broker),
                 BrokerKind::Kafka,
@@ -455,11 +458,11 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
         Target::Nats => {
             let stream = common::fresh_stream().await;
             let subject = format!("{}.events", stream.subject_prefix);
-            let config = serde_yaml::from_str(&format!(
-                "{{url: \"{}\", subject: \"{subject}\"}}",
-                rig.nats_url()
-            ))
-            .unwrap_or_else(|err| panic!("NATS config: {err}"));
+            let config = outbox_operator::spec::config::NatsSettings {
+                url: rig.nats_url().to_owned(),
+                subject: subject.clone(),
+                credentials_file: None,
+            };
             let broker = NatsBroker::new(&config)
                 .await
                 .unwrap_or_else(|err| panic!("NATS client: {err}"));
@@ -564,9 +567,9 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
         yaml = yaml
             .lines()
             .map(|line| {
-                if line.starts_with("mode:") {
+                if line.starts_with("  mode:") {
                     format!(
-                        "mode: {{logTailing: {{slotName: {0}, publicationName: {0}, \
+                        "  mode: {{logTailing: {{slotName: {0}, publicationName: {0}, \
                          heartbeatInterval: 1s, deleteAfterPublish: true}}}}",
                         guard.slot
                     )

@@ -13,7 +13,6 @@ use crate::Error;
 use crate::broker::probe;
 use crate::postgres::admin::{self, Plan};
 use crate::postgres::redact_url;
-use crate::relay::config::RelayConfig;
 
 /// Default variable holding the database URL, as in the relay's pods.
 pub const DEFAULT_URL_ENV: &str = "OUTBOX_DATABASE_URL";
@@ -37,33 +36,41 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
         })?;
     let mut all_ok = true;
     for relay in relays {
-        let plan = Plan::for_relay(&relay);
-        let mode = if plan.log_tailing.is_some() {
-            "logTailing"
-        } else {
-            "polling"
+        let valid = match crate::spec::parse(&relay) {
+            Ok(valid) => valid,
+            Err(problems) => {
+                // The same rules the controller applies: nothing is connected to for a
+                // spec it would refuse.
+                all_ok = false;
+                line(
+                    out,
+                    &format!(
+                        "OutboxRelay {}/{}: invalid spec, not checked against any server",
+                        relay.namespace().unwrap_or_default(),
+                        relay.name_any()
+                    ),
+                );
+                for problem in &problems.0 {
+                    report(out, false, "spec", &problem.to_string());
+                }
+                continue;
+            }
         };
+        let plan = Plan::for_relay(&valid);
         line(
             out,
             &format!(
-                "OutboxRelay {}/{} ({mode}) against {}",
-                relay.namespace().unwrap_or_default(),
-                relay.name_any(),
+                "OutboxRelay {}/{} ({}) against {}",
+                valid.namespace,
+                valid.name,
+                valid.mode.name(),
                 redact_url(&url)
             ),
         );
-        all_ok &= check_database(&relay, &plan, &url, url_env, out).await;
-        match RelayConfig::for_relay(&relay) {
-            Ok(config) => {
-                for probe in probe::probe(&config.broker).await {
-                    all_ok &= probe.ok;
-                    report(out, probe.ok, probe.name, &probe.message);
-                }
-            }
-            Err(err) => {
-                all_ok = false;
-                report(out, false, "spec", &err.to_string());
-            }
+        all_ok &= check_database(&valid, &plan, &url, url_env, out).await;
+        for probe in probe::probe(&valid).await {
+            all_ok &= probe.ok;
+            report(out, probe.ok, probe.name, &probe.message);
         }
     }
     Ok(all_ok)
@@ -71,25 +78,24 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
 
 /// The controller's database checks, one line each; false when one failed.
 async fn check_database(
-    relay: &crate::api::OutboxRelay,
+    relay: &crate::spec::ValidRelay,
     plan: &Plan,
     url: &str,
     url_env: &str,
     out: &mut impl Write,
 ) -> bool {
-    let client =
-        match crate::postgres::connect(url, url_env, relay.spec.database.postgres.ssl_mode).await {
-            Ok(client) => client,
-            Err(err) => {
-                report(
-                    out,
-                    false,
-                    "connection",
-                    &format!("{err}; check the URL, the network and pg_hba.conf"),
-                );
-                return false;
-            }
-        };
+    let client = match crate::postgres::connect(url, url_env, relay.ssl_mode).await {
+        Ok(client) => client,
+        Err(err) => {
+            report(
+                out,
+                false,
+                "connection",
+                &format!("{err}; check the URL, the network and pg_hba.conf"),
+            );
+            return false;
+        }
+    };
     let facts = match admin::gather(&client, plan).await {
         Ok(facts) => facts,
         Err(err) => {

@@ -11,6 +11,8 @@ pub mod postgres;
 pub mod relay;
 pub mod render;
 pub mod resources;
+pub mod rules;
+pub mod spec;
 pub mod telemetry;
 
 pub use error::{Error, Result};

@@ -32,11 +32,14 @@ pub fn render_file(path: &Path, options: &BuildOptions) -> Result<String, Error>
 pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<String, Error> {
     let mut out = String::new();
     for (index, relay) in load_relays(text, origin)?.into_iter().enumerate() {
-        let desired = build(&relay, options).map_err(|e| Error::Manifest {
+        let manifest = |message: String| Error::Manifest {
             origin: origin.to_owned(),
             document: index + 1,
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        let valid =
+            crate::spec::parse(&relay).map_err(|p| manifest(format!("invalid spec: {p}")))?;
+        let desired = build(&valid, options).map_err(|e| manifest(e.to_string()))?;
         out.push_str(&desired.to_yaml().map_err(Error::Yaml)?);
     }
     Ok(out)

@@ -168,7 +168,8 @@ spec:
 "
     );
     let relay_object: OutboxRelay = serde_yaml::from_str(&relay_yaml).unwrap();
-    let mut spec = prometheus_rule(&relay_object).unwrap().data["spec"].clone();
+    let valid = outbox_operator::spec::parse(&relay_object).unwrap_or_else(|e| panic!("{e}"));
+    let mut spec = prometheus_rule(&valid).unwrap().data["spec"].clone();
     let mut alert_names = Vec::new();
     for group in spec["groups"].as_array_mut().unwrap() {
         for rule in group["rules"].as_array_mut().unwrap() {

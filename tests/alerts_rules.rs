@@ -48,8 +48,9 @@ spec:
   ordering: {mode: none}
 "#;
 
-fn relay(yaml: &str) -> OutboxRelay {
-    serde_yaml::from_str(yaml).unwrap()
+fn relay(yaml: &str) -> outbox_operator::spec::ValidRelay {
+    let relay: OutboxRelay = serde_yaml::from_str(yaml).unwrap();
+    outbox_operator::spec::parse(&relay).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The `spec` of the rendered PrometheusRule: a Prometheus rules file as it stands.

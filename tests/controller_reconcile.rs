@@ -512,14 +512,14 @@ async fn bad_input_gets_a_clear_answer_and_changes_nothing() {
     );
     assert_eq!(condition(&relay, "Degraded").unwrap().status, "True");
 
-    // A Secret without the key: named, too.
+    // A Secret without the key: a spec problem (the relay could not run), named.
     let mut wrong_key = base_manifest("wrong-key");
     wrong_key["spec"]["database"]["postgres"]["connectionSecretRef"] =
         json!({"name": "db-nokey", "key": "uri"});
     create_secret(&client, &ns, "db-nokey", &["url"], &database.url).await;
     apply_relay(&client, &ns, &wrong_key).await.unwrap();
-    let relay = wait_status(&relays, "wrong-key", "Ready=False SecretKeyNotFound", |r| {
-        condition(r, "Ready").is_some_and(|c| c.reason == "SecretKeyNotFound")
+    let relay = wait_status(&relays, "wrong-key", "Ready=False InvalidSpec", |r| {
+        condition(r, "Ready").is_some_and(|c| c.status == "False" && c.reason == "InvalidSpec")
     })
     .await;
     let message = condition(&relay, "Ready").unwrap().message;

@@ -438,7 +438,12 @@ async fn log_tailing_example_publishes(
         .log_tailing
         .clone()
         .unwrap_or_else(|| panic!("{name} is not a log-tailing example"));
-    let slot = outbox_operator::relay::config::slot_name(&created);
+    let slot = outbox_operator::spec::parse(&created)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .mode
+        .log_tailing()
+        .map(|l| l.slot.clone())
+        .unwrap_or_else(|| panic!("{name} is not a log-tailing example"));
     let publication = spec
         .publication_name
         .clone()

@@ -49,6 +49,7 @@ fn rows(path: &str, schema: &Value, out: &mut Vec<String>) {
         if let Some(pattern) = field["items"]["pattern"].as_str() {
             allowed.push(format!("each `{pattern}`"));
         }
+        allowed.extend(rule_messages(field));
         let default = match &field["default"] {
             Value::Null => String::new(),
             Value::Object(_) | Value::Array(_) => String::new(),
@@ -75,6 +76,17 @@ fn rows(path: &str, schema: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// The messages of a schema node's CEL rules (`x-kubernetes-validations`).
+fn rule_messages(field: &Value) -> Vec<String> {
+    field["x-kubernetes-validations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["message"].as_str())
+        .map(str::to_owned)
+        .collect()
+}
+
 fn reference() -> String {
     let crd = serde_json::to_value(OutboxRelay::crd()).unwrap();
     let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
@@ -83,7 +95,61 @@ fn reference() -> String {
         "|---|---|---|---|---|".to_owned(),
     ];
     rows("spec", spec, &mut out);
+    out.push(String::new());
+    out.push("Rules across fields (the API server refuses a spec that breaks one):".to_owned());
+    out.push(String::new());
+    for message in rule_messages(spec) {
+        out.push(format!("- {message}"));
+    }
     out.join("\n")
+}
+
+/// The README's `kubectl get obr` sample and the words around it follow the CRD's
+/// printer columns: every column in order, a figure under BACKLOG and OLDEST in each
+/// row (the operator writes them; `demo_run` checks the real demo shows them), and the
+/// status field behind each column named.
+#[test]
+fn readme_printer_columns_match_the_crd() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let crd = OutboxRelay::crd();
+    let columns = &crd.spec.versions[0]
+        .additional_printer_columns
+        .clone()
+        .unwrap_or_default();
+    let mut expected = vec!["NAMESPACE".to_owned(), "NAME".to_owned()];
+    expected.extend(columns.iter().map(|c| c.name.to_uppercase()));
+    let mut lines = readme.lines().skip_while(|l| !l.starts_with("NAMESPACE "));
+    let header: Vec<String> = lines
+        .next()
+        .expect("README has no `kubectl get obr -A` sample")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(header, expected, "the README's sample header");
+    let rows: Vec<Vec<&str>> = lines
+        .take_while(|l| !l.starts_with("```"))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(!rows.is_empty(), "the sample shows no relay");
+    for row in &rows {
+        assert_eq!(row.len(), expected.len(), "every column filled: {row:?}");
+        let backlog = row[expected.iter().position(|c| c == "BACKLOG").unwrap()];
+        assert!(
+            backlog.parse::<i64>().is_ok(),
+            "BACKLOG {backlog} in {row:?}"
+        );
+    }
+    for column in columns {
+        let path = column.json_path.trim_start_matches('.');
+        if path.starts_with("status.") && !path.contains('[') {
+            assert!(
+                readme.contains(&format!("`{path}`")),
+                "the README does not say column {} shows `{path}`",
+                column.name
+            );
+        }
+    }
 }
 
 #[test]

@@ -27,9 +27,9 @@ fn log_tailing_yaml(broker: &RelayBroker, slot: &str, delete_after_publish: bool
     polling
         .lines()
         .map(|line| {
-            if line.starts_with("mode:") {
+            if line.starts_with("  mode:") {
                 format!(
-                    "mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, \
+                    "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, \
                      heartbeatInterval: 1s, deleteAfterPublish: {delete_after_publish}}}}}"
                 )
             } else {
@@ -800,4 +800,109 @@ async fn log_tailing_recovers_from_a_nats_outage() {
         async move || common::consume_nats(&stream).await,
     )
     .await;
+}
+
+/// A database user who must log in with a password, md5 or SCRAM-SHA-256 (the rig's
+/// pg_hba.conf asks members of `outbox_<method>_users` for one): the log-tailing relay
+/// streams, publishes and deletes with it, on its query and its replication connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_logs_in_with_md5_and_scram_passwords() {
+    let rig = common::Rig::load();
+    for (method, encryption) in [("md5", "md5"), ("scram", "scram-sha-256")] {
+        let db = common::fresh_database().await;
+        create_tables(&db.client).await;
+        let group = format!("outbox_{method}_users");
+        let user = format!("relay_{method}_{}", common::unique_suffix());
+        let password = "s3cret-Pw_1";
+        db.client
+            .batch_execute(&format!(
+                "DO $$ BEGIN CREATE ROLE {group} NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+                 SET password_encryption = '{encryption}';
+                 CREATE ROLE {user} LOGIN REPLICATION PASSWORD '{password}' IN ROLE {group};
+                 GRANT SELECT, DELETE ON public.outbox TO {user};"
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("creating {user}: {e}"));
+        let stored: String = db
+            .client
+            .query_one(
+                "SELECT rolpassword FROM pg_authid WHERE rolname = $1",
+                &[&user],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let prefix = if method == "md5" {
+            "md5"
+        } else {
+            "SCRAM-SHA-256$"
+        };
+        assert!(stored.starts_with(prefix), "{user} stored {prefix}…");
+        let trusted: tokio_postgres::Config = db.url.parse().unwrap();
+        let host = match &trusted.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            other => panic!("the rig's database is not on TCP: {other:?}"),
+        };
+        let at = format!(
+            "{host}:{}/{}",
+            trusted.get_ports()[0],
+            trusted.get_dbname().unwrap()
+        );
+        let url = format!("postgres://{user}:{password}@{at}");
+        // Without the password the server refuses: the login really needs it.
+        let refused = common::pg_connect(&format!("postgres://{user}@{at}")).await;
+        assert!(refused.is_err(), "{user} logged in without a password");
+
+        let stream = common::fresh_stream().await;
+        let broker = RelayBroker::Nats {
+            url: rig.nats_url().to_owned(),
+            subject: format!("{}.orders", stream.subject_prefix),
+        };
+        let guard = SlotGuard::new(rig.pg_url(), method);
+        common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+        let relay =
+            RelayProcess::start(&log_tailing_yaml(&broker, &guard.slot, true), &url, &broker);
+        for i in 0..20 {
+            common::insert_row(
+                &db.client,
+                "order",
+                &format!("a{}", i % 3),
+                &serde_json::json!({"i": i}),
+            )
+            .await;
+        }
+        common::wait_for_relays(
+            &format!("the {method} user's relay to publish and delete every row"),
+            Duration::from_secs(60),
+            &[&relay],
+            || async { common::unpublished_rows(&db.client).await == 0 },
+        )
+        .await;
+        let backends: i64 = db
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = $1",
+                &[&user],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            backends >= 2,
+            "{user} has {backends} sessions, expected query + walsender"
+        );
+        drop(relay);
+        db.client
+            .batch_execute(&format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{user}'"
+            ))
+            .await
+            .unwrap();
+        drop(guard);
+        db.drop_database().await;
+        let admin = common::pg_admin().await;
+        let _ = admin
+            .batch_execute(&format!("DROP ROLE IF EXISTS {user}"))
+            .await;
+    }
 }

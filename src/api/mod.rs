@@ -23,12 +23,7 @@ pub use quantity::{QuantityError, parse_bytes};
 /// The API group of every outbox-operator resource.
 pub const GROUP: &str = "outbox.dev";
 
-/// What a SQL identifier from a user may look like: it is also always quoted in SQL.
-pub const IDENTIFIER_PATTERN: &str = "^[A-Za-z_][A-Za-z0-9_]{0,62}$";
-/// PostgreSQL's own rule for replication slot names.
-pub const SLOT_NAME_PATTERN: &str = "^[a-z0-9_]{1,63}$";
-/// Go-style durations: `500ms`, `30s`, `5m`, `24h`, `1h30m`.
-pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
+pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
 
 /// One OutboxRelay: publishes the committed rows of one outbox table to one broker.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -50,6 +45,10 @@ pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.mode.logTailing) && has(self.failure) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter')").message("spec.failure.onExhausted: deadLetter is not supported with logTailing yet: a refused row would block the stream (use block with logTailing, or polling for a dead-letter table)"))]
+#[x_kube(validation = Rule::new("!(has(self.mode.polling) && has(self.retention) && has(self.retention.publishedRows) && has(self.mode.polling.interval) && (!has(self.mode.polling.afterPublish) || self.mode.polling.afterPublish == 'mark')) || duration(self.retention.publishedRows) >= duration(self.mode.polling.interval)").message("spec.retention.publishedRows is shorter than the poll interval (keep published rows at least one poll interval)"))]
+#[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter' && !has(self.failure.deadLetterTable)) || !has(self.table) || !has(self.table.name) || size(self.table.name) <= 51").message("spec.failure.deadLetterTable: the default <table>_dead_letter is longer than 63 characters: set spec.failure.deadLetterTable"))]
+#[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.deadLetterTable) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter') || self.failure.deadLetterTable != (has(self.table) && has(self.table.name) ? self.table.name : 'outbox')").message("spec.failure.deadLetterTable is the outbox table itself: name another table for exhausted rows"))]
 pub struct OutboxRelaySpec {
     /// The database that holds the outbox table.
     pub database: DatabaseSpec,
@@ -97,6 +96,7 @@ pub struct DatabaseSpec {
 /// How to reach PostgreSQL.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.sslMode) || self.sslMode in ['disable', 'prefer']").message("spec.database.postgres.sslMode: require and verify-full are not supported yet: connections to PostgreSQL are plain TCP (use disable or prefer until TLS to PostgreSQL is released)"))]
 pub struct PostgresSpec {
     /// The Secret key holding a connection URI (`postgres://user:password@host:5432/db`).
     /// The relay reads it from its environment; it never appears in a ConfigMap, log,
@@ -112,11 +112,14 @@ pub struct PostgresSpec {
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Name of the Secret.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
     pub name: String,
     /// Key within the Secret.
     #[serde(default = "default_secret_key")]
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = "^[-._a-zA-Z0-9]+$"))]
     pub key: String,
 }
 
@@ -159,6 +162,7 @@ pub struct TableSpec {
     /// `traceparent`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32), inner(regex(pattern = IDENTIFIER_PATTERN)))]
+    #[x_kube(validation = Rule::new("self.all(h, !(h in ['id', 'type', 'aggregateType']))").message("spec.table.headers may not name id, type or aggregateType: the relay sets those headers itself"))]
     pub headers: Vec<String>,
 }
 
@@ -302,7 +306,8 @@ impl Mode<'_> {
 pub struct PollingSpec {
     /// Pause between polls that found nothing; a full batch polls again at once.
     #[serde(default = "default_interval")]
-    #[schemars(regex(pattern = DURATION_PATTERN))]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1ms')").message("spec.mode.polling.interval must be at least 1ms"))]
     pub interval: String,
     /// Rows per batch (one transaction).
     #[serde(default = "default_batch_size")]
@@ -355,12 +360,13 @@ pub struct LogTailingSpec {
     pub slot_name: Option<String>,
     /// Publication name; default the slot name. Cannot change once set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    #[schemars(regex(pattern = SLOT_NAME_PATTERN))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("logTailing.publicationName is immutable"))]
     pub publication_name: Option<String>,
     /// How often an idle relay writes a heartbeat so the slot keeps advancing.
     #[serde(default = "default_heartbeat")]
-    #[schemars(regex(pattern = DURATION_PATTERN))]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('100ms')").message("spec.mode.logTailing.heartbeatInterval must be at least 100ms"))]
     pub heartbeat_interval: String,
     /// Delete rows once published, so the table stays small (deletes are not published).
     #[serde(default = "default_true")]
@@ -440,12 +446,13 @@ impl Broker<'_> {
 #[serde(rename_all = "camelCase")]
 pub struct KafkaSpec {
     /// Comma-separated `host:port` list.
-    #[schemars(length(min = 1, max = 2048))]
+    #[schemars(length(min = 1, max = 2048), regex(pattern = "\\S"))]
     pub bootstrap_servers: String,
     /// Topic template; `{aggregateType}` is replaced by the row's aggregate type
     /// (Debezium's default routing).
     #[serde(default = "default_kafka_topic")]
     #[schemars(length(min = 1, max = 249))]
+    #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[A-Za-z0-9._-]{1,249}$')").message("spec.broker.kafka.topic must yield a valid Kafka topic (letters, digits, '.', '_', '-'; {aggregateType} is replaced by each row's aggregate type)"))]
     pub topic: String,
     /// TLS to the brokers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -457,7 +464,7 @@ pub struct KafkaSpec {
     /// Settings that would weaken delivery (`acks`, `enable.idempotence`) and security
     /// settings (use `tls` and `sasl`) are rejected.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'security.protocol'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("broker.kafka.properties may not set acks, enable.idempotence, security.protocol, sasl.* or ssl.*: delivery guarantees are fixed, use tls and sasl for security"))]
+    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'security.protocol', 'bootstrap.servers'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight.requests.per.connection, security.protocol, bootstrap.servers, sasl.* or ssl.*: delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
     pub properties: BTreeMap<String, String>,
 }
 
@@ -506,11 +513,15 @@ pub enum SaslMechanism {
 #[serde(rename_all = "camelCase")]
 pub struct NatsSpec {
     /// Server URL(s), comma-separated (`nats://host:4222`).
-    #[schemars(length(min = 1, max = 2048))]
+    #[schemars(
+        length(min = 1, max = 2048),
+        regex(pattern = "^\\s*(nats|tls)://[^,]+(,\\s*(nats|tls)://[^,]+)*$")
+    )]
     pub url: String,
     /// Subject template; `{aggregateType}` is replaced by the row's aggregate type.
     #[serde(default = "default_nats_subject")]
     #[schemars(length(min = 1, max = 255))]
+    #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[^\\\\s*>.]+([.][^\\\\s*>.]+)*$')").message("spec.broker.nats.subject must yield a valid NATS subject (no spaces, wildcards or empty tokens; {aggregateType} is replaced by each row's aggregate type)"))]
     pub subject: String,
     /// A Secret key holding a NATS credentials file (`.creds`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -589,7 +600,8 @@ pub enum OrderingMode {
 pub struct RetentionSpec {
     /// Published rows older than this are deleted (polling with `afterPublish: mark`).
     #[serde(default = "default_retention")]
-    #[schemars(regex(pattern = DURATION_PATTERN))]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.retention.publishedRows must be at least 1s"))]
     pub published_rows: String,
 }
 
@@ -657,7 +669,8 @@ pub struct AlertingSpec {
     pub enabled: bool,
     /// Alert when the oldest unpublished row is older than this.
     #[serde(default = "default_oldest_age")]
-    #[schemars(regex(pattern = DURATION_PATTERN))]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.alerting.oldestUnpublishedAge must be at least 1s"))]
     pub oldest_unpublished_age: String,
     /// Alert when more rows than this wait to be published.
     #[serde(default = "default_backlog_rows")]
@@ -666,7 +679,8 @@ pub struct AlertingSpec {
     /// Alert when the replication slot retains more WAL than this (log tailing), as a
     /// Kubernetes quantity (`512Mi`, `1Gi`).
     #[serde(default = "default_slot_wal")]
-    #[schemars(regex(pattern = "^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    #[schemars(length(max = 32), regex(pattern = "^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    #[x_kube(validation = Rule::new("!self.matches('^0+[A-Za-z]*$')").message("spec.alerting.slotRetainedWal must be positive"))]
     pub slot_retained_wal: String,
 }
 
@@ -800,69 +814,4 @@ pub struct PartitionsStatus {
     pub desired: i32,
     /// Partitions currently held by a relay process.
     pub owned: i32,
-}
-
-/// A spec problem the schema cannot express, found before anything is created.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct SpecError {
-    /// The offending field, as a path (`spec.mode.polling.interval`).
-    pub field: &'static str,
-    /// What is wrong, for people.
-    pub message: String,
-}
-
-impl OutboxRelaySpec {
-    /// Checks what the schema cannot: durations that parse and are positive, a mode and
-    /// a broker set, a parseable WAL threshold. Returns every problem, not just the first.
-    pub fn validate(&self) -> Result<(), Vec<SpecError>> {
-        let mut errors = Vec::new();
-        let mut duration = |field: &'static str, value: &str| {
-            if let Err(e) = parse_duration(value) {
-                errors.push(SpecError {
-                    field,
-                    message: e.to_string(),
-                });
-            }
-        };
-        match self.mode.get() {
-            Some(Mode::Polling(p)) => duration("spec.mode.polling.interval", &p.interval),
-            Some(Mode::LogTailing(l)) => duration(
-                "spec.mode.logTailing.heartbeatInterval",
-                &l.heartbeat_interval,
-            ),
-            None => {}
-        }
-        duration(
-            "spec.retention.publishedRows",
-            &self.retention.published_rows,
-        );
-        duration(
-            "spec.alerting.oldestUnpublishedAge",
-            &self.alerting.oldest_unpublished_age,
-        );
-        if self.mode.polling.is_some() == self.mode.log_tailing.is_some() {
-            errors.push(SpecError {
-                field: "spec.mode",
-                message: "set exactly one of polling and logTailing".to_owned(),
-            });
-        }
-        if self.broker.get().is_none() {
-            errors.push(SpecError {
-                field: "spec.broker",
-                message: "set exactly one of kafka, nats and rabbitmq".to_owned(),
-            });
-        }
-        if let Err(e) = parse_bytes(&self.alerting.slot_retained_wal) {
-            errors.push(SpecError {
-                field: "spec.alerting.slotRetainedWal",
-                message: e.to_string(),
-            });
-        }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
-    }
 }

@@ -9,7 +9,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::{Broker, Message, PublishError};
-use crate::relay::config::KafkaConfig;
+use crate::spec::config::KafkaSettings;
 
 /// Publishes to Kafka. The producer reconnects by itself after an outage.
 pub struct KafkaBroker {
@@ -18,9 +18,8 @@ pub struct KafkaBroker {
 
 impl KafkaBroker {
     /// Builds the producer (this does not connect yet: librdkafka connects lazily).
-    /// `sasl` is the user name and password, read from the environment by the caller.
-    pub fn new(config: &KafkaConfig, sasl: Option<(String, String)>) -> Result<Self, PublishError> {
-        let producer = client_config(config, sasl).create().map_err(|err| {
+    pub fn new(config: &KafkaSettings) -> Result<Self, PublishError> {
+        let producer = client_config(config).create().map_err(|err| {
             PublishError::transient(format!("cannot create the Kafka producer: {err}"))
         })?;
         Ok(Self { producer })
@@ -29,7 +28,7 @@ impl KafkaBroker {
 
 /// The producer settings the relay uses: the user's `properties` first, then what
 /// correctness needs, then TLS and SASL. `check` connects with the same.
-pub(super) fn client_config(config: &KafkaConfig, sasl: Option<(String, String)>) -> ClientConfig {
+pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
     let mut client = ClientConfig::new();
     // Defaults a user may tune through `properties`.
     client
@@ -54,11 +53,11 @@ pub(super) fn client_config(config: &KafkaConfig, sasl: Option<(String, String)>
         (true, true) => "sasl_ssl",
     };
     client.set("security.protocol", protocol);
-    if let Some(ca) = &config.tls_ca_file {
+    if let Some(ca) = &config.ca_file {
         client.set("ssl.ca.location", ca);
     }
-    if let (Some(s), Some((user, password))) = (&config.sasl, sasl) {
-        let mechanism = serde_json::to_value(s.mechanism)
+    if let Some((mechanism, user, password)) = &config.sasl {
+        let mechanism = serde_json::to_value(mechanism)
             .ok()
             .and_then(|v| v.as_str().map(str::to_owned))
             .unwrap_or_default();

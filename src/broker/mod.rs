@@ -10,19 +10,7 @@ use futures::future::BoxFuture;
 
 use crate::postgres::OutboxRow;
 
-/// Placeholder in topic, subject and routing-key templates.
-pub const AGGREGATE_TYPE_PLACEHOLDER: &str = "{aggregateType}";
-
-/// Which broker a message is built for: each has its own rules for names and headers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BrokerKind {
-    /// Apache Kafka.
-    Kafka,
-    /// NATS JetStream.
-    Nats,
-    /// RabbitMQ.
-    Amqp,
-}
+pub use crate::rules::{AGGREGATE_TYPE_PLACEHOLDER, BrokerKind, check_destination, check_template};
 
 /// A message ready for a broker.
 #[derive(Debug, Clone, PartialEq)]
@@ -122,47 +110,6 @@ pub fn build_message(
     })
 }
 
-/// Checks a rendered topic, subject or routing key.
-pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), String> {
-    match kind {
-        BrokerKind::Kafka => {
-            let valid_chars = destination
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-            if destination.is_empty() || destination.len() > 249 {
-                Err("is not 1 to 249 characters long".to_owned())
-            } else if !valid_chars || destination == "." || destination == ".." {
-                Err("is not a valid Kafka topic (letters, digits, '.', '_', '-')".to_owned())
-            } else {
-                Ok(())
-            }
-        }
-        BrokerKind::Nats => {
-            if destination.is_empty()
-                || destination.contains(|c: char| c.is_whitespace() || c == '*' || c == '>')
-                || destination.split('.').any(str::is_empty)
-            {
-                Err("is not a valid NATS subject (no spaces, wildcards or empty tokens)".to_owned())
-            } else {
-                Ok(())
-            }
-        }
-        BrokerKind::Amqp => {
-            if destination.len() > 255 {
-                Err("is longer than 255 bytes, the AMQP routing-key limit".to_owned())
-            } else {
-                Ok(())
-            }
-        }
-    }
-}
-
-/// Checks a template before any row is seen: it must yield a valid name for a typical
-/// aggregate type.
-pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), String> {
-    check_destination(kind, &template.replace(AGGREGATE_TYPE_PLACEHOLDER, "Order"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,12 +166,5 @@ mod tests {
         r.headers = vec![("traceparent".into(), "a\r\nb".into())];
         assert!(build_message(BrokerKind::Nats, "o.{aggregateType}", &r).is_err());
         assert!(build_message(BrokerKind::Kafka, "o.{aggregateType}", &r).is_ok());
-    }
-
-    #[test]
-    fn templates_are_checked() {
-        assert!(check_template(BrokerKind::Kafka, "outbox.event.{aggregateType}").is_ok());
-        assert!(check_template(BrokerKind::Kafka, "bad topic").is_err());
-        assert!(check_template(BrokerKind::Nats, "outbox.>").is_err());
     }
 }

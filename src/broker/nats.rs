@@ -8,7 +8,7 @@ use async_nats::jetstream::message::PublishMessage;
 use futures::future::BoxFuture;
 
 use super::{Broker, Message, PublishError};
-use crate::relay::config::NatsConfig;
+use crate::spec::config::NatsSettings;
 
 /// Publishes to JetStream. The client reconnects by itself after an outage; publishes
 /// made meanwhile time out and are retried by the relay.
@@ -18,7 +18,7 @@ pub struct NatsBroker {
 
 impl NatsBroker {
     /// Starts connecting (in the background when the server is down at start).
-    pub async fn new(config: &NatsConfig) -> Result<Self, PublishError> {
+    pub async fn new(config: &NatsSettings) -> Result<Self, PublishError> {
         let mut options = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()

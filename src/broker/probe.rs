@@ -14,12 +14,10 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use rdkafka::producer::{BaseProducer, Producer};
 
 use super::AGGREGATE_TYPE_PLACEHOLDER;
-use crate::relay::config::{BrokerConfig, KafkaConfig, NatsConfig, RabbitMqConfig};
+use crate::spec::ValidRelay;
+use crate::spec::config::{BrokerSettings, KafkaSettings, NatsSettings, RabbitMqSettings};
 
-/// Local CA file for a Kafka relay with TLS (in the pod it is mounted from a Secret).
-pub const ENV_KAFKA_CA_FILE: &str = "OUTBOX_KAFKA_CA_FILE";
-/// Local NATS credentials file (in the pod it is mounted from a Secret).
-pub const ENV_NATS_CREDENTIALS_FILE: &str = "OUTBOX_NATS_CREDENTIALS_FILE";
+pub use crate::spec::secrets::{ENV_KAFKA_CA_FILE, ENV_NATS_CREDENTIALS_FILE};
 
 /// How long each connection attempt may take.
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -53,21 +51,19 @@ impl Probe {
     }
 }
 
-/// Checks the broker a relay config names.
-pub async fn probe(config: &BrokerConfig) -> Vec<Probe> {
-    if let Some(k) = &config.kafka {
-        kafka(k).await
-    } else if let Some(n) = &config.nats {
-        nats(n).await
-    } else if let Some(r) = &config.rabbitmq {
-        rabbitmq(r).await
-    } else {
-        vec![Probe::fail("broker", "the manifest names no broker")]
+/// Checks the broker of a parsed relay, with its Secret values read from this
+/// process's environment as the catalogue names them.
+pub async fn probe(valid: &ValidRelay) -> Vec<Probe> {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    match BrokerSettings::read(valid, &env) {
+        Err(err) => vec![Probe::fail(
+            "broker",
+            format!("{err} (outside a pod, set these variables to the values the relay would get)"),
+        )],
+        Ok(BrokerSettings::Kafka(k)) => kafka(&k).await,
+        Ok(BrokerSettings::Nats(n)) => nats(&n).await,
+        Ok(BrokerSettings::RabbitMq(r)) => rabbitmq(&r).await,
     }
-}
-
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
 /// Where a template has `{aggregateType}`, the destination cannot be checked as one.
@@ -75,25 +71,8 @@ fn templated(template: &str) -> bool {
     template.contains(AGGREGATE_TYPE_PLACEHOLDER)
 }
 
-async fn kafka(k: &KafkaConfig) -> Vec<Probe> {
-    let mut k = k.clone();
-    k.tls_ca_file = env(ENV_KAFKA_CA_FILE);
-    let sasl = match &k.sasl {
-        Some(s) => match (env(&s.username_env), env(&s.password_env)) {
-            (Some(user), Some(password)) => Some((user, password)),
-            _ => {
-                return vec![Probe::fail(
-                    "broker",
-                    format!(
-                        "spec.broker.kafka.sasl is set: set {} and {} to the user name and password",
-                        s.username_env, s.password_env
-                    ),
-                )];
-            }
-        },
-        None => None,
-    };
-    let mut client = super::kafka::client_config(&k, sasl);
+async fn kafka(k: &KafkaSettings) -> Vec<Probe> {
+    let mut client = super::kafka::client_config(k);
     client.set("allow.auto.create.topics", "false");
     let producer: BaseProducer = match client.create() {
         Ok(p) => p,
@@ -170,18 +149,10 @@ async fn kafka(k: &KafkaConfig) -> Vec<Probe> {
     probes
 }
 
-async fn nats(n: &NatsConfig) -> Vec<Probe> {
+async fn nats(n: &NatsSettings) -> Vec<Probe> {
     let mut options = async_nats::ConnectOptions::new().connection_timeout(TIMEOUT);
-    if n.credentials_file.is_some() {
-        let Some(path) = env(ENV_NATS_CREDENTIALS_FILE) else {
-            return vec![Probe::fail(
-                "broker",
-                format!(
-                    "spec.broker.nats.credentialsSecretRef is set: set {ENV_NATS_CREDENTIALS_FILE} to a local copy of the credentials file"
-                ),
-            )];
-        };
-        options = match options.credentials_file(&path).await {
+    if let Some(path) = &n.credentials_file {
+        options = match options.credentials_file(path).await {
             Ok(o) => o,
             Err(err) => {
                 return vec![Probe::fail(
@@ -226,19 +197,11 @@ async fn nats(n: &NatsConfig) -> Vec<Probe> {
     probes
 }
 
-async fn rabbitmq(r: &RabbitMqConfig) -> Vec<Probe> {
-    let Some(url) = env(&r.url_env) else {
-        return vec![Probe::fail(
-            "broker",
-            format!(
-                "set {} to the AMQP URI (amqp://user:password@host:5672/vhost) the relay would use",
-                r.url_env
-            ),
-        )];
-    };
+async fn rabbitmq(r: &RabbitMqSettings) -> Vec<Probe> {
+    let url = &r.url;
     let connected = tokio::time::timeout(
         TIMEOUT,
-        Connection::connect(&url, ConnectionProperties::default()),
+        Connection::connect(url, ConnectionProperties::default()),
     )
     .await;
     // lapin's errors do not contain the URI.
@@ -249,7 +212,7 @@ async fn rabbitmq(r: &RabbitMqConfig) -> Vec<Probe> {
                 "broker",
                 format!(
                     "cannot connect to RabbitMQ with the URI in {}: {err}",
-                    r.url_env
+                    r.url_source
                 ),
             )];
         }

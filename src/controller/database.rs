@@ -20,8 +20,10 @@ use tracing::{debug, warn};
 use super::Context;
 use super::status::{CONDITION_DATABASE_READY, CONDITION_SLOT_READY, Cond};
 use crate::api::{OutboxRelay, SlotStatus};
+use crate::postgres::admin::SlotPlan;
 use crate::postgres::admin::{self, Backlog, Check, Origin, Owner, Plan, Scope};
 use crate::postgres::{self, PgError};
+use crate::spec::ValidRelay;
 
 /// What the database says about one relay, for conditions and status.
 pub(super) struct Inspection {
@@ -191,8 +193,12 @@ fn cond_of(type_: &'static str, check: &Check) -> Cond {
 
 /// Connects, checks, provisions (log tailing) and measures. Connection and check
 /// failures are conditions, not errors: the caller creates nothing then.
-pub(super) async fn inspect(relay: &OutboxRelay, ctx: &Context) -> Result<Inspection, kube::Error> {
-    let plan = Plan::for_relay(relay);
+pub(super) async fn inspect(
+    relay: &OutboxRelay,
+    valid: &ValidRelay,
+    ctx: &Context,
+) -> Result<Inspection, kube::Error> {
+    let plan = Plan::for_relay(valid);
     let tailing = plan.log_tailing.is_some();
     let not_ready = |reason: &'static str, message: String| Inspection {
         database: Cond::no(CONDITION_DATABASE_READY, reason, message.clone()),
@@ -506,21 +512,33 @@ pub(super) enum Cleanup {
     Retry(String),
 }
 
+/// The slot and publication the finalizer has to look after: the ones status last
+/// showed (what was created, whatever the spec says now), else the ones a log-tailing
+/// spec names. `None` when neither says there is any (polling, or a spec that never
+/// parsed, for which nothing was ever created). Never blocks on an invalid spec.
+pub(super) fn cleanup_target(relay: &OutboxRelay) -> Option<SlotPlan> {
+    if let Some(slot) = relay.status.as_ref().and_then(|s| s.slot.as_ref()) {
+        return Some(SlotPlan {
+            slot: slot.name.clone(),
+            publication: slot
+                .publication
+                .clone()
+                .unwrap_or_else(|| slot.name.clone()),
+            delete_after_publish: false,
+        });
+    }
+    let valid = crate::spec::parse(relay).ok()?;
+    Plan::for_relay(&valid).log_tailing
+}
+
 /// Drops the slot and publication the operator created for this relay (the relay's pods
 /// are gone by now). A database that is gone counts as cleaned; a missing Secret leaves
 /// the objects behind with a Warning (orphan detection keeps reporting them).
 pub(super) async fn drop_external(
     relay: &OutboxRelay,
+    lt: &SlotPlan,
     ctx: &Context,
 ) -> Result<Cleanup, kube::Error> {
-    let plan = Plan::for_relay(relay);
-    let Some(lt) = plan.log_tailing else {
-        return Ok(Cleanup::Done(
-            EventType::Normal,
-            "Deleted",
-            "nothing outside Kubernetes to drop (polling)".to_owned(),
-        ));
-    };
     let Some(url) = read_url(relay, ctx).await? else {
         if relay.status.as_ref().is_none_or(|s| s.slot.is_none()) {
             // Status never showed a slot: the checks never passed, nothing was created.
@@ -553,6 +571,18 @@ pub(super) async fn drop_external(
                 format!(
                     "the database is gone ({err}); replication slot {} and publication {} went with it",
                     lt.slot, lt.publication
+                ),
+            ));
+        }
+        Err(PgError::Url { .. }) if relay.status.as_ref().is_none_or(|s| s.slot.is_none()) => {
+            // The Secret never held a URL the operator could connect with, and status
+            // never showed a slot: nothing was created, so nothing blocks the delete.
+            return Ok(Cleanup::Done(
+                EventType::Normal,
+                "Deleted",
+                format!(
+                    "{} holds no usable URL and status shows no replication slot: nothing to drop",
+                    secret_name(relay)
                 ),
             ));
         }

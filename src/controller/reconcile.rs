@@ -28,13 +28,15 @@ use super::status::{
     CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, figures_differ, find, merge,
 };
 use super::{Context, Error, FINALIZER};
-use crate::api::{Mode, OutboxRelay, OutboxRelayStatus, SecretKeyRef, SlotStatus};
+use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::postgres::admin::{Backlog, human_age};
 use crate::resources::{
-    BuildError, Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND,
-    PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, SecretUse, build,
-    children_selector, effective_replicas, relay_object_name, required_secrets, selector_labels,
+    Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL,
+    SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, build, children_selector, relay_object_name,
+    selector_labels,
 };
+use crate::spec::ValidRelay;
+use crate::spec::secrets::SecretUse;
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
 /// (that would cache every Secret's data in the operator), so this bounds the delay
@@ -96,30 +98,33 @@ pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Con
 }
 
 async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
-    let desired = match build(relay, &ctx.options) {
-        Ok(desired) => desired,
-        Err(err @ (BuildError::InvalidSpec(_) | BuildError::Config(_))) => {
+    // While the database cannot be looked at (Secret missing, database unreachable, spec
+    // invalid), status keeps showing the slot as last seen: the finalizer reads it to
+    // tell a slot left behind from one never created, and a slot does not vanish
+    // because its Secret did or because the spec was edited into something invalid.
+    let last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
+
+    // Parse once: every rule, every problem, before anything is read or created.
+    let valid = match crate::spec::parse(relay) {
+        Ok(valid) => valid,
+        Err(problems) => {
             // A spec the schema let through but that cannot run: say so and change
             // nothing else; the next edit of the spec triggers a new reconcile.
-            let message = err.to_string();
-            let conditions = vec![
-                Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
-                Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
-            ];
-            update_status(relay, ctx, conditions, Figures::default()).await?;
+            invalid_spec(relay, ctx, &problems.0, last_slot).await?;
             return Ok(Action::await_change());
         }
-        Err(err) => return Err(err.into()),
     };
+    let desired = build(&valid, &ctx.options)?;
+    let last_slot = last_slot.filter(|_| valid.mode.log_tailing().is_some());
 
-    // While the database cannot be looked at (Secret missing, database unreachable),
-    // status keeps showing the slot as last seen: the finalizer reads it to tell a slot
-    // left behind from one never created, and a slot does not vanish because its
-    // Secret did.
-    let last_slot = matches!(relay.spec.mode.get(), Some(Mode::LogTailing(_)))
-        .then(|| relay.status.as_ref().and_then(|s| s.slot.clone()))
-        .flatten();
-    let (database, broker) = check_secrets(relay, ctx).await?;
+    let secrets = check_secrets(&valid, ctx).await?;
+    if !secrets.problems.is_empty() {
+        // A Secret holds a value the relay could not use: as bad as a bad spec, but
+        // Secrets are not watched, so look again soon.
+        invalid_spec(relay, ctx, &secrets.problems, last_slot).await?;
+        return Ok(Action::requeue(SECRET_RETRY));
+    }
+    let (database, broker) = (secrets.database, secrets.broker);
     let secrets_ok = database.status && broker.status;
     if !secrets_ok {
         // Pods started now would crash-loop on the missing variable or volume; create
@@ -143,7 +148,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     // The database checks (and, for log tailing, the slot and publication) come before
     // any child: nothing is half-created when they fail. A Deployment that already runs
     // is left as it is — a database that is briefly unreachable must not stop it.
-    let inspection = database::inspect(relay, ctx).await?;
+    let inspection = database::inspect(relay, &valid, ctx).await?;
     let database = inspection.database;
     let slot_cond = inspection.slot;
     let figures = Figures {
@@ -175,7 +180,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     let monitoring = monitoring_available(ctx).await?;
     let deployment = apply_if_changed(relay, ctx, &desired, monitoring).await?;
 
-    let wanted = effective_replicas(relay);
+    let wanted = valid.effective_replicas();
     let available = deployment
         .status
         .as_ref()
@@ -236,18 +241,58 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::requeue(refresh))
 }
 
-/// Checks that every Secret key the pods need exists; returns the `DatabaseReady` and
-/// `BrokerReady` conditions. Only names and keys are reported, never values.
-async fn check_secrets(relay: &OutboxRelay, ctx: &Context) -> Result<(Cond, Cond), Error> {
-    let namespace = relay.namespace().unwrap_or_default();
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+/// `Ready=False, reason=InvalidSpec` listing every problem; status keeps the slot it
+/// showed, and nothing else changes.
+async fn invalid_spec(
+    relay: &OutboxRelay,
+    ctx: &Context,
+    problems: &[crate::spec::Problem],
+    last_slot: Option<SlotStatus>,
+) -> Result<(), Error> {
+    let list = problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    let message = format!(
+        "{} problem{} in the spec; nothing was created or changed: {list}",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    );
+    let conditions = vec![
+        Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
+        Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
+    ];
+    let figures = Figures {
+        backlog: None,
+        slot: last_slot,
+    };
+    update_status(relay, ctx, conditions, figures).await
+}
+
+/// What the referenced Secrets say.
+struct SecretCheck {
+    /// `DatabaseReady` as far as its Secret goes.
+    database: Cond,
+    /// `BrokerReady` as far as its Secrets go.
+    broker: Cond,
+    /// Keys that exist but hold nothing the relay can use, or are missing from a Secret
+    /// that exists, as spec problems.
+    problems: Vec<crate::spec::Problem>,
+}
+
+/// Checks every Secret key the pods need: a missing Secret is a condition (it may be
+/// created any moment, e.g. by a GitOps tool in another order); a Secret without the
+/// key, or with a value the relay could not use, is a spec problem. Only names and keys
+/// are reported, never values.
+async fn check_secrets(valid: &ValidRelay, ctx: &Context) -> Result<SecretCheck, Error> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &valid.namespace);
     let mut database = Cond::yes(
         CONDITION_DATABASE_READY,
         "SecretFound",
         format!(
             "Secret {} has key {}; the database is checked once the broker Secrets exist too",
-            relay.spec.database.postgres.connection_secret_ref.name,
-            relay.spec.database.postgres.connection_secret_ref.key
+            valid.connection.name, valid.connection.key
         ),
     );
     let mut broker = Cond::yes(
@@ -255,50 +300,61 @@ async fn check_secrets(relay: &OutboxRelay, ctx: &Context) -> Result<(Cond, Cond
         "SecretsFound",
         "every Secret the broker connection needs exists; the relay checks the connection itself",
     );
-    for (purpose, reference) in required_secrets(relay) {
-        let problem = secret_problem(&secrets, &namespace, reference).await?;
-        if let Some((reason, message)) = problem {
-            let cond = match purpose {
+    let mut problems = Vec::new();
+    for slot in valid.secrets() {
+        let reference = &slot.reference;
+        let Some(secret) = secrets.get_opt(&reference.name).await? else {
+            let cond = match slot.purpose {
                 SecretUse::Database => &mut database,
                 SecretUse::Broker => &mut broker,
             };
-            // Report the first problem per condition; fixing it reveals the next.
+            // Report the first missing Secret per condition; creating it reveals the next.
             if cond.status {
-                *cond = Cond::no(cond.type_, reason, message);
+                *cond = Cond::no(
+                    cond.type_,
+                    "SecretNotFound",
+                    format!(
+                        "Secret {} not found in namespace {}; create it with key {}",
+                        reference.name, valid.namespace, reference.key
+                    ),
+                );
             }
+            continue;
+        };
+        let value = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&reference.key))
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+            .or_else(|| {
+                secret
+                    .string_data
+                    .as_ref()
+                    .and_then(|d| d.get(&reference.key).cloned())
+            });
+        let outcome = match value {
+            None => Err(format!(
+                "Secret {} has no key {}",
+                reference.name, reference.key
+            )),
+            Some(value) => slot.check_value(&value),
+        };
+        if let Err(message) = outcome {
+            problems.push(crate::spec::Problem {
+                field: slot.field.to_owned(),
+                message,
+                fix: format!(
+                    "put the value under key {} of Secret {}, or point {}.key at the key that holds it",
+                    reference.key, reference.name, slot.field
+                ),
+            });
         }
     }
-    Ok((database, broker))
-}
-
-async fn secret_problem(
-    secrets: &Api<Secret>,
-    namespace: &str,
-    reference: &SecretKeyRef,
-) -> Result<Option<(&'static str, String)>, Error> {
-    let Some(secret) = secrets.get_opt(&reference.name).await? else {
-        return Ok(Some((
-            "SecretNotFound",
-            format!(
-                "Secret {} not found in namespace {namespace}; create it with key {}",
-                reference.name, reference.key
-            ),
-        )));
-    };
-    let has_key = secret
-        .data
-        .as_ref()
-        .is_some_and(|d| d.contains_key(&reference.key))
-        || secret
-            .string_data
-            .as_ref()
-            .is_some_and(|d| d.contains_key(&reference.key));
-    Ok((!has_key).then(|| {
-        (
-            "SecretKeyNotFound",
-            format!("Secret {} has no key {}", reference.name, reference.key),
-        )
-    }))
+    Ok(SecretCheck {
+        database,
+        broker,
+        problems,
+    })
 }
 
 fn monitoring_resource(kind: &str, plural: &str) -> ApiResource {
@@ -732,9 +788,9 @@ pub(super) async fn publish(
 /// walsender streams the slot, and then the slot and publication the operator created
 /// are dropped. Tolerates apply never having run; never blocks on an invalid spec.
 async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
-    if relay.spec.mode.log_tailing.is_some() {
+    if let Some(target) = database::cleanup_target(relay) {
         stop_relay(relay, ctx).await?;
-        match database::drop_external(relay, ctx).await? {
+        match database::drop_external(relay, &target, ctx).await? {
             Cleanup::Done(type_, reason, note) => {
                 info!(relay = %relay.name_any(), reason, note = %note, "cleanup in PostgreSQL done");
                 publish(relay, ctx, type_, reason, note).await;

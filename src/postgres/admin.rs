@@ -23,8 +23,9 @@ use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
 use super::{PgError, db, quote};
-use crate::api::{AfterPublish, OutboxRelay};
+use crate::api::AfterPublish;
 use crate::postgres::replication::SlotStats;
+use crate::spec::{ColumnNeed, ValidMode, ValidRelay};
 
 /// Prefix of the publication comment that marks the operator's objects.
 pub const MARKER_PREFIX: &str = "outbox-operator ";
@@ -115,62 +116,63 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan for an OutboxRelay (the slot name as the relay config derives it).
-    pub fn for_relay(relay: &OutboxRelay) -> Self {
-        let spec = &relay.spec;
-        let c = &spec.table.columns;
-        let mut columns = vec![
-            ("table.columns.id".to_owned(), c.id.clone()),
-            (
-                "table.columns.aggregateType".to_owned(),
-                c.aggregate_type.clone(),
-            ),
-            (
-                "table.columns.aggregateId".to_owned(),
-                c.aggregate_id.clone(),
-            ),
-            ("table.columns.type".to_owned(), c.r#type.clone()),
-            ("table.columns.payload".to_owned(), c.payload.clone()),
-        ];
+    /// The plan for a parsed relay, from the column catalogue and the mode.
+    pub fn for_relay(valid: &ValidRelay) -> Self {
+        let t = &valid.table;
+        let marking = matches!(
+            &valid.mode,
+            ValidMode::Polling(p) if p.after_publish == AfterPublish::Mark
+        );
+        let mut columns: Vec<(String, String)> = t
+            .columns
+            .catalogue()
+            .into_iter()
+            .filter(|(_, _, need)| match need {
+                ColumnNeed::Always => true,
+                ColumnNeed::Marking => marking,
+                ColumnNeed::Optional => false,
+            })
+            .map(|(field, column, _)| {
+                (
+                    field.trim_start_matches("spec.").to_owned(),
+                    column.to_owned(),
+                )
+            })
+            .collect();
         let mut privileges = vec![("SELECT", "the relay reads the outbox table")];
         let mut published_at = None;
         let mut log_tailing = None;
-        if let Some(p) = &spec.mode.polling {
-            match p.after_publish {
+        match &valid.mode {
+            ValidMode::Polling(p) => match p.after_publish {
                 AfterPublish::Mark => {
-                    columns.push((
-                        "table.columns.publishedAt".to_owned(),
-                        c.published_at.clone(),
-                    ));
-                    published_at = Some(c.published_at.clone());
+                    published_at = Some(t.columns.published_at.clone());
                     privileges.push(("UPDATE", "polling with afterPublish: mark sets it"));
                     privileges.push(("DELETE", "retention deletes old published rows"));
                 }
                 AfterPublish::Delete => {
                     privileges.push(("DELETE", "polling with afterPublish: delete"));
                 }
+            },
+            ValidMode::LogTailing(l) => {
+                if l.delete_after_publish {
+                    privileges.push(("DELETE", "log tailing with deleteAfterPublish"));
+                }
+                log_tailing = Some(SlotPlan {
+                    slot: l.slot.clone(),
+                    publication: l.publication.clone(),
+                    delete_after_publish: l.delete_after_publish,
+                });
             }
-        } else if let Some(l) = &spec.mode.log_tailing {
-            let slot = crate::relay::config::slot_name(relay);
-            let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
-            if l.delete_after_publish {
-                privileges.push(("DELETE", "log tailing with deleteAfterPublish"));
-            }
-            log_tailing = Some(SlotPlan {
-                slot,
-                publication,
-                delete_after_publish: l.delete_after_publish,
-            });
         }
-        for header in &spec.table.headers {
+        for header in &t.headers {
             columns.push(("table.headers".to_owned(), header.clone()));
         }
         Self {
-            schema: spec.table.schema.clone(),
-            table: spec.table.name.clone(),
-            id: c.id.clone(),
+            schema: t.schema.clone(),
+            table: t.name.clone(),
+            id: t.columns.id.clone(),
             columns,
-            created_at: c.created_at.clone(),
+            created_at: t.columns.created_at.clone(),
             published_at,
             privileges,
             log_tailing,
@@ -1155,8 +1157,9 @@ pub fn database_is_gone(err: &PgError) -> bool {
 mod tests {
     use super::*;
 
-    fn relay(yaml: &str) -> OutboxRelay {
-        serde_yaml::from_str(yaml).unwrap()
+    fn relay(yaml: &str) -> ValidRelay {
+        let relay: crate::api::OutboxRelay = serde_yaml::from_str(yaml).unwrap();
+        crate::spec::parse(&relay).unwrap_or_else(|e| panic!("{e}"))
     }
 
     const TAILING: &str = "apiVersion: outbox.dev/v1alpha1

@@ -69,25 +69,13 @@ fn db(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> PgError {
     move |source| PgError::Db { what, source }
 }
 
-/// Checks a user-supplied SQL identifier against `^[A-Za-z_][A-Za-z0-9_]{0,62}$`.
-pub fn check_identifier(value: &str) -> Result<(), String> {
-    let mut chars = value.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if first_ok && rest_ok && value.len() <= 63 {
-        Ok(())
-    } else {
-        Err(format!(
-            "`{value}` is not a SQL identifier (letters, digits and _, not starting with a digit, at most 63)"
-        ))
-    }
-}
+pub use crate::rules::check_identifier;
 
-/// Double-quotes an identifier that passed [`check_identifier`] (it holds no quote).
+/// Double-quotes an identifier, doubling any quote inside it as SQL requires. Every
+/// identifier passed [`check_identifier`] (so holds no quote); the escaping keeps this
+/// function safe on its own.
 pub fn quote(ident: &str) -> String {
-    format!("\"{ident}\"")
+    format!("\"{}\"", ident.replace('"', "\"\""))
 }
 
 /// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs.

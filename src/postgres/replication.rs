@@ -23,23 +23,7 @@ pub const BYTEA_OID: u32 = 17;
 /// Prefix of the logical messages the relay writes as heartbeats.
 pub const HEARTBEAT_PREFIX: &str = "outbox-heartbeat";
 
-/// Checks a slot or publication name against `^[a-z0-9_]{1,63}$`. Lowercase only:
-/// `publication_names` in `START_REPLICATION` is parsed like unquoted SQL identifiers
-/// (folded to lowercase), so a name with capitals could be created but never streamed.
-pub fn check_slot_name(value: &str) -> Result<(), String> {
-    let ok = !value.is_empty()
-        && value.len() <= 63
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "`{value}` is not a valid name (lowercase letters, digits and _, 1 to 63 characters)"
-        ))
-    }
-}
+pub use crate::rules::check_slot_name;
 
 /// A column of a relation as pgoutput describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -60,15 +60,16 @@ use tokio_postgres::Client;
 use super::RelayError;
 use super::backoff::Backoff;
 use super::chains::{ChainResult, chains, publish_chains};
-use super::config::{LogTailingSettings, Settings};
+use super::config::Settings;
 use super::http::Health;
 use super::metrics::{ErrorLabels, WAL_STATUSES, WalStatusLabels};
-use crate::api::{AfterPublish, OrderingMode};
+use crate::api::AfterPublish;
 use crate::broker::{Broker, BrokerKind, PublishError};
 use crate::postgres::replication::{
     self as repl, BYTEA_OID, HEARTBEAT_PREFIX, PgOutput, Relation, TupleValue,
 };
 use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError, admin};
+use crate::spec::LogTailing as LogTailingSettings;
 
 /// How often a newly confirmed position is sent to the server (standby status update).
 /// Short, because a crash re-publishes whatever was acknowledged but not yet reported.
@@ -236,12 +237,12 @@ impl LogTailer {
         health: Arc<Health>,
         stop: watch::Receiver<bool>,
     ) -> Self {
-        let t = &settings.config.table;
+        let t = &settings.valid.table;
         let columns = Columns {
             id: t.columns.id.clone(),
             aggregate_type: t.columns.aggregate_type.clone(),
             aggregate_id: t.columns.aggregate_id.clone(),
-            event_type: t.columns.r#type.clone(),
+            event_type: t.columns.event_type.clone(),
             payload: t.columns.payload.clone(),
             created_at: None,
             published_at: t.columns.published_at.clone(),
@@ -278,8 +279,8 @@ impl LogTailer {
     async fn connect(&self) -> Result<Client, PgError> {
         postgres::connect(
             &self.settings.database_url,
-            &self.settings.config.database.url_env,
-            self.settings.config.database.ssl_mode,
+            &self.settings.url_env,
+            self.settings.valid.ssl_mode,
         )
         .await
     }
@@ -288,8 +289,8 @@ impl LogTailer {
     pub(super) async fn run(mut self) -> Result<(), RelayError> {
         let stats = tokio::spawn(slot_stats_loop(
             self.settings.database_url.clone(),
-            self.settings.config.database.url_env.clone(),
-            self.settings.config.database.ssl_mode,
+            self.settings.url_env.clone(),
+            self.settings.valid.ssl_mode,
             self.lt.slot.clone(),
             self.health.clone(),
             self.stop.clone(),
@@ -297,12 +298,12 @@ impl LogTailer {
         let deleter = self.lt.delete_after_publish.then(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             self.deleter = Some(tx);
-            let t = &self.settings.config.table;
+            let t = &self.settings.valid.table;
             tokio::spawn(delete_loop(
                 DeleteTarget {
                     url: self.settings.database_url.clone(),
-                    env: self.settings.config.database.url_env.clone(),
-                    ssl_mode: self.settings.config.database.ssl_mode,
+                    env: self.settings.url_env.clone(),
+                    ssl_mode: self.settings.valid.ssl_mode,
                     schema: t.schema.clone(),
                     table: t.name.clone(),
                     id_column: self.columns.id.clone(),
@@ -354,7 +355,7 @@ impl LogTailer {
     /// position.
     async fn session(&mut self, backoff: &mut Backoff) -> Result<(), SessionEnd> {
         let client = self.connect().await?;
-        let t = &self.settings.config.table;
+        let t = &self.settings.valid.table;
         // Fails with one line naming a missing table or column.
         OutboxTable::inspect(
             &client,
@@ -390,7 +391,7 @@ impl LogTailer {
         self.hand_over_after_reconnect(&client).await?;
         let config = repl::replication_config(
             &self.settings.database_url,
-            &self.settings.config.database.url_env,
+            &self.settings.url_env,
             &self.lt.slot,
             &self.lt.publication,
             CONFIRM_EVERY,
@@ -434,7 +435,7 @@ impl LogTailer {
         client: &Client,
         stream: &mut ReplicationClient,
     ) -> Result<(), SessionEnd> {
-        let t = self.settings.config.table.clone();
+        let t = self.settings.valid.table.clone();
         let mut relations: HashMap<u32, Option<Layout>> = HashMap::new();
         // The commit time (Unix seconds) of the transaction being received.
         let mut open: Option<f64> = None;
@@ -489,7 +490,7 @@ impl LogTailer {
     fn receive(
         &mut self,
         event: ReplicationEvent,
-        t: &crate::api::TableSpec,
+        t: &crate::spec::Table,
         relations: &mut HashMap<u32, Option<Layout>>,
         open: &mut Option<f64>,
         batch: &mut Batch,
@@ -557,7 +558,7 @@ impl LogTailer {
         confirm: Lsn,
     ) -> Result<(), SessionEnd> {
         let started = Instant::now();
-        let per_aggregate = self.settings.config.ordering.mode == OrderingMode::PerAggregate;
+        let per_aggregate = self.settings.valid.per_aggregate;
         let mut pending = chains(rows, per_aggregate);
         let mut ids = Vec::new();
         let mut lags = Vec::new();

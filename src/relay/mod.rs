@@ -19,7 +19,7 @@ use crate::broker::amqp::AmqpBroker;
 use crate::broker::kafka::KafkaBroker;
 use crate::broker::nats::NatsBroker;
 use crate::broker::{Broker, BrokerKind};
-use config::{BrokerSettings, ConfigError, RelayConfig};
+use config::{BrokerSettings, ConfigError, RelayConfig, Settings};
 
 /// Why the relay stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -48,13 +48,13 @@ pub enum RelayError {
 pub async fn run(path: &Path) -> Result<(), RelayError> {
     crate::telemetry::init_logging();
     let config = RelayConfig::load(path)?;
-    let settings = config.validate()?;
-    let identity = settings.config.relay.clone();
+    let settings = Settings::from_config(&config)?;
+    let identity = config.relay.clone();
     let health = Arc::new(http::Health {
         metrics: metrics::Metrics::new(
             &identity.namespace,
             &identity.name,
-            settings.config.mode.log_tailing.is_some(),
+            settings.log_tailing.is_some(),
         ),
         ready: AtomicBool::new(false),
     });
@@ -65,11 +65,8 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
             source,
         })?;
     let (broker, kind, template): (Arc<dyn Broker>, BrokerKind, String) = match &settings.broker {
-        BrokerSettings::Kafka { config, sasl } => (
-            Arc::new(
-                KafkaBroker::new(config, sasl.clone())
-                    .map_err(|e| RelayError::Broker(e.message))?,
-            ),
+        BrokerSettings::Kafka(config) => (
+            Arc::new(KafkaBroker::new(config).map_err(|e| RelayError::Broker(e.message))?),
             BrokerKind::Kafka,
             config.topic.clone(),
         ),
@@ -82,14 +79,10 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
             BrokerKind::Nats,
             config.subject.clone(),
         ),
-        BrokerSettings::RabbitMq {
-            url,
-            exchange,
-            routing_key,
-        } => (
-            Arc::new(AmqpBroker::new(url.clone(), exchange.clone())),
+        BrokerSettings::RabbitMq(r) => (
+            Arc::new(AmqpBroker::new(r.url.clone(), r.exchange.clone())),
             BrokerKind::Amqp,
-            routing_key.clone(),
+            r.routing_key.clone(),
         ),
     };
     tracing::info!(
@@ -98,7 +91,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         database = %crate::postgres::redact_url(&settings.database_url),
         listen = %addr,
         broker = ?kind,
-        partitions = settings.config.ordering.partitions,
+        partitions = settings.valid.partitions,
         "relay starting"
     );
     let (stop_tx, stop_rx) = watch::channel(false);

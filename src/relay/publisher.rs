@@ -45,7 +45,7 @@ use super::config::Settings;
 use super::http::Health;
 use super::metrics::ErrorLabels;
 use super::ownership;
-use crate::api::{OnExhausted, OrderingMode};
+use crate::api::{AfterPublish, OnExhausted};
 use crate::broker::{Broker, BrokerKind, PublishError};
 use crate::postgres::{
     self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
@@ -116,8 +116,7 @@ impl Publisher {
         health: Arc<Health>,
         stop: watch::Receiver<bool>,
     ) -> Self {
-        let class =
-            postgres::lock_class(&settings.config.table.schema, &settings.config.table.name);
+        let class = postgres::lock_class(&settings.valid.table.schema, &settings.valid.table.name);
         Self {
             settings,
             broker,
@@ -145,18 +144,18 @@ impl Publisher {
     }
 
     fn per_aggregate(&self) -> bool {
-        self.settings.config.ordering.mode == OrderingMode::PerAggregate
+        self.settings.valid.per_aggregate
     }
 
     /// Connects, runs sessions and reconnects with backoff until shutdown.
     pub(super) async fn run(mut self) -> Result<(), RelayError> {
         let mut backoff = Backoff::new();
-        let env = self.settings.config.database.url_env.clone();
+        let env = self.settings.url_env.clone();
         while !self.stopping() {
             let connected = postgres::connect(
                 &self.settings.database_url,
                 &env,
-                self.settings.config.database.ssl_mode,
+                self.settings.valid.ssl_mode,
             )
             .await;
             let mut client = match connected {
@@ -201,24 +200,22 @@ impl Publisher {
         client: &mut Client,
         backoff: &mut Backoff,
     ) -> Result<(), SessionEnd> {
-        let config = &self.settings.config;
-        let t = &config.table;
+        let valid = &self.settings.valid;
+        let t = &valid.table;
         let columns = Columns {
             id: t.columns.id.clone(),
             aggregate_type: t.columns.aggregate_type.clone(),
             aggregate_id: t.columns.aggregate_id.clone(),
-            event_type: t.columns.r#type.clone(),
+            event_type: t.columns.event_type.clone(),
             payload: t.columns.payload.clone(),
             created_at: Some(t.columns.created_at.clone()),
             published_at: t.columns.published_at.clone(),
             headers: t.headers.clone(),
         };
-        let after_publish = config
-            .mode
-            .polling
-            .as_ref()
-            .map(|p| p.after_publish)
-            .unwrap_or_default();
+        let after_publish = match &valid.mode {
+            crate::spec::ValidMode::Polling(p) => p.after_publish,
+            crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
+        };
         let table = OutboxTable::inspect(
             client,
             &t.schema,
@@ -226,10 +223,10 @@ impl Publisher {
             &self.settings.dead_letter_table,
             columns,
             after_publish,
-            config.ordering.partitions,
+            valid.partitions,
         )
         .await?;
-        if config.failure.on_exhausted == OnExhausted::DeadLetter {
+        if valid.failure.dead_letter_table.is_some() {
             table.ensure_dead_letter_table(client).await?;
         }
         let member = self.join(client).await?;
@@ -515,7 +512,7 @@ impl Publisher {
             );
             return Ok(false);
         }
-        match self.settings.config.failure.on_exhausted {
+        match self.settings.on_exhausted() {
             OnExhausted::DeadLetter => {
                 table.dead_letter(tx, row.id, &err.message).await?;
                 self.attempts.remove(&row.id);

@@ -18,17 +18,14 @@ use kube::api::DynamicObject;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
-use crate::api::{OutboxRelay, SpecError};
-use crate::relay::config::ConfigError;
+use crate::api::OutboxRelay;
+use crate::spec::ValidRelay;
 
 pub use monitoring::{
     PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, RUNBOOK_BASE_URL, SERVICE_MONITOR_KIND,
     SERVICE_MONITOR_PLURAL, prometheus_rule, runbook_url, service, service_monitor,
 };
-pub use workload::{
-    METRICS_PORT_NAME, SecretUse, config_hash, config_map, deployment, effective_replicas,
-    pod_disruption_budget, required_secrets,
-};
+pub use workload::{METRICS_PORT_NAME, config_hash, config_map, deployment, pod_disruption_budget};
 
 /// The field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "outbox-operator";
@@ -68,30 +65,13 @@ impl Default for BuildOptions {
     }
 }
 
-/// Why the objects for a relay cannot be built. Both mean the spec must change.
+/// Why the objects for a relay cannot be built: only a serialisation failure, a bug
+/// rather than a user error, since a [`ValidRelay`] passed every rule.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    /// The spec breaks rules the schema cannot express.
-    #[error("invalid spec: {}", join_spec_errors(.0))]
-    InvalidSpec(Vec<SpecError>),
-    /// The relay config could not be derived from the spec.
-    #[error("cannot build the relay config: {0}")]
-    Config(#[from] ConfigError),
-    /// The relay config could not be serialised (a bug, not a user error).
+    /// The relay config could not be serialised.
     #[error("cannot serialise the relay config: {0}")]
     Yaml(#[from] serde_yaml::Error),
-    /// The object has no name or namespace (a manifest without `metadata.namespace`
-    /// renders into `default`; this is for objects without a name at all).
-    #[error("metadata.name is required")]
-    NoName,
-}
-
-fn join_spec_errors(errors: &[SpecError]) -> String {
-    errors
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 /// Every object one OutboxRelay needs, in apply order.
@@ -111,18 +91,14 @@ pub struct Desired {
     pub prometheus_rule: Option<DynamicObject>,
 }
 
-/// Builds every object for `relay`. Fails, building nothing, when the spec is invalid.
-pub fn build(relay: &OutboxRelay, options: &BuildOptions) -> Result<Desired, BuildError> {
-    relay.spec.validate().map_err(BuildError::InvalidSpec)?;
-    if relay.metadata.name.is_none() {
-        return Err(BuildError::NoName);
-    }
+/// Builds every object for a parsed relay.
+pub fn build(relay: &ValidRelay, options: &BuildOptions) -> Result<Desired, BuildError> {
     let config_map = config_map(relay)?;
     let deployment = deployment(relay, options, &config_map);
     Ok(Desired {
-        service: service(relay),
+        service: service(relay.relay()),
         pod_disruption_budget: pod_disruption_budget(relay),
-        service_monitor: service_monitor(relay),
+        service_monitor: service_monitor(relay.relay()),
         prometheus_rule: prometheus_rule(relay),
         deployment,
         config_map,

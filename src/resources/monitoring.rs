@@ -11,10 +11,11 @@ use kube::ResourceExt;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
-use super::workload::{METRICS_PORT_NAME, effective_replicas};
+use super::workload::METRICS_PORT_NAME;
 use super::{MONITORING_API_VERSION, child_meta, labels, namespace, relay_object_name};
-use crate::api::{Mode, OrderingMode, OutboxRelay, parse_bytes, parse_duration};
-use crate::relay::config::HTTP_PORT;
+use crate::api::OutboxRelay;
+use crate::spec::config::HTTP_PORT;
+use crate::spec::{ValidMode, ValidRelay};
 
 /// Kind and plural of the Prometheus operator's scrape config.
 pub const SERVICE_MONITOR_KIND: &str = "ServiceMonitor";
@@ -148,8 +149,9 @@ pub fn runbook_url(alert: &str) -> String {
 }
 
 /// The alerts, from `spec.alerting`'s thresholds; `None` when alerting is off.
-pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
-    let alerting = &relay.spec.alerting;
+pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
+    let relay = valid.relay();
+    let alerting = &valid.alerting;
     if !alerting.enabled {
         return None;
     }
@@ -167,14 +169,11 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
     let own = format!(r#"relay_namespace="{ns}",relay_name="{name}""#);
     let target = format!(r#"namespace="{ns}",service="{}""#, relay_object_name(relay));
     let who = format!("OutboxRelay {ns}/{name}");
-    // The spec validates both before anything is built; the fallbacks keep this pure
-    // function total for a caller that skipped validation.
-    let oldest_seconds = parse_duration(&alerting.oldest_unpublished_age)
-        .map_or(300.0, |d| d.as_secs_f64().max(0.001));
+    let oldest_seconds = alerting.oldest_unpublished_age.as_secs_f64();
     let mut alerts = Vec::new();
     // A relay scaled to zero on purpose has no pods to be up; alerting on it would page
     // for a decision someone already made.
-    if effective_replicas(relay) > 0 {
+    if valid.effective_replicas() > 0 {
         alerts.push(Alert {
             name: "OutboxRelayDown",
             // `== 1` inside `absent` covers both ways of being down: targets that fail
@@ -200,7 +199,7 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
         summary: format!("{who} is falling behind: its oldest unpublished row is too old"),
         description: format!(
             "The oldest unpublished outbox row of {who} is {{{{ $value | humanizeDuration }}}} old, above the threshold of {} (spec.alerting.oldestUnpublishedAge): consumers are not getting events.",
-            alerting.oldest_unpublished_age
+            relay.spec.alerting.oldest_unpublished_age
         ),
     });
     alerts.push(Alert {
@@ -226,12 +225,12 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
             "{who} has failed to publish for 15 minutes: {{{{ $value | humanize }}}} {{{{ $labels.kind }}}} errors per second (row: the broker refused a message; unavailable: outage or timeout)."
         ),
     });
-    let polling = matches!(relay.spec.mode.get(), Some(Mode::Polling(_)));
+    let polling = matches!(valid.mode, ValidMode::Polling(_));
     // Partition ownership exists only where relays share the table by partition: polling
     // with per-aggregate order. With `ordering.mode: none` every process takes every
     // partition and reports owning none.
-    if polling && relay.spec.ordering.mode == OrderingMode::PerAggregate {
-        let partitions = relay.spec.ordering.partitions;
+    if polling && valid.per_aggregate {
+        let partitions = valid.partitions;
         alerts.push(Alert {
             name: "OutboxRelayPartitionsUnowned",
             // Empty when no relay reports at all: that is OutboxRelayDown's job, and one
@@ -255,8 +254,8 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
             ),
         });
     }
-    if matches!(relay.spec.mode.get(), Some(Mode::LogTailing(_))) {
-        let bytes = parse_bytes(&alerting.slot_retained_wal).unwrap_or(1 << 30);
+    if let ValidMode::LogTailing(_) = valid.mode {
+        let bytes = alerting.slot_retained_wal_bytes;
         alerts.push(Alert {
             name: "OutboxRelaySlotRetainedWalHigh",
             expr: format!("max({METRIC_SLOT_WAL}{{{own}}}) > {bytes}"),
@@ -265,7 +264,7 @@ pub fn prometheus_rule(relay: &OutboxRelay) -> Option<DynamicObject> {
             summary: format!("The replication slot of {who} retains too much WAL"),
             description: format!(
                 "The slot of {who} keeps {{{{ $value | humanize1024 }}}}B of WAL on the database server, above {} (spec.alerting.slotRetainedWal); the server's disk fills if it keeps growing.",
-                alerting.slot_retained_wal
+                relay.spec.alerting.slot_retained_wal
             ),
         });
         alerts.push(Alert {

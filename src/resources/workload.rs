@@ -22,11 +22,9 @@ use super::{
     BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, child_meta, config_map_name,
     labels, relay_object_name, selector_labels,
 };
-use crate::api::{Broker, Mode, OutboxRelay, SecretKeyRef};
-use crate::relay::config::{
-    CONFIG_PATH, ENV_DATABASE_URL, ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME,
-    ENV_RABBITMQ_URL, HTTP_PORT, KAFKA_CA_PATH, NATS_CREDENTIALS_PATH, RelayConfig,
-};
+use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
+use crate::spec::secrets::Delivery;
+use crate::spec::{ValidMode, ValidRelay};
 
 /// The name of the container port, used by probes, the Service and the ServiceMonitor.
 pub const METRICS_PORT_NAME: &str = "metrics";
@@ -40,96 +38,16 @@ fn config_dir() -> &'static str {
         .map_or("/etc/outbox-relay", |(dir, _)| dir)
 }
 
-/// The ConfigMap holding the relay config file. It holds no secret: Secret references
-/// become environment variable names and file paths (see `RelayConfig`).
-pub fn config_map(relay: &OutboxRelay) -> Result<ConfigMap, BuildError> {
-    let text = RelayConfig::for_relay(relay)?.to_yaml()?;
+/// The ConfigMap holding the relay config file. It holds no secret: Secrets are named,
+/// and their values reach the pod as the variables and files of the catalogue.
+pub fn config_map(valid: &ValidRelay) -> Result<ConfigMap, BuildError> {
+    let relay = valid.relay();
+    let text = RelayConfig::for_relay(valid).to_yaml()?;
     Ok(ConfigMap {
         metadata: child_meta(relay, config_map_name(relay), "relay"),
         data: Some(BTreeMap::from([(CONFIG_KEY.to_owned(), text)])),
         ..ConfigMap::default()
     })
-}
-
-/// The Secret a mounted file comes from, and the path below the config directory.
-struct SecretFile<'a> {
-    secret: &'a SecretKeyRef,
-    path: &'static str,
-}
-
-/// Environment variables filled from Secrets, by the names the relay config refers to.
-fn secret_env(relay: &OutboxRelay) -> Vec<(&'static str, &SecretKeyRef)> {
-    let mut env = vec![(
-        ENV_DATABASE_URL,
-        &relay.spec.database.postgres.connection_secret_ref,
-    )];
-    match relay.spec.broker.get() {
-        Some(Broker::Kafka(k)) => {
-            if let Some(sasl) = &k.sasl {
-                env.push((ENV_KAFKA_SASL_USERNAME, &sasl.username_secret_ref));
-                env.push((ENV_KAFKA_SASL_PASSWORD, &sasl.password_secret_ref));
-            }
-        }
-        Some(Broker::RabbitMq(r)) => env.push((ENV_RABBITMQ_URL, &r.url_secret_ref)),
-        Some(Broker::Nats(_)) | None => {}
-    }
-    env
-}
-
-/// Files mounted from Secrets, at the paths the relay config names.
-fn secret_files(relay: &OutboxRelay) -> Vec<SecretFile<'_>> {
-    let mut files = Vec::new();
-    match relay.spec.broker.get() {
-        Some(Broker::Kafka(k)) => {
-            if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-                files.push(SecretFile {
-                    secret: ca,
-                    path: KAFKA_CA_PATH,
-                });
-            }
-        }
-        Some(Broker::Nats(n)) => {
-            if let Some(creds) = &n.credentials_secret_ref {
-                files.push(SecretFile {
-                    secret: creds,
-                    path: NATS_CREDENTIALS_PATH,
-                });
-            }
-        }
-        Some(Broker::RabbitMq(_)) | None => {}
-    }
-    files
-}
-
-/// Every Secret key the relay pods need, with what it is for; the controller checks each
-/// exists before it creates pods that would otherwise crash-loop.
-pub fn required_secrets(relay: &OutboxRelay) -> Vec<(SecretUse, &SecretKeyRef)> {
-    let mut all: Vec<(SecretUse, &SecretKeyRef)> = secret_env(relay)
-        .into_iter()
-        .map(|(env, secret)| {
-            let purpose = if env == ENV_DATABASE_URL {
-                SecretUse::Database
-            } else {
-                SecretUse::Broker
-            };
-            (purpose, secret)
-        })
-        .collect();
-    all.extend(
-        secret_files(relay)
-            .into_iter()
-            .map(|f| (SecretUse::Broker, f.secret)),
-    );
-    all
-}
-
-/// What a Secret is needed for, which decides the condition that reports it missing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SecretUse {
-    /// The database connection (`DatabaseReady`).
-    Database,
-    /// The broker connection (`BrokerReady`).
-    Broker,
 }
 
 /// A stable hash of the config file text, for the pod-template annotation.
@@ -145,28 +63,14 @@ pub fn config_hash(config_map: &ConfigMap) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
-/// Whether the mode admits a single active consumer only (a replication slot streams to
-/// one connection), so the relay runs one pod and never overlaps two during updates.
-fn single_consumer(relay: &OutboxRelay) -> bool {
-    matches!(relay.spec.mode.get(), Some(Mode::LogTailing(_)))
-}
-
-/// Pods the Deployment runs: the spec's count, at most one for log tailing.
-pub fn effective_replicas(relay: &OutboxRelay) -> i32 {
-    if single_consumer(relay) {
-        relay.spec.replicas.min(1)
-    } else {
-        relay.spec.replicas
-    }
-}
-
 /// The relay Deployment, running `outbox-operator relay --config <CONFIG_PATH>` under the
 /// restricted Pod Security Standard.
 pub fn deployment(
-    relay: &OutboxRelay,
+    valid: &ValidRelay,
     options: &BuildOptions,
     config_map: &ConfigMap,
 ) -> Deployment {
+    let relay = valid.relay();
     let pod = &relay.spec.relay;
     let image = pod
         .image
@@ -179,17 +83,21 @@ pub fn deployment(
         value: Some(pod.log_level.clone().unwrap_or_else(|| "info".to_owned())),
         ..EnvVar::default()
     }];
-    env.extend(secret_env(relay).into_iter().map(|(name, secret)| EnvVar {
-        name: name.to_owned(),
-        value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector {
-                name: secret.name.clone(),
-                key: secret.key.clone(),
-                optional: Some(false),
+    let secrets = valid.secrets();
+    env.extend(secrets.iter().filter_map(|s| match s.delivery {
+        Delivery::Env(name) => Some(EnvVar {
+            name: name.to_owned(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: s.reference.name.clone(),
+                    key: s.reference.key.clone(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
             }),
-            ..EnvVarSource::default()
+            ..EnvVar::default()
         }),
-        ..EnvVar::default()
+        Delivery::File { .. } => None,
     }));
 
     // One projected volume holds the config file and the Secret files side by side, so
@@ -207,17 +115,20 @@ pub fn deployment(
         }),
         ..VolumeProjection::default()
     }];
-    sources.extend(secret_files(relay).into_iter().map(|f| VolumeProjection {
-        secret: Some(SecretProjection {
-            name: f.secret.name.clone(),
-            items: Some(vec![KeyToPath {
-                key: f.secret.key.clone(),
-                path: relative(f.path, dir),
-                mode: None,
-            }]),
-            optional: Some(false),
+    sources.extend(secrets.iter().filter_map(|s| match s.delivery {
+        Delivery::File { path, .. } => Some(VolumeProjection {
+            secret: Some(SecretProjection {
+                name: s.reference.name.clone(),
+                items: Some(vec![KeyToPath {
+                    key: s.reference.key.clone(),
+                    path: relative(path, dir),
+                    mode: None,
+                }]),
+                optional: Some(false),
+            }),
+            ..VolumeProjection::default()
         }),
-        ..VolumeProjection::default()
+        Delivery::Env(_) => None,
     }));
 
     let probe = |path: &str, period: i32| Probe {
@@ -275,7 +186,7 @@ pub fn deployment(
     let mut annotations = pod.pod_annotations.clone();
     annotations.insert(CONFIG_HASH_ANNOTATION.to_owned(), config_hash(config_map));
 
-    let strategy = if single_consumer(relay) {
+    let strategy = if let ValidMode::LogTailing(_) = valid.mode {
         // Recreate: the old pod is gone before the new one starts, so two pods never
         // stream one slot (the second would fail and crash-loop until the first exits).
         DeploymentStrategy {
@@ -297,7 +208,7 @@ pub fn deployment(
     Deployment {
         metadata: child_meta(relay, relay_object_name(relay), "relay"),
         spec: Some(DeploymentSpec {
-            replicas: Some(effective_replicas(relay)),
+            replicas: Some(valid.effective_replicas()),
             selector: LabelSelector {
                 match_labels: Some(selector_labels(relay)),
                 match_expressions: None,
@@ -376,8 +287,9 @@ fn relative(path: &str, dir: &str) -> String {
 
 /// A budget that lets voluntary disruptions (node drains) take one pod at a time, when
 /// the relay runs more than one; with one pod a budget would block drains forever.
-pub fn pod_disruption_budget(relay: &OutboxRelay) -> Option<PodDisruptionBudget> {
-    (effective_replicas(relay) > 1).then(|| PodDisruptionBudget {
+pub fn pod_disruption_budget(valid: &ValidRelay) -> Option<PodDisruptionBudget> {
+    let relay = valid.relay();
+    (valid.effective_replicas() > 1).then(|| PodDisruptionBudget {
         metadata: child_meta(relay, relay_object_name(relay), "relay"),
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),

@@ -755,7 +755,8 @@ impl Default for RelayOptions {
     }
 }
 
-/// The YAML of a relay config file for `broker` and `options`.
+/// The YAML of a relay config file for `broker` and `options`: the relay's identity and
+/// its spec, one spec field a line (indented two spaces), so tests can swap a line.
 pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String {
     let broker_yaml = match broker {
         RelayBroker::Kafka { bootstrap, topic } => {
@@ -769,7 +770,7 @@ pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String
             routing_key,
             ..
         } => format!(
-            "rabbitmq: {{urlEnv: OUTBOX_RABBITMQ_URL, exchange: \"{exchange}\", routingKey: \"{routing_key}\"}}"
+            "rabbitmq: {{urlSecretRef: {{name: amqp}}, exchange: \"{exchange}\", routingKey: \"{routing_key}\"}}"
         ),
     };
     let RelayOptions {
@@ -783,13 +784,14 @@ pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String
     } = options;
     format!(
         "relay: {{namespace: test, name: relay}}
-database: {{urlEnv: OUTBOX_DATABASE_URL, sslMode: disable}}
-table: {{schema: public, name: outbox, headers: [traceparent]}}
-mode: {{polling: {{interval: {interval}, batchSize: {batch_size}, afterPublish: mark}}}}
-broker: {{{broker_yaml}}}
-ordering: {{mode: {ordering}, partitions: {partitions}}}
-retention: {{publishedRows: {retention}}}
-failure: {{maxAttempts: {max_attempts}, onExhausted: {on_exhausted}}}
+spec:
+  database: {{postgres: {{connectionSecretRef: {{name: db}}, sslMode: disable}}}}
+  table: {{schema: public, name: outbox, headers: [traceparent]}}
+  mode: {{polling: {{interval: {interval}, batchSize: {batch_size}, afterPublish: mark}}}}
+  broker: {{{broker_yaml}}}
+  ordering: {{mode: {ordering}, partitions: {partitions}}}
+  retention: {{publishedRows: {retention}}}
+  failure: {{maxAttempts: {max_attempts}, onExhausted: {on_exhausted}}}
 listen: 127.0.0.1:0
 "
     )

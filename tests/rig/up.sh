@@ -98,6 +98,12 @@ mkdir -p "$RIG_DIR/postgres"
 chown postgres:postgres "$RIG_DIR/postgres"
 runuser -u postgres -- "$PG/initdb" -D "$RIG_DIR/postgres/data" -U postgres --auth=trust \
   -E UTF8 --no-sync >"$RIG_DIR/logs/postgres-initdb.log" 2>&1
+# Members of these groups must log in with a password, md5 or SCRAM (the first matching
+# line wins); everyone else is trusted. Tests prove the relays authenticate both ways.
+sed -i '1i host all +outbox_md5_users 127.0.0.1/32 md5\
+host replication +outbox_md5_users 127.0.0.1/32 md5\
+host all +outbox_scram_users 127.0.0.1/32 scram-sha-256\
+host replication +outbox_scram_users 127.0.0.1/32 scram-sha-256' "$RIG_DIR/postgres/data/pg_hba.conf"
 runuser -u postgres -- "$PG/pg_ctl" -D "$RIG_DIR/postgres/data" -l "$RIG_DIR/postgres/postgres.log" -w -t 60 \
   -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -c unix_socket_directories=$RIG_DIR/postgres \
       -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32 -c max_connections=400 \

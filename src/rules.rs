@@ -1,0 +1,216 @@
+//! The field rules: pure checks of one value each, shared by `crate::spec::parse`, the
+//! CRD schema (`crate::api`) and the code that builds SQL and broker names.
+
+use std::time::Duration;
+
+/// What a SQL identifier from a user may look like; it is also always quoted in SQL.
+pub const IDENTIFIER_PATTERN: &str = "^[A-Za-z_][A-Za-z0-9_]{0,62}$";
+/// PostgreSQL's rule for replication slot names; publications follow it too, because
+/// pgoutput's `publication_names` option folds unquoted names to lower case.
+pub const SLOT_NAME_PATTERN: &str = "^[a-z0-9_]{1,63}$";
+/// Go-style durations: `500ms`, `30s`, `5m`, `24h`, `1h30m`.
+pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
+/// Placeholder in topic, subject and routing-key templates.
+pub const AGGREGATE_TYPE_PLACEHOLDER: &str = "{aggregateType}";
+/// The shortest heartbeat a log-tailing relay accepts.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(100);
+/// Header names the relay sets itself; a header column may not take them.
+pub const RESERVED_HEADERS: [&str; 3] = ["id", "type", "aggregateType"];
+/// Librdkafka settings the relay fixes (delivery guarantees, connection security), so
+/// `broker.kafka.properties` may not set them. Prefixes end with a dot.
+pub const FIXED_KAFKA_PROPERTIES: [&str; 8] = [
+    "acks",
+    "request.required.acks",
+    "enable.idempotence",
+    "max.in.flight.requests.per.connection",
+    "security.protocol",
+    "bootstrap.servers",
+    "sasl.",
+    "ssl.",
+];
+
+/// Checks a user-supplied SQL identifier against [`IDENTIFIER_PATTERN`].
+pub fn check_identifier(value: &str) -> Result<(), String> {
+    let mut chars = value.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if first_ok && rest_ok && value.len() <= 63 {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{value}` is not a SQL identifier (letters, digits and _, not starting with a digit, at most 63)"
+        ))
+    }
+}
+
+/// Checks a replication slot or publication name against [`SLOT_NAME_PATTERN`].
+pub fn check_slot_name(value: &str) -> Result<(), String> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{value}` is not a valid name (lowercase letters, digits and _, 1 to 63 characters)"
+        ))
+    }
+}
+
+/// Whether a Kafka property is one the relay fixes.
+pub fn is_fixed_kafka_property(key: &str) -> bool {
+    FIXED_KAFKA_PROPERTIES.iter().any(|fixed| {
+        if fixed.ends_with('.') {
+            key.starts_with(fixed)
+        } else {
+            key == *fixed
+        }
+    })
+}
+
+/// Which broker a name is checked for: each has its own rules for names and headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// Apache Kafka.
+    Kafka,
+    /// NATS JetStream.
+    Nats,
+    /// RabbitMQ.
+    Amqp,
+}
+
+/// Checks a rendered topic, subject or routing key.
+pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), String> {
+    match kind {
+        BrokerKind::Kafka => {
+            let valid_chars = destination
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+            if destination.is_empty() || destination.len() > 249 {
+                Err("is not 1 to 249 characters long".to_owned())
+            } else if !valid_chars || destination == "." || destination == ".." {
+                Err("is not a valid Kafka topic (letters, digits, '.', '_', '-')".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+        BrokerKind::Nats => {
+            if destination.is_empty()
+                || destination.contains(|c: char| c.is_whitespace() || c == '*' || c == '>')
+                || destination.split('.').any(str::is_empty)
+            {
+                Err("is not a valid NATS subject (no spaces, wildcards or empty tokens)".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+        BrokerKind::Amqp => {
+            if destination.len() > 255 {
+                Err("is longer than 255 bytes, the AMQP routing-key limit".to_owned())
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Checks a template before any row is seen: it must yield a valid name for a typical
+/// aggregate type.
+pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), String> {
+    check_destination(kind, &template.replace(AGGREGATE_TYPE_PLACEHOLDER, "Order"))
+}
+
+/// `outbox_<namespace>_<name>`, made safe for PostgreSQL: lowercase letters, digits and
+/// underscores, at most 63 bytes; a hash suffix keeps long names distinct.
+pub fn default_slot_name(namespace: &str, name: &str) -> String {
+    let raw = format!("outbox_{namespace}_{name}");
+    let mut safe: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if safe.len() > 63 {
+        // Namespace and name are each up to 63/253 characters; keep a readable prefix
+        // and make the rest unique with a stable hash of the full name.
+        let hash = fnv1a64(raw.as_bytes());
+        safe.truncate(46);
+        safe = format!("{safe}_{hash:016x}");
+    }
+    safe
+}
+
+/// FNV-1a: stable across releases and platforms, unlike `std`'s hasher.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
+        (hash ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers() {
+        for good in ["outbox", "_x", "Outbox_2", &"a".repeat(63)] {
+            assert!(check_identifier(good).is_ok(), "{good}");
+        }
+        for bad in ["", "2x", "a-b", "a b", "a\"b", "x;drop", &"a".repeat(64)] {
+            assert!(check_identifier(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn slot_names() {
+        for good in ["outbox_shop_orders", "a", "9_x"] {
+            assert!(check_slot_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", "Orders", "a-b", &"a".repeat(64)] {
+            assert!(check_slot_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn fixed_kafka_properties() {
+        for fixed in [
+            "acks",
+            "ssl.ca.location",
+            "sasl.mechanism",
+            "bootstrap.servers",
+        ] {
+            assert!(is_fixed_kafka_property(fixed), "{fixed}");
+        }
+        for free in ["linger.ms", "compression.type", "acksx"] {
+            assert!(!is_fixed_kafka_property(free), "{free}");
+        }
+    }
+
+    #[test]
+    fn templates_are_checked() {
+        assert!(check_template(BrokerKind::Kafka, "outbox.event.{aggregateType}").is_ok());
+        assert!(check_template(BrokerKind::Kafka, "bad topic").is_err());
+        assert!(check_template(BrokerKind::Nats, "outbox.>").is_err());
+    }
+
+    #[test]
+    fn slot_names_are_safe_and_distinct() {
+        assert_eq!(
+            default_slot_name("team-a", "Orders.v2"),
+            "outbox_team_a_orders_v2"
+        );
+        let long_a = default_slot_name("ns", &"x".repeat(200));
+        let long_b = default_slot_name("ns", &format!("{}y", "x".repeat(199)));
+        assert!(long_a.len() <= 63 && long_b.len() <= 63);
+        assert_ne!(long_a, long_b);
+        assert!(check_slot_name(&long_a).is_ok());
+    }
+}

@@ -1,0 +1,400 @@
+//! The relay's configuration file: what the controller renders into the relay's
+//! ConfigMap and what `outbox-operator relay --config FILE` reads.
+//!
+//! The file holds the relay's identity and its spec exactly as [`super::parse`]
+//! normalised it (defaults filled in, slot and publication named). The relay turns the
+//! file back into an OutboxRelay and parses it with the same function the controller
+//! used, so a spec the controller accepted is one the relay runs. Secret references
+//! stay references: values reach the pod as the environment variables and files the
+//! catalogue in [`super::secrets`] names, never through this file.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::secrets::{Delivery, SecretSlot, SecretUse};
+use super::{Problems, ValidBroker, ValidRelay, parse};
+use crate::api::{OutboxRelay, OutboxRelaySpec, SaslMechanism};
+
+/// Where the relay pod mounts its configuration file.
+pub const CONFIG_PATH: &str = "/etc/outbox-relay/relay.yaml";
+/// Port of the relay's HTTP server (`/metrics`, `/healthz`, `/readyz`).
+pub const HTTP_PORT: u16 = 8080;
+
+/// The whole relay configuration file.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RelayConfig {
+    /// Which OutboxRelay this relay serves (labels metrics and logs; names the slot).
+    pub relay: RelayIdentity,
+    /// The OutboxRelay's spec, as parsed.
+    pub spec: OutboxRelaySpec,
+    /// Where the pod mounts each Secret file, by the spec field that names the Secret
+    /// (the catalogue's paths, written out so the file says where everything is).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub secret_files: std::collections::BTreeMap<String, String>,
+    /// Address of the HTTP server for metrics and probes.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+}
+
+fn default_listen() -> String {
+    format!("0.0.0.0:{HTTP_PORT}")
+}
+
+/// Namespace and name of the OutboxRelay.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RelayIdentity {
+    /// Namespace of the OutboxRelay.
+    pub namespace: String,
+    /// Name of the OutboxRelay.
+    pub name: String,
+}
+
+/// A configuration that cannot be read or used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read relay config {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid YAML for this format; serde names the field.
+    #[error("relay config {path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Why, with the field and position.
+        source: serde_yaml::Error,
+    },
+    /// The spec in the file breaks a rule (every problem is listed).
+    #[error("relay config: invalid spec: {0}")]
+    Invalid(#[from] Problems),
+    /// A setting outside the spec cannot be used, or a Secret value is missing or wrong.
+    #[error("relay config: {field}: {message}")]
+    Setting {
+        /// The field or variable.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Several settings are unusable: one line each.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Many(Vec<ConfigError>),
+}
+
+impl RelayConfig {
+    /// The file for a parsed relay. Fields the relay process does not read (replicas,
+    /// alerting, pod overrides) are left at their defaults: the file's hash rolls the
+    /// pods, and scaling or a new alert threshold must not restart them.
+    pub fn for_relay(valid: &ValidRelay) -> Self {
+        let mut spec = valid.relay().spec.clone();
+        spec.replicas = 1;
+        spec.alerting = crate::api::AlertingSpec::default();
+        spec.relay = crate::api::RelayPodSpec::default();
+        let secret_files = valid
+            .secrets()
+            .into_iter()
+            .filter_map(|s| match s.delivery {
+                Delivery::File { path, .. } => Some((s.field.to_owned(), path.to_owned())),
+                Delivery::Env(_) => None,
+            })
+            .collect();
+        Self {
+            relay: RelayIdentity {
+                namespace: valid.namespace.clone(),
+                name: valid.name.clone(),
+            },
+            spec,
+            secret_files,
+            listen: default_listen(),
+        }
+    }
+
+    /// The OutboxRelay the file describes (identity and spec).
+    pub fn to_relay(&self) -> OutboxRelay {
+        let mut relay = OutboxRelay::new(&self.relay.name, self.spec.clone());
+        relay.metadata.namespace = Some(self.relay.namespace.clone());
+        relay
+    }
+
+    /// Parses the spec in the file with [`parse`], the controller's own function.
+    pub fn parse(&self) -> Result<ValidRelay, ConfigError> {
+        Ok(parse(&self.to_relay())?)
+    }
+
+    /// Reads and parses a configuration file (YAML shape only; [`RelayConfig::parse`]
+    /// checks the spec).
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let display = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: display.clone(),
+            source,
+        })?;
+        serde_yaml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: display,
+            source,
+        })
+    }
+
+    /// The file's text, as the ConfigMap holds it.
+    pub fn to_yaml(&self) -> Result<String, serde_yaml::Error> {
+        serde_yaml::to_string(self)
+    }
+}
+
+/// Kafka producer settings with credentials resolved. No `Debug`: it holds secrets.
+#[derive(Clone)]
+pub struct KafkaSettings {
+    /// `host:port` list.
+    pub bootstrap_servers: String,
+    /// Topic template.
+    pub topic: String,
+    /// TLS on (with the system roots when no CA file is given).
+    pub tls: bool,
+    /// CA certificate file.
+    pub ca_file: Option<String>,
+    /// SASL mechanism, user name and password.
+    pub sasl: Option<(SaslMechanism, String, String)>,
+    /// Extra librdkafka producer settings.
+    pub properties: std::collections::BTreeMap<String, String>,
+}
+
+/// NATS settings with the credentials file located.
+#[derive(Clone, Debug)]
+pub struct NatsSettings {
+    /// Server URL(s).
+    pub url: String,
+    /// Subject template.
+    pub subject: String,
+    /// Credentials file.
+    pub credentials_file: Option<String>,
+}
+
+/// RabbitMQ settings with the URI resolved. No `Debug`: the URI holds a password.
+#[derive(Clone)]
+pub struct RabbitMqSettings {
+    /// AMQP URI (secret).
+    pub url: String,
+    /// Variable or Secret the URI came from, for messages.
+    pub url_source: String,
+    /// Exchange.
+    pub exchange: String,
+    /// Routing-key template.
+    pub routing_key: String,
+}
+
+/// The broker with credentials resolved.
+#[derive(Clone)]
+pub enum BrokerSettings {
+    /// Kafka.
+    Kafka(KafkaSettings),
+    /// NATS JetStream.
+    Nats(NatsSettings),
+    /// RabbitMQ.
+    RabbitMq(RabbitMqSettings),
+}
+
+/// The Secret values a relay process needs, read as the catalogue says.
+pub struct Resolved {
+    /// PostgreSQL URL (secret).
+    pub database_url: String,
+    /// The broker.
+    pub broker: BrokerSettings,
+}
+
+impl Resolved {
+    /// Reads every Secret value of `valid` (environment variables and files, through
+    /// `env`) and checks each against its catalogue rule. Reports every problem.
+    pub fn read(
+        valid: &ValidRelay,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let values = read_values(valid, env, |_| true)?;
+        let database_url = values
+            .iter()
+            .find(|(s, _)| s.purpose == SecretUse::Database)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        Ok(Self {
+            database_url,
+            broker: BrokerSettings::from_values(valid, env, &values),
+        })
+    }
+}
+
+impl BrokerSettings {
+    /// Reads the broker's Secret values only (for `check`, which takes the database URL
+    /// from a variable of the user's choice).
+    pub fn read(
+        valid: &ValidRelay,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let values = read_values(valid, env, |s| s.purpose == SecretUse::Broker)?;
+        Ok(Self::from_values(valid, env, &values))
+    }
+
+    fn from_values(
+        valid: &ValidRelay,
+        env: &dyn Fn(&str) -> Option<String>,
+        values: &[(SecretSlot, String)],
+    ) -> Self {
+        let value = |field: &str| {
+            values
+                .iter()
+                .find(|(s, _)| s.field == field)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        let file = |field: &str| {
+            valid
+                .secrets()
+                .iter()
+                .find(|s| s.field == field)
+                .and_then(|s| s.file_path(env))
+        };
+        match &valid.broker {
+            ValidBroker::Kafka(k) => BrokerSettings::Kafka(KafkaSettings {
+                bootstrap_servers: k.bootstrap_servers.clone(),
+                topic: k.topic.clone(),
+                tls: k.tls.is_some(),
+                ca_file: file("spec.broker.kafka.tls.caSecretRef"),
+                sasl: k.sasl.as_ref().map(|s| {
+                    (
+                        s.mechanism,
+                        value("spec.broker.kafka.sasl.usernameSecretRef"),
+                        value("spec.broker.kafka.sasl.passwordSecretRef"),
+                    )
+                }),
+                properties: k.properties.clone(),
+            }),
+            ValidBroker::Nats(n) => BrokerSettings::Nats(NatsSettings {
+                url: n.url.clone(),
+                subject: n.subject.clone(),
+                credentials_file: file("spec.broker.nats.credentialsSecretRef"),
+            }),
+            ValidBroker::RabbitMq(r) => BrokerSettings::RabbitMq(RabbitMqSettings {
+                url: value("spec.broker.rabbitmq.urlSecretRef"),
+                url_source: format!(
+                    "Secret {} key {}",
+                    r.url_secret_ref.name, r.url_secret_ref.key
+                ),
+                exchange: r.exchange.clone(),
+                routing_key: r.routing_key.clone(),
+            }),
+        }
+    }
+}
+
+/// Reads and checks the Secret values of the slots `wanted` selects; every problem.
+fn read_values(
+    valid: &ValidRelay,
+    env: &dyn Fn(&str) -> Option<String>,
+    wanted: impl Fn(&SecretSlot) -> bool,
+) -> Result<Vec<(SecretSlot, String)>, ConfigError> {
+    let mut errors = Vec::new();
+    let mut values = Vec::new();
+    for slot in valid.secrets().into_iter().filter(|s| wanted(s)) {
+        let read = slot.read(env).and_then(|value| {
+            slot.check_value(&value)?;
+            Ok(value.trim().to_owned())
+        });
+        match read {
+            Ok(value) => values.push((slot, value)),
+            Err(message) => errors.push(ConfigError::Setting {
+                field: slot.field.to_owned(),
+                message,
+            }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(values)
+    } else {
+        Err(ConfigError::Many(errors))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG_TAILING_KAFKA: &str = r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {postgres: {connectionSecretRef: {name: orders-db}}}
+  mode: {logTailing: {}}
+  broker: {kafka: {bootstrapServers: "kafka:9092", sasl: {mechanism: SCRAM-SHA-512, usernameSecretRef: {name: k, key: user}, passwordSecretRef: {name: k, key: pass}}}}
+"#;
+
+    fn valid() -> ValidRelay {
+        let relay: OutboxRelay = serde_yaml::from_str(LOG_TAILING_KAFKA).unwrap();
+        parse(&relay).unwrap()
+    }
+
+    #[test]
+    fn the_file_names_the_slot_and_holds_no_secret_value() {
+        let config = RelayConfig::for_relay(&valid());
+        let yaml = config.to_yaml().unwrap();
+        assert!(yaml.contains("slotName: outbox_shop_orders"), "{yaml}");
+        assert!(
+            yaml.contains("publicationName: outbox_shop_orders"),
+            "{yaml}"
+        );
+        assert!(yaml.contains("name: orders-db"), "{yaml}");
+    }
+
+    #[test]
+    fn the_file_round_trips_through_the_same_parse() {
+        let v = valid();
+        let config = RelayConfig::for_relay(&v);
+        let back: RelayConfig = serde_yaml::from_str(&config.to_yaml().unwrap()).unwrap();
+        assert_eq!(back, config);
+        let reparsed = back.parse().unwrap();
+        assert_eq!(reparsed.table, v.table);
+        assert_eq!(reparsed.mode, v.mode);
+        assert_eq!(reparsed.broker, v.broker);
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let err = serde_yaml::from_str::<RelayConfig>("relay: {namespace: a, name: b}\nbogus: 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn secrets_are_read_from_the_catalogue_and_checked() {
+        let v = valid();
+        let env = |name: &str| match name {
+            "OUTBOX_DATABASE_URL" => Some("postgres://u:p@h/d".to_owned()),
+            "OUTBOX_KAFKA_SASL_USERNAME" => Some("user".to_owned()),
+            _ => None,
+        };
+        let Err(err) = Resolved::read(&v, &env) else {
+            panic!("a missing password was accepted");
+        };
+        let text = err.to_string();
+        assert!(
+            text.contains("spec.broker.kafka.sasl.passwordSecretRef")
+                && text.contains("OUTBOX_KAFKA_SASL_PASSWORD"),
+            "{text}"
+        );
+        let env = |name: &str| match name {
+            "OUTBOX_DATABASE_URL" => Some("postgres://u:p@h/d".to_owned()),
+            _ => Some("x".to_owned()),
+        };
+        let resolved = Resolved::read(&v, &env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(resolved.database_url, "postgres://u:p@h/d");
+        let BrokerSettings::Kafka(k) = resolved.broker else {
+            panic!("not kafka");
+        };
+        assert!(k.sasl.is_some() && !k.tls);
+    }
+}

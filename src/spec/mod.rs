@@ -1,0 +1,868 @@
+//! The OutboxRelay spec parsed once: [`parse`] turns a resource into a [`ValidRelay`]
+//! or into every problem found, each with its field, what is wrong and how to fix it.
+//!
+//! This is the bottom layer both sides stand on. The controller parses before it
+//! creates anything, `render` and `check` parse the manifest, and the relay parses the
+//! config file the controller rendered from the same `ValidRelay` ([`config`]) with the
+//! same function — so a spec the controller accepts is a spec the relay runs. The rules
+//! the API server can enforce are also CEL rules and patterns on the CRD (`crate::api`),
+//! with the same wording; this module holds every rule, including those.
+
+pub mod config;
+pub mod secrets;
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::api::{
+    AfterPublish, Broker, KafkaSpec, Mode, NatsSpec, OnExhausted, OrderingMode, OutboxRelay,
+    RabbitMqSpec, SecretKeyRef, SslMode, parse_bytes, parse_duration,
+};
+use crate::rules::{
+    BrokerKind, MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_slot_name, check_template,
+    default_slot_name, is_fixed_kafka_property,
+};
+use secrets::{
+    Content, Delivery, ENV_DATABASE_URL, ENV_KAFKA_CA_FILE, ENV_KAFKA_SASL_PASSWORD,
+    ENV_KAFKA_SASL_USERNAME, ENV_NATS_CREDENTIALS_FILE, ENV_RABBITMQ_URL, KAFKA_CA_PATH,
+    NATS_CREDENTIALS_PATH, SecretSlot, SecretUse,
+};
+
+/// One thing wrong with a spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// The field, as a path (`spec.mode.polling.interval`).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+    /// How to fix it.
+    pub fix: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} ({})", self.field, self.message, self.fix)
+    }
+}
+
+/// Every problem found in a spec, in field order of discovery.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct Problems(pub Vec<Problem>);
+
+impl fmt::Display for Problems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lines: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&lines.join("; "))
+    }
+}
+
+impl Problems {
+    fn push(&mut self, field: impl Into<String>, message: impl Into<String>, fix: &str) {
+        self.0.push(Problem {
+            field: field.into(),
+            message: message.into(),
+            fix: fix.to_owned(),
+        });
+    }
+
+    /// True when nothing was found.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The outbox table's columns, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Columns {
+    /// Row id (message id).
+    pub id: String,
+    /// Aggregate type (templates).
+    pub aggregate_type: String,
+    /// Aggregate id (message key, ordering).
+    pub aggregate_id: String,
+    /// Event type (header).
+    pub event_type: String,
+    /// Payload.
+    pub payload: String,
+    /// Insertion time (optional in the table).
+    pub created_at: String,
+    /// Publication time (polling with `afterPublish: mark`).
+    pub published_at: String,
+}
+
+impl Columns {
+    /// The catalogue of columns: spec field, column name, whether every mode needs it.
+    /// `createdAt` is optional in the table; `publishedAt` is needed by marking only.
+    pub fn catalogue(&self) -> [(&'static str, &str, ColumnNeed); 7] {
+        [
+            ("spec.table.columns.id", &self.id, ColumnNeed::Always),
+            (
+                "spec.table.columns.aggregateType",
+                &self.aggregate_type,
+                ColumnNeed::Always,
+            ),
+            (
+                "spec.table.columns.aggregateId",
+                &self.aggregate_id,
+                ColumnNeed::Always,
+            ),
+            (
+                "spec.table.columns.type",
+                &self.event_type,
+                ColumnNeed::Always,
+            ),
+            (
+                "spec.table.columns.payload",
+                &self.payload,
+                ColumnNeed::Always,
+            ),
+            (
+                "spec.table.columns.createdAt",
+                &self.created_at,
+                ColumnNeed::Optional,
+            ),
+            (
+                "spec.table.columns.publishedAt",
+                &self.published_at,
+                ColumnNeed::Marking,
+            ),
+        ]
+    }
+}
+
+/// When a column must exist in the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColumnNeed {
+    /// In every mode.
+    Always,
+    /// Used when present.
+    Optional,
+    /// Polling with `afterPublish: mark`.
+    Marking,
+}
+
+/// The outbox table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// Schema.
+    pub schema: String,
+    /// Table name.
+    pub name: String,
+    /// Columns.
+    pub columns: Columns,
+    /// Header columns.
+    pub headers: Vec<String>,
+}
+
+/// Polling settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Polling {
+    /// Pause after a poll that found less than a full batch.
+    pub interval: Duration,
+    /// Rows per batch.
+    pub batch_size: i64,
+    /// Mark or delete.
+    pub after_publish: AfterPublish,
+}
+
+/// Log-tailing settings, with the slot and publication names resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogTailing {
+    /// Replication slot.
+    pub slot: String,
+    /// Publication.
+    pub publication: String,
+    /// Heartbeat period of an idle relay.
+    pub heartbeat: Duration,
+    /// Delete rows once their commit is confirmed.
+    pub delete_after_publish: bool,
+}
+
+/// The mode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ValidMode {
+    /// Polling.
+    Polling(Polling),
+    /// Log tailing.
+    LogTailing(LogTailing),
+}
+
+impl ValidMode {
+    /// The mode's name as the spec spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ValidMode::Polling(_) => "polling",
+            ValidMode::LogTailing(_) => "logTailing",
+        }
+    }
+
+    /// Log tailing's settings, if that is the mode.
+    pub fn log_tailing(&self) -> Option<&LogTailing> {
+        match self {
+            ValidMode::LogTailing(l) => Some(l),
+            ValidMode::Polling(_) => None,
+        }
+    }
+}
+
+/// The broker, with its spec as validated.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ValidBroker {
+    /// Kafka.
+    Kafka(KafkaSpec),
+    /// NATS JetStream.
+    Nats(NatsSpec),
+    /// RabbitMQ.
+    RabbitMq(RabbitMqSpec),
+}
+
+impl ValidBroker {
+    /// The broker's name as the spec spells it.
+    pub fn name(&self) -> &'static str {
+        self.kind_name().1
+    }
+
+    /// Which broker rules apply.
+    pub fn kind(&self) -> BrokerKind {
+        self.kind_name().0
+    }
+
+    fn kind_name(&self) -> (BrokerKind, &'static str) {
+        match self {
+            ValidBroker::Kafka(_) => (BrokerKind::Kafka, "kafka"),
+            ValidBroker::Nats(_) => (BrokerKind::Nats, "nats"),
+            ValidBroker::RabbitMq(_) => (BrokerKind::Amqp, "rabbitmq"),
+        }
+    }
+
+    /// The destination template (topic, subject or routing key).
+    pub fn template(&self) -> &str {
+        match self {
+            ValidBroker::Kafka(k) => &k.topic,
+            ValidBroker::Nats(n) => &n.subject,
+            ValidBroker::RabbitMq(r) => &r.routing_key,
+        }
+    }
+}
+
+/// Failure handling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// Attempts before a row is exhausted.
+    pub max_attempts: u32,
+    /// The dead-letter table when exhausted rows move there; `None` blocks.
+    pub dead_letter_table: Option<String>,
+}
+
+/// Alerting thresholds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Alerting {
+    /// Render a PrometheusRule.
+    pub enabled: bool,
+    /// Oldest unpublished age threshold.
+    pub oldest_unpublished_age: Duration,
+    /// Backlog threshold.
+    pub backlog_rows: i64,
+    /// Retained WAL threshold, bytes.
+    pub slot_retained_wal_bytes: u64,
+}
+
+/// An OutboxRelay that passed every rule. Only [`parse`] makes one, so a function that
+/// takes it needs no checks of its own.
+#[derive(Clone, Debug)]
+pub struct ValidRelay {
+    relay: OutboxRelay,
+    /// Namespace (`default` for a manifest without one).
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// The connection Secret and TLS mode.
+    pub connection: SecretKeyRef,
+    /// TLS mode to PostgreSQL.
+    pub ssl_mode: SslMode,
+    /// The outbox table.
+    pub table: Table,
+    /// The mode.
+    pub mode: ValidMode,
+    /// The broker.
+    pub broker: ValidBroker,
+    /// Per-aggregate order.
+    pub per_aggregate: bool,
+    /// Partitions.
+    pub partitions: i32,
+    /// Retention of published rows (polling with mark).
+    pub retention: Duration,
+    /// Failure handling.
+    pub failure: Failure,
+    /// Alerting thresholds.
+    pub alerting: Alerting,
+}
+
+impl ValidRelay {
+    /// The resource as parsed, with the slot and publication names filled in for log
+    /// tailing and the namespace set.
+    pub fn relay(&self) -> &OutboxRelay {
+        &self.relay
+    }
+
+    /// Pods the Deployment runs: the spec's count, at most one for log tailing (a
+    /// replication slot streams to one connection).
+    pub fn effective_replicas(&self) -> i32 {
+        match self.mode {
+            ValidMode::LogTailing(_) => self.relay.spec.replicas.min(1),
+            ValidMode::Polling(_) => self.relay.spec.replicas,
+        }
+    }
+
+    /// Every Secret reference of the relay, as the catalogue in [`secrets`] describes it.
+    pub fn secrets(&self) -> Vec<SecretSlot> {
+        let mut all = vec![SecretSlot {
+            field: "spec.database.postgres.connectionSecretRef",
+            purpose: SecretUse::Database,
+            reference: self.connection.clone(),
+            delivery: Delivery::Env(ENV_DATABASE_URL),
+            content: Content::PostgresUrl,
+        }];
+        let broker = |field, reference: &SecretKeyRef, delivery, content| SecretSlot {
+            field,
+            purpose: SecretUse::Broker,
+            reference: reference.clone(),
+            delivery,
+            content,
+        };
+        match &self.broker {
+            ValidBroker::Kafka(k) => {
+                if let Some(sasl) = &k.sasl {
+                    all.push(broker(
+                        "spec.broker.kafka.sasl.usernameSecretRef",
+                        &sasl.username_secret_ref,
+                        Delivery::Env(ENV_KAFKA_SASL_USERNAME),
+                        Content::Text,
+                    ));
+                    all.push(broker(
+                        "spec.broker.kafka.sasl.passwordSecretRef",
+                        &sasl.password_secret_ref,
+                        Delivery::Env(ENV_KAFKA_SASL_PASSWORD),
+                        Content::Text,
+                    ));
+                }
+                if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+                    all.push(broker(
+                        "spec.broker.kafka.tls.caSecretRef",
+                        ca,
+                        Delivery::File {
+                            path: KAFKA_CA_PATH,
+                            local_env: ENV_KAFKA_CA_FILE,
+                        },
+                        Content::Text,
+                    ));
+                }
+            }
+            ValidBroker::Nats(n) => {
+                if let Some(creds) = &n.credentials_secret_ref {
+                    all.push(broker(
+                        "spec.broker.nats.credentialsSecretRef",
+                        creds,
+                        Delivery::File {
+                            path: NATS_CREDENTIALS_PATH,
+                            local_env: ENV_NATS_CREDENTIALS_FILE,
+                        },
+                        Content::Text,
+                    ));
+                }
+            }
+            ValidBroker::RabbitMq(r) => all.push(broker(
+                "spec.broker.rabbitmq.urlSecretRef",
+                &r.url_secret_ref,
+                Delivery::Env(ENV_RABBITMQ_URL),
+                Content::AmqpUrl,
+            )),
+        }
+        all
+    }
+}
+
+/// Parses an OutboxRelay: every rule of the spec, all problems at once.
+pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
+    let mut p = Problems(Vec::new());
+    let spec = &relay.spec;
+    let namespace = relay
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    let name = relay.metadata.name.clone().unwrap_or_default();
+    let dns_label = |s: &str| {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= 50
+            && b[0].is_ascii_lowercase()
+            && b.iter()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            && !s.ends_with('-')
+    };
+    if !dns_label(&name) {
+        p.push(
+            "metadata.name",
+            format!("`{name}` is not a DNS label of at most 50 characters starting with a letter"),
+            "it names the relay's Deployment and Service: choose a name like orders-relay",
+        );
+    }
+
+    // Database.
+    let ssl_mode = spec.database.postgres.ssl_mode;
+    if matches!(ssl_mode, SslMode::Require | SslMode::VerifyFull) {
+        p.push(
+            "spec.database.postgres.sslMode",
+            format!("{ssl_mode:?} is not supported yet: connections to PostgreSQL are plain TCP"),
+            "use disable or prefer until TLS to PostgreSQL is released",
+        );
+    }
+    secret_ref(
+        &mut p,
+        "spec.database.postgres.connectionSecretRef",
+        &spec.database.postgres.connection_secret_ref,
+    );
+
+    // Table.
+    let t = &spec.table;
+    let c = &t.columns;
+    let columns = Columns {
+        id: c.id.clone(),
+        aggregate_type: c.aggregate_type.clone(),
+        aggregate_id: c.aggregate_id.clone(),
+        event_type: c.r#type.clone(),
+        payload: c.payload.clone(),
+        created_at: c.created_at.clone(),
+        published_at: c.published_at.clone(),
+    };
+    for (field, value) in [
+        ("spec.table.schema", &t.schema),
+        ("spec.table.name", &t.name),
+    ] {
+        identifier(&mut p, field, value);
+    }
+    for (field, value, _) in columns.catalogue() {
+        identifier(&mut p, field, value);
+    }
+    for (i, header) in t.headers.iter().enumerate() {
+        let field = format!("spec.table.headers[{i}]");
+        identifier(&mut p, &field, header);
+        if RESERVED_HEADERS.contains(&header.as_str()) {
+            p.push(
+                &field,
+                format!("`{header}` is a header the relay sets itself"),
+                "remove it from spec.table.headers",
+            );
+        }
+    }
+    if t.headers.len() > 32 {
+        p.push(
+            "spec.table.headers",
+            format!("{} header columns; at most 32", t.headers.len()),
+            "copy fewer columns into headers",
+        );
+    }
+
+    // Mode.
+    let mode = match (&spec.mode.polling, &spec.mode.log_tailing) {
+        (Some(_), Some(_)) | (None, None) => {
+            p.push(
+                "spec.mode",
+                "set exactly one of polling and logTailing",
+                "keep the one mode the relay should run",
+            );
+            None
+        }
+        _ => match spec.mode.get() {
+            Some(Mode::Polling(poll)) => {
+                let interval = duration(
+                    &mut p,
+                    "spec.mode.polling.interval",
+                    &poll.interval,
+                    Duration::from_millis(1),
+                );
+                if !(1..=10_000).contains(&poll.batch_size) {
+                    p.push(
+                        "spec.mode.polling.batchSize",
+                        format!("{} is not between 1 and 10000", poll.batch_size),
+                        "choose a batch size from 1 to 10000",
+                    );
+                }
+                Some(ValidMode::Polling(Polling {
+                    interval: interval.unwrap_or_default(),
+                    batch_size: i64::from(poll.batch_size),
+                    after_publish: poll.after_publish,
+                }))
+            }
+            Some(Mode::LogTailing(l)) => {
+                let slot = l
+                    .slot_name
+                    .clone()
+                    .unwrap_or_else(|| default_slot_name(&namespace, &name));
+                let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
+                if let Err(message) = check_slot_name(&slot) {
+                    p.push(
+                        "spec.mode.logTailing.slotName",
+                        message,
+                        "use lowercase letters, digits and _ (PostgreSQL's rule for slot names)",
+                    );
+                }
+                if let Err(message) = check_slot_name(&publication) {
+                    p.push(
+                        "spec.mode.logTailing.publicationName",
+                        message,
+                        "use lowercase letters, digits and _ (pgoutput folds unquoted publication names to lower case)",
+                    );
+                }
+                let heartbeat = duration(
+                    &mut p,
+                    "spec.mode.logTailing.heartbeatInterval",
+                    &l.heartbeat_interval,
+                    MIN_HEARTBEAT,
+                );
+                if spec.failure.on_exhausted == OnExhausted::DeadLetter {
+                    p.push(
+                        "spec.failure.onExhausted",
+                        "deadLetter is not supported with logTailing yet: a refused row would block the stream",
+                        "use block with logTailing, or polling for a dead-letter table",
+                    );
+                }
+                Some(ValidMode::LogTailing(LogTailing {
+                    slot,
+                    publication,
+                    heartbeat: heartbeat.unwrap_or_default(),
+                    delete_after_publish: l.delete_after_publish,
+                }))
+            }
+            None => None,
+        },
+    };
+
+    // Broker.
+    let broker = match spec.broker.get() {
+        None => {
+            p.push(
+                "spec.broker",
+                "set exactly one of kafka, nats and rabbitmq",
+                "keep the one broker the relay publishes to",
+            );
+            None
+        }
+        Some(Broker::Kafka(k)) => {
+            if k.bootstrap_servers.trim().is_empty() {
+                p.push(
+                    "spec.broker.kafka.bootstrapServers",
+                    "is empty",
+                    "name at least one host:port",
+                );
+            }
+            template(
+                &mut p,
+                BrokerKind::Kafka,
+                "spec.broker.kafka.topic",
+                &k.topic,
+            );
+            for key in k.properties.keys() {
+                if is_fixed_kafka_property(key) {
+                    p.push(
+                        format!("spec.broker.kafka.properties.{key}"),
+                        "is fixed by the relay (delivery guarantees) or set through tls and sasl",
+                        "remove it; acks=all and idempotence are always on",
+                    );
+                }
+            }
+            if let Some(sasl) = &k.sasl {
+                secret_ref(
+                    &mut p,
+                    "spec.broker.kafka.sasl.usernameSecretRef",
+                    &sasl.username_secret_ref,
+                );
+                secret_ref(
+                    &mut p,
+                    "spec.broker.kafka.sasl.passwordSecretRef",
+                    &sasl.password_secret_ref,
+                );
+            }
+            if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+                secret_ref(&mut p, "spec.broker.kafka.tls.caSecretRef", ca);
+            }
+            Some(ValidBroker::Kafka(k.clone()))
+        }
+        Some(Broker::Nats(n)) => {
+            if n.url.trim().is_empty() {
+                p.push(
+                    "spec.broker.nats.url",
+                    "is empty",
+                    "name the server, nats://host:4222",
+                );
+            } else if n
+                .url
+                .split(',')
+                .any(|u| !(u.trim().starts_with("nats://") || u.trim().starts_with("tls://")))
+            {
+                p.push(
+                    "spec.broker.nats.url",
+                    format!("`{}` is not a list of nats:// or tls:// URLs", n.url),
+                    "write nats://host:4222 (comma-separated for several servers)",
+                );
+            }
+            template(
+                &mut p,
+                BrokerKind::Nats,
+                "spec.broker.nats.subject",
+                &n.subject,
+            );
+            if let Some(creds) = &n.credentials_secret_ref {
+                secret_ref(&mut p, "spec.broker.nats.credentialsSecretRef", creds);
+            }
+            Some(ValidBroker::Nats(n.clone()))
+        }
+        Some(Broker::RabbitMq(r)) => {
+            if r.exchange.len() > 255 {
+                p.push(
+                    "spec.broker.rabbitmq.exchange",
+                    "is longer than 255 bytes",
+                    "use a shorter exchange name",
+                );
+            }
+            template(
+                &mut p,
+                BrokerKind::Amqp,
+                "spec.broker.rabbitmq.routingKey",
+                &r.routing_key,
+            );
+            secret_ref(
+                &mut p,
+                "spec.broker.rabbitmq.urlSecretRef",
+                &r.url_secret_ref,
+            );
+            Some(ValidBroker::RabbitMq(r.clone()))
+        }
+    };
+
+    // Ordering, retention, failure, alerting, replicas.
+    let partitions = spec.ordering.partitions;
+    if !(1..=1024).contains(&partitions) {
+        p.push(
+            "spec.ordering.partitions",
+            format!("{partitions} is not between 1 and 1024"),
+            "choose 1 to 1024 partitions",
+        );
+    }
+    if !(0..=64).contains(&spec.replicas) {
+        p.push(
+            "spec.replicas",
+            format!("{} is not between 0 and 64", spec.replicas),
+            "choose 0 to 64 replicas",
+        );
+    }
+    let retention = duration(
+        &mut p,
+        "spec.retention.publishedRows",
+        &spec.retention.published_rows,
+        Duration::from_secs(1),
+    );
+    if let (Some(retention), Some(ValidMode::Polling(poll))) = (retention, &mode)
+        && poll.after_publish == AfterPublish::Mark
+        && retention < poll.interval
+    {
+        p.push(
+            "spec.retention.publishedRows",
+            format!(
+                "{} is shorter than the poll interval {}",
+                spec.retention.published_rows,
+                spec.mode
+                    .polling
+                    .as_ref()
+                    .map_or("", |poll| poll.interval.as_str())
+            ),
+            "keep published rows at least one poll interval",
+        );
+    }
+    let max_attempts = match u32::try_from(spec.failure.max_attempts) {
+        Ok(n) if (1..=1000).contains(&n) => n,
+        _ => {
+            p.push(
+                "spec.failure.maxAttempts",
+                format!("{} is not between 1 and 1000", spec.failure.max_attempts),
+                "choose 1 to 1000 attempts",
+            );
+            1
+        }
+    };
+    let dead_letter_table = (spec.failure.on_exhausted == OnExhausted::DeadLetter).then(|| {
+        spec.failure
+            .dead_letter_table
+            .clone()
+            .unwrap_or_else(|| format!("{}_dead_letter", t.name))
+    });
+    if let Some(table) = &dead_letter_table {
+        if let Err(message) = check_identifier(table) {
+            let fix = if spec.failure.dead_letter_table.is_some() {
+                "name a valid table in spec.failure.deadLetterTable"
+            } else {
+                "the default <table>_dead_letter is too long: set spec.failure.deadLetterTable"
+            };
+            p.push("spec.failure.deadLetterTable", message, fix);
+        } else if *table == t.name {
+            p.push(
+                "spec.failure.deadLetterTable",
+                format!("`{table}` is the outbox table itself"),
+                "name another table for exhausted rows",
+            );
+        }
+    }
+    let oldest = duration(
+        &mut p,
+        "spec.alerting.oldestUnpublishedAge",
+        &spec.alerting.oldest_unpublished_age,
+        Duration::from_secs(1),
+    );
+    if spec.alerting.backlog_rows < 1 {
+        p.push(
+            "spec.alerting.backlogRows",
+            format!("{} is not positive", spec.alerting.backlog_rows),
+            "choose a threshold of at least 1 row",
+        );
+    }
+    let wal = match parse_bytes(&spec.alerting.slot_retained_wal) {
+        Ok(0) => {
+            p.push(
+                "spec.alerting.slotRetainedWal",
+                "is zero",
+                "choose a positive size such as 1Gi",
+            );
+            None
+        }
+        Ok(bytes) => Some(bytes),
+        Err(e) => {
+            p.push(
+                "spec.alerting.slotRetainedWal",
+                e.to_string(),
+                "write a quantity such as 512Mi or 1Gi",
+            );
+            None
+        }
+    };
+
+    match (mode, broker) {
+        (Some(mode), Some(broker)) if p.is_empty() => {
+            let mut relay = relay.clone();
+            relay.metadata.namespace = Some(namespace.clone());
+            if let (ValidMode::LogTailing(l), Some(spec_l)) =
+                (&mode, relay.spec.mode.log_tailing.as_mut())
+            {
+                spec_l.slot_name = Some(l.slot.clone());
+                spec_l.publication_name = Some(l.publication.clone());
+            }
+            Ok(ValidRelay {
+                relay,
+                namespace,
+                name,
+                connection: spec.database.postgres.connection_secret_ref.clone(),
+                ssl_mode,
+                table: Table {
+                    schema: t.schema.clone(),
+                    name: t.name.clone(),
+                    columns,
+                    headers: t.headers.clone(),
+                },
+                mode,
+                broker,
+                per_aggregate: spec.ordering.mode == OrderingMode::PerAggregate,
+                partitions,
+                retention: retention.unwrap_or_default(),
+                failure: Failure {
+                    max_attempts,
+                    dead_letter_table,
+                },
+                alerting: Alerting {
+                    enabled: spec.alerting.enabled,
+                    oldest_unpublished_age: oldest.unwrap_or_default(),
+                    backlog_rows: spec.alerting.backlog_rows,
+                    slot_retained_wal_bytes: wal.unwrap_or_default(),
+                },
+            })
+        }
+        _ => Err(p),
+    }
+}
+
+fn identifier(p: &mut Problems, field: &str, value: &str) {
+    if let Err(message) = check_identifier(value) {
+        p.push(
+            field,
+            message,
+            "use letters, digits and _ (the name is quoted in SQL exactly as written)",
+        );
+    }
+}
+
+fn duration(p: &mut Problems, field: &str, value: &str, min: Duration) -> Option<Duration> {
+    match parse_duration(value) {
+        Ok(d) if d >= min => Some(d),
+        Ok(_) => {
+            p.push(
+                field,
+                format!(
+                    "`{value}` is shorter than {}",
+                    humantime::format_duration(min)
+                ),
+                "choose a longer duration",
+            );
+            None
+        }
+        Err(e) => {
+            p.push(
+                field,
+                e.to_string(),
+                "write a duration such as 500ms, 30s, 5m or 24h",
+            );
+            None
+        }
+    }
+}
+
+fn template(p: &mut Problems, kind: BrokerKind, field: &str, value: &str) {
+    if let Err(message) = check_template(kind, value) {
+        p.push(
+            field,
+            format!("`{value}` {message}"),
+            "fix the template; {aggregateType} is replaced by each row's aggregate type",
+        );
+    }
+}
+
+fn secret_ref(p: &mut Problems, field: &str, r: &SecretKeyRef) {
+    let dns_subdomain = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
+    };
+    if !dns_subdomain(&r.name) {
+        p.push(
+            format!("{field}.name"),
+            format!("`{}` is not a valid Secret name", r.name),
+            "name a Secret in the relay's namespace (lowercase letters, digits, - and .)",
+        );
+    }
+    let key_ok = !r.key.is_empty()
+        && r.key.len() <= 253
+        && r.key
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
+    if !key_ok {
+        p.push(
+            format!("{field}.key"),
+            format!("`{}` is not a valid Secret key", r.key),
+            "use letters, digits, -, _ and .",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;

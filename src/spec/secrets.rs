@@ -1,0 +1,178 @@
+//! The catalogue of Secret references: for each reference a relay may hold, the spec
+//! field that names it, what it is for, how it reaches the relay process (an
+//! environment variable or a mounted file) and what its value must look like.
+//!
+//! The Deployment builder wires Secrets into pods from this table, the controller checks
+//! the referenced keys from it, the relay reads the values from it and `check` names
+//! the local variables from it, so the four can never disagree.
+
+use crate::api::SecretKeyRef;
+
+/// Environment variable holding the PostgreSQL connection URI.
+pub const ENV_DATABASE_URL: &str = "OUTBOX_DATABASE_URL";
+/// Environment variable holding the RabbitMQ URI.
+pub const ENV_RABBITMQ_URL: &str = "OUTBOX_RABBITMQ_URL";
+/// Environment variable holding the Kafka SASL user name.
+pub const ENV_KAFKA_SASL_USERNAME: &str = "OUTBOX_KAFKA_SASL_USERNAME";
+/// Environment variable holding the Kafka SASL password.
+pub const ENV_KAFKA_SASL_PASSWORD: &str = "OUTBOX_KAFKA_SASL_PASSWORD";
+/// Where the Kafka CA certificate is mounted in a relay pod.
+pub const KAFKA_CA_PATH: &str = "/etc/outbox-relay/kafka-ca/ca.crt";
+/// Where the NATS credentials file is mounted in a relay pod.
+pub const NATS_CREDENTIALS_PATH: &str = "/etc/outbox-relay/nats/nats.creds";
+/// Outside a pod (`check`, tests), the variable naming a local copy of the Kafka CA.
+pub const ENV_KAFKA_CA_FILE: &str = "OUTBOX_KAFKA_CA_FILE";
+/// Outside a pod, the variable naming a local copy of the NATS credentials file.
+pub const ENV_NATS_CREDENTIALS_FILE: &str = "OUTBOX_NATS_CREDENTIALS_FILE";
+
+/// What a Secret is needed for, which decides the condition that reports a problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SecretUse {
+    /// The database connection (`DatabaseReady`).
+    Database,
+    /// The broker connection (`BrokerReady`).
+    Broker,
+}
+
+/// How a Secret key reaches the relay process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// As this environment variable.
+    Env(&'static str),
+    /// As a file at this path; outside a pod the variable names a local copy.
+    File {
+        /// Path inside the pod.
+        path: &'static str,
+        /// Variable naming the file outside a pod.
+        local_env: &'static str,
+    },
+}
+
+/// What the value must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Content {
+    /// A `postgres://` URL or a libpq key=value string.
+    PostgresUrl,
+    /// An `amqp://` or `amqps://` URI.
+    AmqpUrl,
+    /// Any non-empty text (a user name, a password, a PEM file, a creds file).
+    Text,
+}
+
+/// One Secret reference of a relay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SecretSlot {
+    /// The spec field holding the reference (`spec.database.postgres.connectionSecretRef`).
+    pub field: &'static str,
+    /// What it is for.
+    pub purpose: SecretUse,
+    /// The Secret and key.
+    pub reference: SecretKeyRef,
+    /// How the value reaches the relay.
+    pub delivery: Delivery,
+    /// What the value must be.
+    pub content: Content,
+}
+
+impl SecretSlot {
+    /// Checks a value read from the Secret; the message never quotes the value.
+    pub fn check_value(&self, value: &str) -> Result<(), String> {
+        let value = value.trim();
+        if value.is_empty() {
+            return Err(format!(
+                "Secret {} key {} is empty",
+                self.reference.name, self.reference.key
+            ));
+        }
+        let ok = match self.content {
+            Content::PostgresUrl => value.parse::<tokio_postgres::Config>().is_ok(),
+            Content::AmqpUrl => value.starts_with("amqp://") || value.starts_with("amqps://"),
+            Content::Text => true,
+        };
+        if ok {
+            return Ok(());
+        }
+        let wanted = match self.content {
+            Content::PostgresUrl => {
+                "a postgres:// URL or key=value connection string (postgres://user:password@host:5432/db)"
+            }
+            Content::AmqpUrl => "an amqp:// or amqps:// URI",
+            Content::Text => "text",
+        };
+        Err(format!(
+            "Secret {} key {} does not hold {wanted}",
+            self.reference.name, self.reference.key
+        ))
+    }
+
+    /// Reads the value inside a relay pod (or, for files, from the local copy a
+    /// variable names outside one). `env` looks up environment variables.
+    pub fn read(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+        match self.delivery {
+            Delivery::Env(var) => env(var).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
+                format!(
+                    "environment variable {var} is not set or empty: set {var} to the value of Secret {} key {}",
+                    self.reference.name, self.reference.key
+                )
+            }),
+            Delivery::File { path, local_env } => {
+                let path = if std::path::Path::new(path).is_file() {
+                    path.to_owned()
+                } else {
+                    env(local_env).ok_or_else(|| {
+                        format!("{path} is not a file and {local_env} names no local copy")
+                    })?
+                };
+                std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))
+            }
+        }
+    }
+
+    /// The path of a file delivery as the relay should open it: the pod path, or the
+    /// local copy outside a pod. `None` for environment deliveries.
+    pub fn file_path(&self, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+        match self.delivery {
+            Delivery::Env(_) => None,
+            Delivery::File { path, local_env } => Some(
+                if std::path::Path::new(path).is_file() {
+                    Some(path.to_owned())
+                } else {
+                    env(local_env)
+                }
+                .unwrap_or_else(|| path.to_owned()),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(content: Content) -> SecretSlot {
+        SecretSlot {
+            field: "spec.x",
+            purpose: SecretUse::Database,
+            reference: SecretKeyRef {
+                name: "db".into(),
+                key: "uri".into(),
+            },
+            delivery: Delivery::Env(ENV_DATABASE_URL),
+            content,
+        }
+    }
+
+    #[test]
+    fn values_are_checked_without_being_quoted() {
+        let pg = slot(Content::PostgresUrl);
+        assert!(pg.check_value("postgres://u:p@h:5432/d").is_ok());
+        assert!(pg.check_value("host=h user=u").is_ok());
+        let err = pg.check_value("mysql://u:s3cret@h/d").unwrap_err();
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(pg.check_value("  ").is_err());
+        let amqp = slot(Content::AmqpUrl);
+        assert!(amqp.check_value("amqps://u:p@h/v").is_ok());
+        let err = amqp.check_value("http://u:s3cret@h").unwrap_err();
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+}

@@ -1,0 +1,195 @@
+use super::*;
+
+const BASE: &str = r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {postgres: {connectionSecretRef: {name: orders-db}}}
+  mode: {polling: {}}
+  broker: {kafka: {bootstrapServers: "kafka:9092"}}
+"#;
+
+fn relay(yaml: &str) -> OutboxRelay {
+    serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"))
+}
+
+/// BASE with `spec` replaced by the given lines (indented two spaces under spec:).
+fn with_spec(spec: &str) -> OutboxRelay {
+    let head = BASE.split("spec:").next().unwrap_or_default();
+    relay(&format!("{head}spec:\n{spec}"))
+}
+
+fn fields(relay: &OutboxRelay) -> Vec<String> {
+    match parse(relay) {
+        Ok(_) => Vec::new(),
+        Err(p) => p.0.into_iter().map(|p| p.field).collect(),
+    }
+}
+
+#[test]
+fn a_good_spec_parses_with_its_defaults() {
+    let valid = parse(&relay(BASE)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(valid.namespace, "shop");
+    assert_eq!(valid.table.columns.aggregate_id, "aggregateid");
+    assert_eq!(valid.partitions, 4);
+    assert!(valid.per_aggregate);
+    let ValidMode::Polling(p) = &valid.mode else {
+        panic!("not polling")
+    };
+    assert_eq!(p.interval, Duration::from_millis(500));
+    assert_eq!(valid.broker.name(), "kafka");
+    assert_eq!(valid.secrets().len(), 1);
+    assert_eq!(valid.alerting.slot_retained_wal_bytes, 1 << 30);
+}
+
+#[test]
+fn log_tailing_names_its_slot_and_the_resource_carries_it() {
+    let valid = parse(&relay(&BASE.replace("{polling: {}}", "{logTailing: {}}")))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lt = valid.mode.log_tailing().unwrap();
+    assert_eq!(lt.slot, "outbox_shop_orders");
+    assert_eq!(lt.publication, "outbox_shop_orders");
+    let spec_lt = valid.relay().spec.mode.log_tailing.as_ref().unwrap();
+    assert_eq!(spec_lt.slot_name.as_deref(), Some("outbox_shop_orders"));
+    assert_eq!(valid.effective_replicas(), 1);
+}
+
+/// Each case: a spec (lines under `spec:`) and the fields its problems must name.
+/// The API server refuses most of these through the CRD's schema; parse is the same
+/// rule for render, check, the controller and the relay.
+const INVALID: &[(&str, &str, &[&str])] = &[
+    (
+        "sslMode require is not supported yet",
+        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: require}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.postgres.sslMode"],
+    ),
+    (
+        "upper-case publication name",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {publicationName: Orders}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.mode.logTailing.publicationName"],
+    ),
+    (
+        "deadLetter with logTailing",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  failure: {onExhausted: deadLetter}",
+        &["spec.failure.onExhausted"],
+    ),
+    (
+        "both modes",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}, logTailing: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.mode"],
+    ),
+    (
+        "no broker",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {}",
+        &["spec.broker"],
+    ),
+    (
+        "bad identifiers everywhere",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {schema: \"1x\", name: \"orders; drop table x\", columns: {id: \"a-b\", payload: \"p q\"}, headers: [id, \"x\\\"y\"]}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &[
+            "spec.table.schema",
+            "spec.table.name",
+            "spec.table.columns.id",
+            "spec.table.columns.payload",
+            "spec.table.headers[0]",
+            "spec.table.headers[1]",
+        ],
+    ),
+    (
+        "ranges",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
+        &[
+            "spec.mode.polling.batchSize",
+            "spec.ordering.partitions",
+            "spec.replicas",
+            "spec.failure.maxAttempts",
+            "spec.alerting.backlogRows",
+        ],
+    ),
+    (
+        "durations",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {interval: 0s}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  retention: {publishedRows: 5x}\n  alerting: {oldestUnpublishedAge: 0ms, slotRetainedWal: \"0\"}",
+        &[
+            "spec.mode.polling.interval",
+            "spec.retention.publishedRows",
+            "spec.alerting.oldestUnpublishedAge",
+            "spec.alerting.slotRetainedWal",
+        ],
+    ),
+    (
+        "retention shorter than the poll interval",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {interval: 10s}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  retention: {publishedRows: 5s}",
+        &["spec.retention.publishedRows"],
+    ),
+    (
+        "short heartbeat and bad slot name",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {slotName: Bad-Slot, heartbeatInterval: 10ms}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &[
+            "spec.mode.logTailing.slotName",
+            "spec.mode.logTailing.heartbeatInterval",
+        ],
+    ),
+    (
+        "dead-letter table is the outbox table",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  failure: {onExhausted: deadLetter, deadLetterTable: outbox}",
+        &["spec.failure.deadLetterTable"],
+    ),
+    (
+        "default dead-letter table name too long",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {name: a234567890123456789012345678901234567890123456789012345}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  failure: {onExhausted: deadLetter}",
+        &["spec.failure.deadLetterTable"],
+    ),
+    (
+        "kafka: fixed properties and a bad topic",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {kafka: {bootstrapServers: \" \", topic: \"has space\", properties: {acks: \"1\", ssl.ca.location: /x, max.in.flight.requests.per.connection: \"9\"}}}",
+        &[
+            "spec.broker.kafka.bootstrapServers",
+            "spec.broker.kafka.topic",
+            "spec.broker.kafka.properties.acks",
+            "spec.broker.kafka.properties.ssl.ca.location",
+            "spec.broker.kafka.properties.max.in.flight.requests.per.connection",
+        ],
+    ),
+    (
+        "nats: bad url and subject",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"http://n:4222\", subject: \"outbox.>\"}}",
+        &["spec.broker.nats.url", "spec.broker.nats.subject"],
+    ),
+    (
+        "secret references",
+        "  database: {postgres: {connectionSecretRef: {name: Orders_DB, key: \"a b\"}}}\n  mode: {polling: {}}\n  broker: {rabbitmq: {urlSecretRef: {name: \"-mq\"}, routingKey: \"{aggregateType}\"}}",
+        &[
+            "spec.database.postgres.connectionSecretRef.name",
+            "spec.database.postgres.connectionSecretRef.key",
+            "spec.broker.rabbitmq.urlSecretRef.name",
+        ],
+    ),
+];
+
+#[test]
+fn every_problem_of_an_invalid_spec_is_named() {
+    for (what, spec, expected) in INVALID {
+        let relay = with_spec(spec);
+        let found = fields(&relay);
+        for field in *expected {
+            assert!(
+                found.iter().any(|f| f == field),
+                "{what}: {field} not among {found:?}"
+            );
+        }
+        let Err(problems) = parse(&relay) else {
+            panic!("{what}: accepted");
+        };
+        for p in &problems.0 {
+            assert!(!p.fix.is_empty(), "{what}: {p} has no fix");
+        }
+    }
+}
+
+#[test]
+fn a_bad_name_is_a_problem() {
+    let mut r = relay(BASE);
+    r.metadata.name = Some("Orders_Relay".into());
+    assert_eq!(fields(&r), vec!["metadata.name".to_owned()]);
+}
