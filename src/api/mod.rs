@@ -788,6 +788,7 @@ pub struct OutboxRelayStatus {
 #[serde(rename_all = "camelCase")]
 pub struct SlotStatus {
     /// Slot name.
+    #[serde(default)]
     pub name: String,
     /// Publication name.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -18,25 +18,27 @@ use tokio_postgres::Client;
 use tracing::{debug, warn};
 
 use super::Context;
-use super::status::{CONDITION_DATABASE_READY, CONDITION_SLOT_READY, Cond};
-use crate::api::{OutboxRelay, SlotStatus};
+use super::status::Cond;
+use crate::api::OutboxRelay;
 use crate::postgres::admin::SlotPlan;
-use crate::postgres::admin::{self, Backlog, Check, Origin, Owner, Plan, Scope};
+use crate::postgres::admin::{self, Backlog, Check, Facts, Origin, Owner, Plan};
 use crate::postgres::{self, PgError};
 use crate::spec::ValidRelay;
 
-/// What the database says about one relay, for conditions and status.
-pub(super) struct Inspection {
-    /// `DatabaseReady`.
-    pub database: Cond,
-    /// `SlotReady` (log tailing only).
-    pub slot: Option<Cond>,
-    /// Every check passed and the slot and publication exist: the relay may run.
-    pub ready: bool,
-    /// `status.slot`.
-    pub slot_status: Option<SlotStatus>,
-    /// `status.backlogRows` and the oldest age.
-    pub backlog: Option<Backlog>,
+/// What the database looked like to one reconcile.
+#[derive(Clone, Debug)]
+pub(super) enum DatabaseSeen {
+    /// Not looked at: a Secret is missing or holds nothing usable.
+    NotLooked,
+    /// Could not be looked at: a PascalCase reason and a message saying what to check.
+    Unusable {
+        /// Reason for `DatabaseReady=False`.
+        reason: &'static str,
+        /// For people.
+        message: String,
+    },
+    /// Its settings, the role, the table, and the slot and publication of that name.
+    Seen(Box<Facts>),
 }
 
 /// Where the connection URL comes from, for messages (never the URL itself).
@@ -102,7 +104,7 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    async fn get(
+    pub(super) async fn get(
         &self,
         relay: &OutboxRelay,
         url: &str,
@@ -175,7 +177,7 @@ fn database_key(url: &str) -> String {
     format!("{host}:{port}/{db}")
 }
 
-fn owner(relay: &OutboxRelay) -> Owner {
+pub(super) fn owner(relay: &OutboxRelay) -> Owner {
     Owner {
         namespace: relay.namespace().unwrap_or_default(),
         name: relay.name_any(),
@@ -183,7 +185,7 @@ fn owner(relay: &OutboxRelay) -> Owner {
     }
 }
 
-fn cond_of(type_: &'static str, check: &Check) -> Cond {
+pub(super) fn cond_of(type_: &'static str, check: &Check) -> Cond {
     if check.ok {
         Cond::yes(type_, check.reason, check.message.clone())
     } else {
@@ -191,191 +193,80 @@ fn cond_of(type_: &'static str, check: &Check) -> Cond {
     }
 }
 
-/// Connects, checks, provisions (log tailing) and measures. Connection and check
-/// failures are conditions, not errors: the caller creates nothing then.
-pub(super) async fn inspect(
+/// Connects with the URL from the Secret and reads the facts the checks and the
+/// provisioning plan need. Read-only; failures become [`DatabaseSeen::Unusable`].
+pub(super) async fn observe(
     relay: &OutboxRelay,
     valid: &ValidRelay,
+    url: &str,
     ctx: &Context,
-) -> Result<Inspection, kube::Error> {
+) -> DatabaseSeen {
     let plan = Plan::for_relay(valid);
-    let tailing = plan.log_tailing.is_some();
-    let not_ready = |reason: &'static str, message: String| Inspection {
-        database: Cond::no(CONDITION_DATABASE_READY, reason, message.clone()),
-        slot: tailing.then(|| {
-            Cond::no(
-                CONDITION_SLOT_READY,
-                "DatabaseNotReady",
-                format!("not checked: {message}"),
-            )
-        }),
-        ready: false,
-        slot_status: None,
-        backlog: None,
-    };
-    let Some(url) = read_url(relay, ctx).await? else {
-        // check_secrets reported it already; be safe against a race.
-        return Ok(not_ready(
-            "SecretNotFound",
-            format!("{} is missing or empty", secret_name(relay)),
-        ));
-    };
-    let client = match ctx.pools.get(relay, &url).await {
+    let client = match ctx.pools.get(relay, url).await {
         Ok(client) => client,
         Err(PgError::Url { .. }) => {
-            return Ok(not_ready(
-                "InvalidURL",
-                format!(
+            return DatabaseSeen::Unusable {
+                reason: "InvalidURL",
+                message: format!(
                     "{} does not hold a valid postgres:// URL or key=value connection string",
                     secret_name(relay)
                 ),
-            ));
+            };
         }
         Err(err) => {
-            return Ok(not_ready(
-                "ConnectionFailed",
-                format!(
+            return DatabaseSeen::Unusable {
+                reason: "ConnectionFailed",
+                message: format!(
                     "cannot connect to PostgreSQL with the URL in {}: {err}; check the URL, the network path from the operator and pg_hba.conf",
                     secret_name(relay)
                 ),
-            ));
+            };
         }
     };
-    let outcome = inspect_connected(relay, &client, &plan).await;
-    match outcome {
-        Ok(inspection) => {
-            if inspection.ready {
-                scan_orphans(relay, ctx, &client, &url).await;
-            }
-            Ok(inspection)
-        }
-        Err(err) => Ok(not_ready(
-            "QueryFailed",
-            format!("checking the database failed: {err}"),
-        )),
+    match admin::gather(&client, &plan).await {
+        Ok(facts) => DatabaseSeen::Seen(Box::new(facts)),
+        Err(err) => DatabaseSeen::Unusable {
+            reason: "QueryFailed",
+            message: format!("checking the database failed: {err}"),
+        },
     }
 }
 
-async fn inspect_connected(
+/// Runs the provisioning the decision planned, on a pooled connection (the URL is read
+/// from the Secret again rather than carried around).
+pub(super) async fn provision(
     relay: &OutboxRelay,
-    client: &Client,
-    plan: &Plan,
-) -> Result<Inspection, PgError> {
-    let facts = admin::gather(client, plan).await?;
-    let checks = admin::evaluate(plan, &facts);
-    let database = admin::first_failure(&checks, Scope::Database).map_or_else(
-        || {
-            let summary = checks
-                .iter()
-                .filter(|c| c.scope == Scope::Database)
-                .map(|c| c.message.as_str())
-                .collect::<Vec<_>>()
-                .join("; ");
-            Cond::yes(CONDITION_DATABASE_READY, "ChecksPassed", summary)
-        },
-        |c| cond_of(CONDITION_DATABASE_READY, c),
-    );
-    let Some(lt) = &plan.log_tailing else {
-        let backlog = if database.status {
-            measure_backlog(client, plan).await
-        } else {
-            None
-        };
-        return Ok(Inspection {
-            ready: database.status,
-            database,
-            slot: None,
-            slot_status: None,
-            backlog,
-        });
-    };
-    if !database.status {
-        return Ok(Inspection {
-            database,
-            slot: Some(Cond::no(
-                CONDITION_SLOT_READY,
-                "DatabaseNotReady",
-                "the slot and publication are created once DatabaseReady is True",
-            )),
-            ready: false,
-            slot_status: None,
-            backlog: None,
-        });
+    actions: &[crate::postgres::provision::Action],
+    ctx: &Context,
+) -> Result<(), String> {
+    if actions.is_empty() {
+        return Ok(());
     }
-    if let Some(failed) = admin::first_failure(&checks, Scope::Slot) {
-        return Ok(Inspection {
-            database,
-            slot: Some(cond_of(CONDITION_SLOT_READY, failed)),
-            ready: false,
-            slot_status: None,
-            backlog: None,
-        });
-    }
-    let provisioned = match admin::provision(client, plan, &owner(relay)).await {
-        Ok(p) => p,
-        Err(err) => {
-            return Ok(Inspection {
-                database,
-                slot: Some(Cond::no(
-                    CONDITION_SLOT_READY,
-                    "SlotCreationFailed",
-                    format!(
-                        "creating slot {} or publication {} failed: {err}",
-                        lt.slot, lt.publication
-                    ),
-                )),
-                ready: false,
-                slot_status: None,
-                backlog: None,
-            });
-        }
-    };
-    let describe = |o: Option<Origin>| match o {
-        Some(Origin::Created) => "created by the operator, dropped with the OutboxRelay",
-        Some(Origin::Adopted) => "existed before, kept when the OutboxRelay is deleted",
-        None => "carries another comment, kept when the OutboxRelay is deleted",
-    };
-    let stats = admin::slot_state(client, &lt.slot).await?;
-    let active = stats.as_ref().is_some_and(|s| s.active);
-    let slot = Cond::yes(
-        CONDITION_SLOT_READY,
-        "SlotReady",
-        format!(
-            "replication slot {} ({}) and publication {} ({}) exist; {}",
-            lt.slot,
-            describe(provisioned.slot),
-            lt.publication,
-            describe(provisioned.publication),
-            if active {
-                "a relay streams the slot"
-            } else {
-                "no relay streams the slot yet"
-            }
-        ),
-    );
-    let slot_status = Some(SlotStatus {
-        name: lt.slot.clone(),
-        publication: Some(lt.publication.clone()),
-        confirmed_flush_lsn: stats.as_ref().and_then(|s| s.confirmed_flush_lsn.clone()),
-        retained_wal_bytes: stats.as_ref().map(|s| s.retained_wal_bytes),
-        wal_status: stats
-            .as_ref()
-            .map(|s| s.wal_status.clone())
-            .filter(|w| !w.is_empty()),
-        active: stats.as_ref().map(|s| s.active),
-    });
-    Ok(Inspection {
-        database,
-        slot: Some(slot),
-        ready: true,
-        slot_status,
-        backlog: measure_backlog(client, plan).await,
-    })
+    let url = read_url(relay, ctx)
+        .await
+        .map_err(|e| format!("reading {}: {e}", secret_name(relay)))?
+        .ok_or_else(|| format!("{} is missing or empty", secret_name(relay)))?;
+    let client = ctx
+        .pools
+        .get(relay, &url)
+        .await
+        .map_err(|e| e.to_string())?;
+    crate::postgres::provision::execute(&client, actions)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The connection URL from the Secret, for the figures task.
+pub(super) async fn url_of(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> Result<Option<String>, kube::Error> {
+    read_url(relay, ctx).await
 }
 
 /// The backlog, or `None` when it cannot be measured cheaply right now (a statement
 /// timeout on a huge table): status then leaves it out rather than blocking.
-async fn measure_backlog(client: &Client, plan: &Plan) -> Option<Backlog> {
+pub(super) async fn measure_backlog(client: &Client, plan: &Plan) -> Option<Backlog> {
     match admin::backlog(client, plan).await {
         Ok(backlog) => backlog,
         Err(err) => {
@@ -438,7 +329,7 @@ impl Orphans {
 /// whichever of its relays comes first: every relay scanning on every refresh would
 /// cost one API read per marked publication per relay, quadratic in the relays sharing
 /// a database.
-async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Client, url: &str) {
+pub(super) async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Client, url: &str) {
     let key = database_key(url);
     if !ctx
         .orphans

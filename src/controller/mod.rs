@@ -1,15 +1,21 @@
 //! The operator: watches OutboxRelays (one namespace or all), reconciles each into its
 //! child objects and status, and does so only while it holds the leader Lease.
 //!
-//! The pipeline of one reconcile (see `reconcile.rs`): validate and build (pure,
-//! `crate::resources`) → check the referenced Secrets (reads) → check the database and,
-//! for log tailing, create or adopt the slot and publication (`database.rs`) → apply
-//! the children with server-side apply and delete the ones no longer built (writes) →
-//! update status (conditions, backlog, slot). The finalizer stops a log-tailing relay
-//! and then drops the slot and publication the operator created.
+//! One reconcile is a pipeline (`reconcile.rs`): parse the spec once
+//! (`crate::spec::parse`) and build the children (pure, `crate::resources`) → observe
+//! the Secrets, the database and the children (`observe.rs`, reads only) → decide
+//! (`decide.rs`, a pure function: conditions, the SQL to run, whether to apply) → apply
+//! (the planned SQL, then the children with server-side apply, pruning the ones no
+//! longer built) → status (conditions and the slot's name). The figures in status
+//! (backlog, oldest age, slot lag) are sampled apart, by `figures.rs`, while this
+//! replica holds the Lease. The finalizer stops a log-tailing relay and then drops the
+//! slot and publication the operator created.
 
 mod database;
+mod decide;
+mod figures;
 mod metrics;
+mod observe;
 mod reconcile;
 mod status;
 
@@ -209,8 +215,6 @@ pub(crate) struct Context {
     orphans: database::Orphans,
     /// Database connections for checks and status.
     pools: database::Pools,
-    /// When each relay's measured figures were last written (by uid).
-    figures_written: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
     /// What was last applied for each relay (by uid), so a status refresh with nothing
     /// changed does not re-apply and re-list every child.
     applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,
@@ -331,7 +335,6 @@ pub async fn run(
         watch_namespace: args.namespace.clone(),
         orphans: database::Orphans::default(),
         pools: database::Pools::default(),
-        figures_written: std::sync::Mutex::new(std::collections::HashMap::new()),
         applied: std::sync::Mutex::new(std::collections::HashMap::new()),
         monitoring: std::sync::Mutex::new(None),
         in_flight: AtomicUsize::new(0),
@@ -445,31 +448,36 @@ async fn run_controller(
     let client = &ctx.client;
     let children =
         watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
-    Controller::new(
+    let controller = Controller::new(
         scoped::<OutboxRelay>(client, namespace),
         watcher::Config::default(),
-    )
-    .owns(scoped::<ConfigMap>(client, namespace), children.clone())
-    .owns(scoped::<Deployment>(client, namespace), children.clone())
-    .owns(scoped::<Service>(client, namespace), children.clone())
-    .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
-    .with_config(kube::runtime::controller::Config::default().concurrency(concurrency.max(1)))
-    .graceful_shutdown_on(stop)
-    .run(
-        |relay, ctx| async move {
-            let _counted = InFlight::enter(&ctx.in_flight);
-            reconcile::reconcile(relay, ctx.clone()).await
-        },
-        reconcile::error_policy,
-        ctx.clone(),
-    )
-    .for_each(|result| async move {
-        if let Err(err) = result {
-            // Reconcile errors are logged by error_policy; these are watch/queue errors.
-            tracing::debug!(error = %err, "controller event");
-        }
-    })
-    .await;
+    );
+    // The figures task reads the relays from the controller's own cache and lives as
+    // long as this leadership term.
+    let figures = tokio::spawn(figures::run(ctx.clone(), controller.store()));
+    controller
+        .owns(scoped::<ConfigMap>(client, namespace), children.clone())
+        .owns(scoped::<Deployment>(client, namespace), children.clone())
+        .owns(scoped::<Service>(client, namespace), children.clone())
+        .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
+        .with_config(kube::runtime::controller::Config::default().concurrency(concurrency.max(1)))
+        .graceful_shutdown_on(stop)
+        .run(
+            |relay, ctx| async move {
+                let _counted = InFlight::enter(&ctx.in_flight);
+                reconcile::reconcile(relay, ctx.clone()).await
+            },
+            reconcile::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                // Reconcile errors are logged by error_policy; these are watch/queue errors.
+                tracing::debug!(error = %err, "controller event");
+            }
+        })
+        .await;
+    figures.abort();
 }
 
 impl Context {

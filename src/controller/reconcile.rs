@@ -1,13 +1,12 @@
 //! One reconcile of one OutboxRelay: finalizer, validate and build, check Secrets, apply
 //! the children, delete the ones no longer built, write status and Events.
 
-use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
@@ -23,20 +22,14 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::database::{self, Cleanup};
-use super::status::{
-    CONDITION_BROKER_READY, CONDITION_DATABASE_READY, CONDITION_DEGRADED,
-    CONDITION_MONITORING_READY, CONDITION_READY, Cond, differs, figures_differ, find, merge,
-};
+use super::status::{CONDITION_READY, Cond, differs, find, merge};
 use super::{Context, Error, FINALIZER};
+use super::{decide, observe};
 use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
-use crate::postgres::admin::{Backlog, human_age};
 use crate::resources::{
-    Desired, FIELD_MANAGER, MONITORING_API_VERSION, PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL,
-    SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL, build, children_selector, relay_object_name,
-    selector_labels,
+    Desired, FIELD_MANAGER, PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND,
+    SERVICE_MONITOR_PLURAL, build, children_selector, relay_object_name, selector_labels,
 };
-use crate::spec::ValidRelay;
-use crate::spec::secrets::SecretUse;
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
 /// (that would cache every Secret's data in the operator), so this bounds the delay
@@ -46,8 +39,6 @@ const SECRET_RETRY: Duration = Duration::from_secs(15);
 const ERROR_RETRY: Duration = Duration::from_secs(15);
 /// How soon the finalizer looks again while the relay's pods are still stopping.
 const CLEANUP_POLL: Duration = Duration::from_secs(2);
-/// How long the answer to "are the Prometheus Operator's CRDs served?" is reused.
-const MONITORING_LOOKUP_TTL: Duration = Duration::from_secs(15);
 
 /// The controller's reconcile function: everything runs inside the finalizer helper.
 pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -97,263 +88,43 @@ pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Con
     Action::requeue(ERROR_RETRY)
 }
 
+/// One reconcile as a pipeline: parse → observe (reads only) → decide (pure) → apply
+/// (the SQL the decision planned, then the children) → status.
 async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
-    // While the database cannot be looked at (Secret missing, database unreachable, spec
-    // invalid), status keeps showing the slot as last seen: the finalizer reads it to
-    // tell a slot left behind from one never created, and a slot does not vanish
-    // because its Secret did or because the spec was edited into something invalid.
     let last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
-
-    // Parse once: every rule, every problem, before anything is read or created.
-    let valid = match crate::spec::parse(relay) {
-        Ok(valid) => valid,
-        Err(problems) => {
-            // A spec the schema let through but that cannot run: say so and change
-            // nothing else; the next edit of the spec triggers a new reconcile.
-            invalid_spec(relay, ctx, &problems.0, last_slot).await?;
-            return Ok(Action::await_change());
-        }
+    let parsed = crate::spec::parse(relay);
+    let built = match &parsed {
+        Ok(valid) => Some(build(valid, &ctx.options)?),
+        Err(_) => None,
     };
-    let desired = build(&valid, &ctx.options)?;
-    let last_slot = last_slot.filter(|_| valid.mode.log_tailing().is_some());
-
-    let secrets = check_secrets(&valid, ctx).await?;
-    if !secrets.problems.is_empty() {
-        // A Secret holds a value the relay could not use: as bad as a bad spec, but
-        // Secrets are not watched, so look again soon.
-        invalid_spec(relay, ctx, &secrets.problems, last_slot).await?;
-        return Ok(Action::requeue(SECRET_RETRY));
-    }
-    let (database, broker) = (secrets.database, secrets.broker);
-    let secrets_ok = database.status && broker.status;
-    if !secrets_ok {
-        // Pods started now would crash-loop on the missing variable or volume; create
-        // nothing and delete nothing (a Secret being rotated must not stop a running
-        // relay), and look again soon.
-        let problem = if database.status { &broker } else { &database };
-        let conditions = vec![
-            Cond::no(CONDITION_READY, problem.reason, problem.message.clone()),
-            Cond::yes(CONDITION_DEGRADED, problem.reason, problem.message.clone()),
-            database,
-            broker,
-        ];
-        let figures = Figures {
-            backlog: None,
-            slot: last_slot,
-        };
-        update_status(relay, ctx, conditions, figures).await?;
-        return Ok(Action::requeue(SECRET_RETRY));
-    }
-
-    // The database checks (and, for log tailing, the slot and publication) come before
-    // any child: nothing is half-created when they fail. A Deployment that already runs
-    // is left as it is — a database that is briefly unreachable must not stop it.
-    let inspection = database::inspect(relay, &valid, ctx).await?;
-    let database = inspection.database;
-    let slot_cond = inspection.slot;
-    let figures = Figures {
-        backlog: inspection.backlog,
-        slot: inspection.slot_status,
+    let observed = match (&parsed, &built) {
+        (Ok(valid), Some(desired)) => Some(observe::observe(relay, valid, desired, ctx).await?),
+        _ => None,
     };
-    let refresh = ctx.status_interval.min(ctx.resync);
-    if !inspection.ready {
-        let problem = if database.status {
-            slot_cond.as_ref().unwrap_or(&database)
-        } else {
-            &database
-        };
-        let mut conditions = vec![
-            Cond::no(CONDITION_READY, problem.reason, problem.message.clone()),
-            Cond::yes(CONDITION_DEGRADED, problem.reason, problem.message.clone()),
-            database.clone(),
-            broker,
-        ];
-        conditions.extend(slot_cond);
-        let figures = Figures {
-            slot: figures.slot.or(last_slot),
-            ..figures
-        };
-        update_status(relay, ctx, conditions, figures).await?;
-        return Ok(Action::requeue(refresh));
-    }
-
-    let monitoring = monitoring_available(ctx).await?;
-    let deployment = apply_if_changed(relay, ctx, &desired, monitoring).await?;
-
-    let wanted = valid.effective_replicas();
-    let available = deployment
-        .status
-        .as_ref()
-        .and_then(|s| s.available_replicas)
-        .unwrap_or(0);
-    let ready = if wanted == 0 {
-        Cond::no(
-            CONDITION_READY,
-            "ScaledToZero",
-            "spec.replicas is 0: no relay runs and nothing is published",
-        )
-    } else if available > 0 {
-        Cond::yes(
-            CONDITION_READY,
-            "RelayAvailable",
-            format!("{available} of {wanted} relay pods available"),
-        )
-    } else {
-        Cond::no(
-            CONDITION_READY,
-            "RelayUnavailable",
-            format!(
-                "0 of {wanted} relay pods available (Deployment {})",
-                deployment.name_any()
-            ),
-        )
-    };
-    let monitoring_cond = if monitoring {
-        let what = if desired.prometheus_rule.is_some() {
-            "ServiceMonitor and PrometheusRule applied"
-        } else {
-            "ServiceMonitor applied; alerting is disabled in spec.alerting"
-        };
-        Cond::yes(CONDITION_MONITORING_READY, "Applied", what)
-    } else {
-        Cond::no(
-            CONDITION_MONITORING_READY,
-            "PrometheusOperatorNotInstalled",
-            format!(
-                "the {MONITORING_API_VERSION} ServiceMonitor and PrometheusRule CRDs are not installed: no scrape config or alerts were created (`outbox-operator render` prints them)"
-            ),
-        )
-    };
-    let mut conditions = vec![
-        ready,
-        Cond::no(
-            CONDITION_DEGRADED,
-            "AsExpected",
-            "the relay runs as specified",
-        ),
-        database,
-        broker,
-        monitoring_cond,
-    ];
-    conditions.extend(slot_cond);
-    update_status(relay, ctx, conditions, figures).await?;
-    // Soon again: status tracks the backlog and the slot's lag.
-    Ok(Action::requeue(refresh))
-}
-
-/// `Ready=False, reason=InvalidSpec` listing every problem; status keeps the slot it
-/// showed, and nothing else changes.
-async fn invalid_spec(
-    relay: &OutboxRelay,
-    ctx: &Context,
-    problems: &[crate::spec::Problem],
-    last_slot: Option<SlotStatus>,
-) -> Result<(), Error> {
-    let list = problems
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ");
-    let message = format!(
-        "{} problem{} in the spec; nothing was created or changed: {list}",
-        problems.len(),
-        if problems.len() == 1 { "" } else { "s" }
+    let owner = database::owner(relay);
+    let mut decision = decide::decide(
+        parsed.as_ref(),
+        &owner,
+        last_slot.as_ref(),
+        observed.as_ref(),
     );
-    let conditions = vec![
-        Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
-        Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
-    ];
-    let figures = Figures {
-        backlog: None,
-        slot: last_slot,
-    };
-    update_status(relay, ctx, conditions, figures).await
-}
 
-/// What the referenced Secrets say.
-struct SecretCheck {
-    /// `DatabaseReady` as far as its Secret goes.
-    database: Cond,
-    /// `BrokerReady` as far as its Secrets go.
-    broker: Cond,
-    /// Keys that exist but hold nothing the relay can use, or are missing from a Secret
-    /// that exists, as spec problems.
-    problems: Vec<crate::spec::Problem>,
-}
-
-/// Checks every Secret key the pods need: a missing Secret is a condition (it may be
-/// created any moment, e.g. by a GitOps tool in another order); a Secret without the
-/// key, or with a value the relay could not use, is a spec problem. Only names and keys
-/// are reported, never values.
-async fn check_secrets(valid: &ValidRelay, ctx: &Context) -> Result<SecretCheck, Error> {
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &valid.namespace);
-    let mut database = Cond::yes(
-        CONDITION_DATABASE_READY,
-        "SecretFound",
-        format!(
-            "Secret {} has key {}; the database is checked once the broker Secrets exist too",
-            valid.connection.name, valid.connection.key
-        ),
-    );
-    let mut broker = Cond::yes(
-        CONDITION_BROKER_READY,
-        "SecretsFound",
-        "every Secret the broker connection needs exists; the relay checks the connection itself",
-    );
-    let mut problems = Vec::new();
-    for slot in valid.secrets() {
-        let reference = &slot.reference;
-        let Some(secret) = secrets.get_opt(&reference.name).await? else {
-            let cond = match slot.purpose {
-                SecretUse::Database => &mut database,
-                SecretUse::Broker => &mut broker,
-            };
-            // Report the first missing Secret per condition; creating it reveals the next.
-            if cond.status {
-                *cond = Cond::no(
-                    cond.type_,
-                    "SecretNotFound",
-                    format!(
-                        "Secret {} not found in namespace {}; create it with key {}",
-                        reference.name, valid.namespace, reference.key
-                    ),
-                );
-            }
-            continue;
-        };
-        let value = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(&reference.key))
-            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
-            .or_else(|| {
-                secret
-                    .string_data
-                    .as_ref()
-                    .and_then(|d| d.get(&reference.key).cloned())
-            });
-        let outcome = match value {
-            None => Err(format!(
-                "Secret {} has no key {}",
-                reference.name, reference.key
-            )),
-            Some(value) => slot.check_value(&value),
-        };
-        if let Err(message) = outcome {
-            problems.push(crate::spec::Problem {
-                field: slot.field.to_owned(),
-                message,
-                fix: format!(
-                    "put the value under key {} of Secret {}, or point {}.key at the key that holds it",
-                    reference.key, reference.name, slot.field
-                ),
-            });
-        }
+    // Apply: the database objects first, so nothing is half-created when they fail;
+    // then the children.
+    if let Err(err) = database::provision(relay, &decision.provision, ctx).await {
+        warn!(relay = %relay.name_any(), error = %err, "creating the slot or publication failed");
+        decision = decide::provisioning_failed(decision, last_slot.as_ref(), &err);
     }
-    Ok(SecretCheck {
-        database,
-        broker,
-        problems,
+    if decision.apply_children
+        && let (Some(desired), Some(observed)) = (&built, &observed)
+    {
+        apply_if_changed(relay, ctx, desired, observed).await?;
+    }
+    update_status(relay, ctx, decision.conditions, decision.slot).await?;
+    Ok(match decision.next {
+        decide::Next::AwaitChange => Action::await_change(),
+        decide::Next::SecretRetry => Action::requeue(SECRET_RETRY),
+        decide::Next::Refresh => Action::requeue(ctx.status_interval.min(ctx.resync)),
     })
 }
 
@@ -362,35 +133,6 @@ fn monitoring_resource(kind: &str, plural: &str) -> ApiResource {
         &GroupVersionKind::gvk("monitoring.coreos.com", "v1", kind),
         plural,
     )
-}
-
-/// Whether the Prometheus operator's ServiceMonitor and PrometheusRule kinds are served.
-async fn monitoring_available(ctx: &Context) -> Result<bool, Error> {
-    let cached = *ctx
-        .monitoring
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some((served, at)) = cached
-        && at.elapsed() < MONITORING_LOOKUP_TTL
-    {
-        return Ok(served);
-    }
-    let served = match ctx
-        .client
-        .list_api_group_resources(MONITORING_API_VERSION)
-        .await
-    {
-        Ok(list) => {
-            let served: BTreeSet<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
-            served.contains(SERVICE_MONITOR_PLURAL) && served.contains(PROMETHEUS_RULE_PLURAL)
-        }
-        Err(kube::Error::Api(status)) if status.code == 404 => false,
-        Err(err) => return Err(err.into()),
-    };
-    *ctx.monitoring
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((served, Instant::now()));
-    Ok(served)
 }
 
 /// What was last applied for one relay.
@@ -404,8 +146,6 @@ pub(super) struct Applied {
     service_version: Option<String>,
     /// When.
     at: Instant,
-    /// The Deployment as the apply returned it.
-    deployment: Deployment,
 }
 
 /// A hash of the desired children as they would be sent.
@@ -440,55 +180,38 @@ async fn apply_if_changed(
     relay: &OutboxRelay,
     ctx: &Context,
     desired: &Desired,
-    monitoring: bool,
-) -> Result<Deployment, Error> {
+    observed: &observe::Observed,
+) -> Result<(), Error> {
     let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
+    let monitoring = observed.monitoring;
     let fingerprint = fingerprint(desired, monitoring);
-    let known = ctx
+    let seen = &observed.children;
+    let up_to_date = ctx
         .applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .get(&uid)
-        .filter(|a| a.fingerprint == fingerprint && a.at.elapsed() < ctx.resync)
-        .map(|a| {
-            (
-                a.deployment_generation,
-                a.config_map_version.clone(),
-                a.service_version.clone(),
-            )
+        .is_some_and(|a| {
+            a.fingerprint == fingerprint
+                && a.at.elapsed() < ctx.resync
+                && seen.config_map_version.is_some()
+                && seen.config_map_version == a.config_map_version
+                && seen.service_version.is_some()
+                && seen.service_version == a.service_version
+                && seen
+                    .deployment
+                    .as_ref()
+                    .is_some_and(|d| d.metadata.generation == a.deployment_generation)
         });
-    if let Some((generation, config_map_version, service_version)) = known {
-        let namespace = relay.namespace().unwrap_or_default();
-        let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
-        let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &namespace);
-        let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
-        let names = (
-            desired.deployment.name_any(),
-            desired.config_map.name_any(),
-            desired.service.name_any(),
-        );
-        let (deployment, config_map, service) = futures::try_join!(
-            deployments.get_opt(&names.0),
-            config_maps.get_metadata_opt(&names.1),
-            services.get_metadata_opt(&names.2),
-        )?;
-        let as_left = config_map.is_some_and(|c| c.metadata.resource_version == config_map_version)
-            && service.is_some_and(|s| s.metadata.resource_version == service_version);
-        if as_left
-            && let Some(current) = deployment
-            && current.metadata.generation == generation
-            && current.metadata.deletion_timestamp.is_none()
-        {
-            return Ok(current);
-        }
+    if up_to_date {
+        return Ok(());
     }
     let applied = apply_children(relay, ctx, desired, monitoring, fingerprint).await?;
-    let deployment = applied.deployment.clone();
     ctx.applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .insert(uid, applied);
-    Ok(deployment)
+    Ok(())
 }
 
 /// Applies every desired child (whose hash is `fingerprint`), deletes the children no
@@ -593,7 +316,6 @@ async fn apply_children(
         config_map_version: config_map.metadata.resource_version,
         service_version: service.metadata.resource_version,
         at: Instant::now(),
-        deployment,
     })
 }
 
@@ -655,24 +377,17 @@ where
     Ok(())
 }
 
-/// What the controller measured in the database for status.
-#[derive(Debug, Default)]
-pub(super) struct Figures {
-    /// Backlog rows and oldest age.
-    pub backlog: Option<Backlog>,
-    /// The slot (log tailing).
-    pub slot: Option<SlotStatus>,
-}
-
-/// Writes status when conditions changed (ignoring timestamps), or when only the
-/// measured figures changed and they were last written at least half a status interval
-/// ago (they move constantly while rows flow, and every write wakes the watch), and
-/// records an Event when the `Ready` condition changed its status or reason.
+/// Writes the fields of status a reconcile decides — observed generation, conditions,
+/// mode, broker and the slot's and publication's names — when one of them changed
+/// (ignoring timestamps), and records an Event when the `Ready` condition changed its
+/// status or reason. The measured figures (backlog, oldest age, slot lag) are the
+/// figures task's, under a field manager of its own (`figures.rs`); this apply never
+/// names them, so server-side apply leaves them alone.
 async fn update_status(
     relay: &OutboxRelay,
     ctx: &Context,
     conditions: Vec<Cond>,
-    figures: Figures,
+    slot: Option<SlotStatus>,
 ) -> Result<(), Error> {
     let current = relay.status.as_ref();
     let generation = relay.metadata.generation;
@@ -682,42 +397,26 @@ async fn update_status(
         generation,
         Timestamp::now(),
     );
-    // No waiting row: age 0. Rows waiting without a created-at column: unknown (left
-    // out). Tenths of a second: finer figures would only make writes.
-    let age = figures.backlog.and_then(|b| {
-        if b.rows == 0 {
-            Some(0.0)
-        } else {
-            b.oldest_age_seconds.map(|a| (a * 10.0).round() / 10.0)
-        }
-    });
     let desired = OutboxRelayStatus {
         observed_generation: generation,
         conditions: merged,
         mode: relay.spec.mode.get().map(|m| m.name().to_owned()),
         broker: relay.spec.broker.get().map(|b| b.name().to_owned()),
-        backlog_rows: figures.backlog.map(|b| b.rows),
-        oldest_unpublished_age_seconds: age,
-        oldest_unpublished_age: age.map(human_age),
-        slot: figures.slot,
-        partitions: None,
+        slot: slot.map(|s| SlotStatus {
+            name: s.name,
+            publication: s.publication,
+            ..SlotStatus::default()
+        }),
+        ..OutboxRelayStatus::default()
     };
     let event = ready_transition(current, &conditions);
-    let uid = relay.uid().unwrap_or_default();
-    let figures_due = figures_differ(current, &desired) && {
-        let written = ctx
-            .figures_written
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        written
-            .get(&uid)
-            .is_none_or(|at| at.elapsed() >= ctx.status_interval / 2)
+    let slot_names = |s: Option<&OutboxRelayStatus>| {
+        s.and_then(|s| s.slot.as_ref())
+            .map(|s| (s.name.clone(), s.publication.clone()))
     };
-    if differs(current, &desired) || figures_due {
+    if differs(current, &desired) || slot_names(current) != slot_names(Some(&desired)) {
         let namespace = relay.namespace().unwrap_or_default();
         let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
-        // Every status field is the controller's; absent figures are left out, so
-        // server-side apply removes what they said before.
         let patch = json!({
             "apiVersion": OutboxRelay::api_version(&()),
             "kind": OutboxRelay::kind(&()),
@@ -730,10 +429,6 @@ async fn update_status(
             &Patch::Apply(&patch),
         )
         .await?;
-        ctx.figures_written
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(uid, Instant::now());
     }
     if let Some((type_, reason, note)) = event {
         publish(relay, ctx, type_, reason, note).await;
@@ -810,10 +505,6 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     }
     // Forget the relay's bookkeeping.
     if let Some(uid) = relay.uid() {
-        ctx.figures_written
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&uid);
         ctx.applied
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

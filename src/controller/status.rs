@@ -94,17 +94,6 @@ pub fn differs(current: Option<&OutboxRelayStatus>, desired: &OutboxRelayStatus)
         || normalized(&current.conditions) != normalized(&desired.conditions)
 }
 
-/// Whether the measured figures (backlog, oldest age, slot) changed. They move all the
-/// time while rows flow, so they are written at most once per status interval.
-pub fn figures_differ(current: Option<&OutboxRelayStatus>, desired: &OutboxRelayStatus) -> bool {
-    let empty = OutboxRelayStatus::default();
-    let current = current.unwrap_or(&empty);
-    current.backlog_rows != desired.backlog_rows
-        || current.oldest_unpublished_age != desired.oldest_unpublished_age
-        || current.oldest_unpublished_age_seconds != desired.oldest_unpublished_age_seconds
-        || current.slot != desired.slot
-}
-
 fn normalized(conditions: &[Condition]) -> Vec<(String, String, String, String, Option<i64>)> {
     let mut list: Vec<_> = conditions
         .iter()
@@ -154,24 +143,6 @@ mod tests {
         let old = merge(&[], &[Cond::yes(CONDITION_READY, "A", "")], None, at(100));
         let new = merge(&old, &[Cond::no(CONDITION_READY, "B", "")], None, at(200));
         assert_eq!(new[0].last_transition_time, Time(at(200)));
-    }
-
-    #[test]
-    fn figures_are_a_change_of_their_own() {
-        let a = OutboxRelayStatus {
-            backlog_rows: Some(3),
-            ..OutboxRelayStatus::default()
-        };
-        let b = OutboxRelayStatus {
-            backlog_rows: Some(4),
-            ..OutboxRelayStatus::default()
-        };
-        assert!(figures_differ(Some(&a), &b));
-        assert!(
-            !differs(Some(&a), &b),
-            "figures alone are not a condition change"
-        );
-        assert!(!figures_differ(Some(&a), &a.clone()));
     }
 
     #[test]

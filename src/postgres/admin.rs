@@ -702,120 +702,21 @@ pub fn first_failure(checks: &[Check], scope: Scope) -> Option<&Check> {
 // Create or adopt
 
 /// What [`provision`] found or made.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Provisioned {
-    /// Who made the publication (`None`: it carries someone else's comment).
-    pub publication: Option<Origin>,
-    /// Who made the slot (`None`: unrecorded, see the module documentation).
-    pub slot: Option<Origin>,
-}
+pub use super::provision::Provisioned;
 
 /// Creates the publication and the slot when missing, adopting what exists, and records
-/// what it created in the publication's comment. Call it only after [`evaluate`] found
-/// no failure. Idempotent.
+/// what it created in the publication's comment: reads the facts, plans
+/// ([`super::provision::plan`], pure) and carries the plan out. Call it only after
+/// [`evaluate`] found no failure. Idempotent.
 pub async fn provision(
     client: &Client,
     plan: &Plan,
     owner: &Owner,
 ) -> Result<Provisioned, PgError> {
-    let Some(lt) = &plan.log_tailing else {
-        return Ok(Provisioned {
-            publication: None,
-            slot: None,
-        });
-    };
-    let existing = read_publication(client, &lt.publication, plan).await?;
-    let previous = existing
-        .as_ref()
-        .and_then(|p| p.comment.as_deref())
-        .and_then(Marker::from_comment);
-    let foreign_comment = existing
-        .as_ref()
-        .is_some_and(|p| p.comment.is_some() && previous.is_none());
-    let slot_exists = client
-        .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-            &[&lt.slot],
-        )
-        .await
-        .map_err(db("looking up the replication slot"))?
-        .is_some();
-    // A marker of the same namespace/name (this relay, or an earlier one of that name
-    // whose cleanup could not run) is taken over with its facts.
-    let inherited = previous
-        .as_ref()
-        .filter(|m| m.owner.namespace == owner.namespace && m.owner.name == owner.name)
-        .filter(|m| m.slot == lt.slot);
-    let publication_origin = match (&existing, inherited) {
-        (None, _) => Origin::Created,
-        (Some(_), Some(m)) => m.publication,
-        (Some(_), None) => Origin::Adopted,
-    };
-    let slot_origin = match inherited {
-        Some(m) if m.slot_origin == Origin::Created => Origin::Created,
-        _ if slot_exists => Origin::Adopted,
-        _ => Origin::Created,
-    };
-    let marker = Marker {
-        owner: owner.clone(),
-        slot: lt.slot.clone(),
-        publication: publication_origin,
-        slot_origin,
-    };
-    if existing.is_none() {
-        // Publication and marker in one transaction: never an unmarked publication.
-        let sql = format!(
-            "BEGIN; {}; {}; COMMIT",
-            create_publication_sql(&lt.publication, &plan.schema, &plan.table),
-            comment_sql(&lt.publication, Some(&marker.to_comment()))
-        );
-        match client.batch_execute(&sql).await {
-            Ok(()) => {}
-            Err(e) if e.code() == Some(&SqlState::DUPLICATE_OBJECT) => {
-                let _ = client.batch_execute("ROLLBACK").await;
-                return Err(PgError::Replication(format!(
-                    "publication {} was created concurrently by someone else; retrying",
-                    lt.publication
-                )));
-            }
-            Err(source) => {
-                let _ = client.batch_execute("ROLLBACK").await;
-                return Err(PgError::Db {
-                    what: "creating the publication",
-                    source,
-                });
-            }
-        }
-    } else if !foreign_comment && previous.as_ref() != Some(&marker) {
-        client
-            .batch_execute(&comment_sql(&lt.publication, Some(&marker.to_comment())))
-            .await
-            .map_err(db("marking the publication"))?;
-    }
-    if !slot_exists {
-        // Its own statement outside any transaction that wrote: PostgreSQL refuses to
-        // create a logical slot otherwise.
-        let created = client
-            .query_one(
-                "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&lt.slot],
-            )
-            .await;
-        match created {
-            Ok(_) => {}
-            Err(e) if e.code() == Some(&SqlState::DUPLICATE_OBJECT) => {}
-            Err(source) => {
-                return Err(PgError::Db {
-                    what: "creating the replication slot",
-                    source,
-                });
-            }
-        }
-    }
-    Ok(Provisioned {
-        publication: (!foreign_comment).then_some(publication_origin),
-        slot: (!foreign_comment).then_some(slot_origin),
-    })
+    let facts = gather(client, plan).await?;
+    let planned = super::provision::plan(plan, owner, &facts);
+    super::provision::execute(client, &planned.actions).await?;
+    Ok(planned.outcome)
 }
 
 /// The slot's and publication's presence, for a relay that must not create them.

@@ -26,6 +26,7 @@
 //! ```
 
 pub mod admin;
+pub mod provision;
 pub mod replication;
 
 use std::collections::BTreeSet;

@@ -1,0 +1,342 @@
+//! The decide step of a reconcile: a pure function from the parsed spec and what was
+//! observed to the conditions, the SQL to run, whether to apply the children, the slot
+//! status shows, and when to look again. No client, no clock: tested as a table.
+
+use super::database::DatabaseSeen;
+use super::observe::Observed;
+use super::status::{
+    CONDITION_DATABASE_READY, CONDITION_DEGRADED, CONDITION_MONITORING_READY, CONDITION_READY,
+    CONDITION_SLOT_READY, Cond,
+};
+use crate::api::SlotStatus;
+use crate::postgres::admin::{self, Origin, Owner, Plan, Scope};
+use crate::postgres::provision::{self, Action};
+use crate::resources::MONITORING_API_VERSION;
+use crate::spec::{Problem, Problems, ValidRelay};
+
+/// When to reconcile again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Only when the resource or a child changes (the spec must change).
+    AwaitChange,
+    /// Soon: Secrets are not watched.
+    SecretRetry,
+    /// After the status interval: the database is checked again.
+    Refresh,
+}
+
+/// What one reconcile should make true.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Decision {
+    /// The conditions status shows.
+    pub conditions: Vec<Cond>,
+    /// SQL to run before any child is applied (log tailing's publication and slot).
+    pub provision: Vec<Action>,
+    /// Apply the children (all checks passed).
+    pub apply_children: bool,
+    /// The slot and publication status names (`None`: none).
+    pub slot: Option<SlotStatus>,
+    /// When to look again.
+    pub next: Next,
+}
+
+/// Decides for a relay: `parsed` is the spec's parse, `owner` who the database objects
+/// are marked for, `last_slot` the slot status showed so far, `observed` what the
+/// observe step read (`None` when the spec did not parse and nothing was read).
+pub(super) fn decide(
+    parsed: Result<&ValidRelay, &Problems>,
+    owner: &Owner,
+    last_slot: Option<&SlotStatus>,
+    observed: Option<&Observed>,
+) -> Decision {
+    let valid = match (parsed, observed) {
+        (Ok(valid), Some(observed)) => (valid, observed),
+        (Err(problems), _) => return invalid(&problems.0, last_slot.cloned(), Next::AwaitChange),
+        (Ok(_), None) => {
+            return not_ready(
+                "NotObserved",
+                "the relay has not been looked at yet".to_owned(),
+                Vec::new(),
+                last_slot.cloned(),
+                Next::Refresh,
+            );
+        }
+    };
+    let (valid, observed) = valid;
+    let tailing = valid.mode.log_tailing().is_some();
+    // While the database cannot be looked at, status keeps the slot as last seen: the
+    // finalizer reads it, and a slot does not vanish because its Secret did. After a
+    // switch to polling it stays too, so deleting the relay still drops it.
+    let kept_slot = last_slot.cloned();
+    let secrets = &observed.secrets;
+    if !secrets.problems.is_empty() {
+        return invalid(&secrets.problems, kept_slot, Next::SecretRetry);
+    }
+    if !(secrets.database.status && secrets.broker.status) {
+        // Pods started now would crash-loop on the missing variable or volume: create
+        // nothing, delete nothing (a Secret being rotated must not stop a running
+        // relay), and look again soon.
+        let problem = if secrets.database.status {
+            &secrets.broker
+        } else {
+            &secrets.database
+        };
+        return Decision {
+            conditions: vec![
+                Cond::no(CONDITION_READY, problem.reason, problem.message.clone()),
+                Cond::yes(CONDITION_DEGRADED, problem.reason, problem.message.clone()),
+                secrets.database.clone(),
+                secrets.broker.clone(),
+            ],
+            provision: Vec::new(),
+            apply_children: false,
+            slot: kept_slot,
+            next: Next::SecretRetry,
+        };
+    }
+    let facts = match &observed.database {
+        DatabaseSeen::Seen(facts) => facts,
+        DatabaseSeen::Unusable { reason, message } => {
+            let mut conds = vec![
+                Cond::no(CONDITION_DATABASE_READY, reason, message.clone()),
+                secrets.broker.clone(),
+            ];
+            if tailing {
+                conds.push(Cond::no(
+                    CONDITION_SLOT_READY,
+                    "DatabaseNotReady",
+                    format!("not checked: {message}"),
+                ));
+            }
+            return not_ready(reason, message.clone(), conds, kept_slot, Next::Refresh);
+        }
+        DatabaseSeen::NotLooked => {
+            return not_ready(
+                "NotChecked",
+                "the database was not looked at".to_owned(),
+                vec![secrets.broker.clone()],
+                kept_slot,
+                Next::Refresh,
+            );
+        }
+    };
+
+    // The database checks, then (log tailing) the slot checks: nothing is created and
+    // no child applied until both pass. A Deployment that already runs is left alone.
+    let plan = Plan::for_relay(valid);
+    let checks = admin::evaluate(&plan, facts);
+    let database = admin::first_failure(&checks, Scope::Database).map_or_else(
+        || {
+            let summary = checks
+                .iter()
+                .filter(|c| c.scope == Scope::Database)
+                .map(|c| c.message.as_str())
+                .collect::<Vec<_>>()
+                .join("; ");
+            Cond::yes(CONDITION_DATABASE_READY, "ChecksPassed", summary)
+        },
+        |c| super::database::cond_of(CONDITION_DATABASE_READY, c),
+    );
+    if !database.status {
+        let mut conds = vec![database.clone(), secrets.broker.clone()];
+        if tailing {
+            conds.push(Cond::no(
+                CONDITION_SLOT_READY,
+                "DatabaseNotReady",
+                "the slot and publication are created once DatabaseReady is True",
+            ));
+        }
+        return not_ready(
+            database.reason,
+            database.message,
+            conds,
+            kept_slot,
+            Next::Refresh,
+        );
+    }
+    let mut slot_cond = None;
+    let slot;
+    let mut actions = Vec::new();
+    if let Some(lt) = &plan.log_tailing {
+        if let Some(failed) = admin::first_failure(&checks, Scope::Slot) {
+            let cond = super::database::cond_of(CONDITION_SLOT_READY, failed);
+            let conds = vec![database.clone(), secrets.broker.clone(), cond.clone()];
+            return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
+        }
+        let planned = provision::plan(&plan, owner, facts);
+        let describe = |o: Option<Origin>| match o {
+            Some(Origin::Created) => "created by the operator, dropped with the OutboxRelay",
+            Some(Origin::Adopted) => "existed before, kept when the OutboxRelay is deleted",
+            None => "carries another comment, kept when the OutboxRelay is deleted",
+        };
+        slot_cond = Some(Cond::yes(
+            CONDITION_SLOT_READY,
+            "SlotReady",
+            format!(
+                "replication slot {} ({}) and publication {} ({}) exist",
+                lt.slot,
+                describe(planned.outcome.slot),
+                lt.publication,
+                describe(planned.outcome.publication),
+            ),
+        ));
+        slot = Some(SlotStatus {
+            name: lt.slot.clone(),
+            publication: Some(lt.publication.clone()),
+            ..SlotStatus::default()
+        });
+        actions = planned.actions;
+    } else {
+        slot = kept_slot;
+    }
+
+    let wanted = valid.effective_replicas();
+    let available = observed
+        .children
+        .deployment
+        .as_ref()
+        .and_then(|d| d.status.as_ref())
+        .and_then(|s| s.available_replicas)
+        .unwrap_or(0);
+    let ready = if wanted == 0 {
+        Cond::no(
+            CONDITION_READY,
+            "ScaledToZero",
+            "spec.replicas is 0: no relay runs and nothing is published",
+        )
+    } else if available > 0 {
+        Cond::yes(
+            CONDITION_READY,
+            "RelayAvailable",
+            format!("{available} of {wanted} relay pods available"),
+        )
+    } else {
+        Cond::no(
+            CONDITION_READY,
+            "RelayUnavailable",
+            format!(
+                "0 of {wanted} relay pods available (Deployment {}-relay)",
+                valid.name
+            ),
+        )
+    };
+    let monitoring = if observed.monitoring {
+        let what = if valid.alerting.enabled {
+            "ServiceMonitor and PrometheusRule applied"
+        } else {
+            "ServiceMonitor applied; alerting is disabled in spec.alerting"
+        };
+        Cond::yes(CONDITION_MONITORING_READY, "Applied", what)
+    } else {
+        Cond::no(
+            CONDITION_MONITORING_READY,
+            "PrometheusOperatorNotInstalled",
+            format!(
+                "the {MONITORING_API_VERSION} ServiceMonitor and PrometheusRule CRDs are not installed: no scrape config or alerts were created (`outbox-operator render` prints them)"
+            ),
+        )
+    };
+    let mut conditions = vec![
+        ready,
+        Cond::no(
+            CONDITION_DEGRADED,
+            "AsExpected",
+            "the relay runs as specified",
+        ),
+        database,
+        secrets.broker.clone(),
+        monitoring,
+    ];
+    conditions.extend(slot_cond);
+    Decision {
+        conditions,
+        provision: actions,
+        apply_children: true,
+        slot,
+        next: Next::Refresh,
+    }
+}
+
+/// The decision after the planned SQL failed: nothing else is applied, and status says
+/// why; the slot is shown as before.
+pub(super) fn provisioning_failed(
+    decision: Decision,
+    last_slot: Option<&SlotStatus>,
+    error: &str,
+) -> Decision {
+    let message = format!("creating the replication slot or publication failed: {error}");
+    let mut conditions: Vec<Cond> = decision
+        .conditions
+        .into_iter()
+        .filter(|c| ![CONDITION_READY, CONDITION_DEGRADED, CONDITION_SLOT_READY].contains(&c.type_))
+        .collect();
+    conditions.insert(
+        0,
+        Cond::no(CONDITION_READY, "SlotCreationFailed", message.clone()),
+    );
+    conditions.insert(
+        1,
+        Cond::yes(CONDITION_DEGRADED, "SlotCreationFailed", message.clone()),
+    );
+    conditions.push(Cond::no(
+        CONDITION_SLOT_READY,
+        "SlotCreationFailed",
+        message,
+    ));
+    Decision {
+        conditions,
+        provision: Vec::new(),
+        apply_children: false,
+        slot: last_slot.cloned(),
+        next: Next::Refresh,
+    }
+}
+
+/// `Ready=False, reason=InvalidSpec` listing every problem; nothing is changed.
+fn invalid(problems: &[Problem], slot: Option<SlotStatus>, next: Next) -> Decision {
+    let list = problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    let message = format!(
+        "{} problem{} in the spec; nothing was created or changed: {list}",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    );
+    Decision {
+        conditions: vec![
+            Cond::no(CONDITION_READY, "InvalidSpec", message.clone()),
+            Cond::yes(CONDITION_DEGRADED, "InvalidSpec", message),
+        ],
+        provision: Vec::new(),
+        apply_children: false,
+        slot,
+        next,
+    }
+}
+
+/// Ready=False and Degraded=True for `reason`, plus `conds`; nothing is changed.
+fn not_ready(
+    reason: &'static str,
+    message: String,
+    conds: Vec<Cond>,
+    slot: Option<SlotStatus>,
+    next: Next,
+) -> Decision {
+    let mut conditions = vec![
+        Cond::no(CONDITION_READY, reason, message.clone()),
+        Cond::yes(CONDITION_DEGRADED, reason, message),
+    ];
+    conditions.extend(conds);
+    Decision {
+        conditions,
+        provision: Vec::new(),
+        apply_children: false,
+        slot,
+        next,
+    }
+}
+
+#[cfg(test)]
+mod tests;

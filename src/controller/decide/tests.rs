@@ -1,0 +1,324 @@
+//! The decide step as a table: observation in, decision out, no client.
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
+
+use super::*;
+use crate::api::OutboxRelay;
+use crate::controller::observe::{ChildrenSeen, SecretsSeen};
+use crate::controller::status::CONDITION_BROKER_READY;
+use crate::postgres::admin::{Facts, PublicationFacts, ServerFacts, SlotFacts, TableFacts};
+use crate::spec::parse;
+
+fn relay(mode: &str, replicas: i32) -> OutboxRelay {
+    serde_yaml::from_str(&format!(
+        "apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {{name: orders, namespace: shop, uid: u1}}
+spec:
+  database: {{postgres: {{connectionSecretRef: {{name: db}}}}}}
+  mode: {{{mode}: {{}}}}
+  broker: {{nats: {{url: \"nats://n:4222\"}}}}
+  replicas: {replicas}
+"
+    ))
+    .unwrap()
+}
+
+fn owner() -> Owner {
+    Owner {
+        namespace: "shop".into(),
+        name: "orders".into(),
+        uid: "u1".into(),
+    }
+}
+
+fn secrets_ok() -> SecretsSeen {
+    SecretsSeen {
+        database: Cond::yes(CONDITION_DATABASE_READY, "SecretFound", ""),
+        broker: Cond::yes(CONDITION_BROKER_READY, "SecretsFound", ""),
+        problems: Vec::new(),
+    }
+}
+
+fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> DatabaseSeen {
+    let columns = [
+        "id",
+        "aggregatetype",
+        "aggregateid",
+        "type",
+        "payload",
+        "created_at",
+        "published_at",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    DatabaseSeen::Seen(Box::new(Facts {
+        server: ServerFacts {
+            wal_level: wal_level.into(),
+            max_replication_slots: 10,
+            slots_in_use: 1,
+            max_wal_senders: 10,
+            replication: true,
+            superuser: false,
+            user: "app".into(),
+            database: "shop".into(),
+            can_create: true,
+        },
+        table: TableFacts {
+            exists: true,
+            columns,
+            owned: true,
+            missing_privileges: Vec::new(),
+        },
+        slot: slot.then(|| SlotFacts {
+            database: Some("shop".into()),
+            plugin: Some("pgoutput".into()),
+            slot_type: "logical".into(),
+        }),
+        publication: publication.map(|comment| PublicationFacts {
+            publishes_insert: true,
+            has_table: true,
+            comment,
+        }),
+    }))
+}
+
+fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Observed {
+    Observed {
+        secrets,
+        database,
+        children: ChildrenSeen {
+            deployment: (available >= 0).then(|| Deployment {
+                status: Some(DeploymentStatus {
+                    available_replicas: Some(available),
+                    ..DeploymentStatus::default()
+                }),
+                ..Deployment::default()
+            }),
+            ..ChildrenSeen::default()
+        },
+        monitoring: false,
+    }
+}
+
+fn slot_status(name: &str) -> SlotStatus {
+    SlotStatus {
+        name: name.into(),
+        publication: Some(name.into()),
+        ..SlotStatus::default()
+    }
+}
+
+fn ready(d: &Decision) -> (&str, &str) {
+    let c = d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_READY)
+        .unwrap();
+    (if c.status { "True" } else { "False" }, c.reason)
+}
+
+fn run(r: &OutboxRelay, last: Option<&SlotStatus>, o: Option<&Observed>) -> Decision {
+    let parsed = parse(r);
+    decide(parsed.as_ref(), &owner(), last, o)
+}
+
+/// The marker a publication carries once the operator created it and the slot.
+fn our_marker() -> String {
+    crate::postgres::admin::Marker {
+        owner: owner(),
+        slot: "outbox_shop_orders".into(),
+        publication: Origin::Created,
+        slot_origin: Origin::Created,
+    }
+    .to_comment()
+}
+
+#[test]
+fn create_provisions_publication_then_slot_before_any_child() {
+    let o = observed(secrets_ok(), facts("logical", None, false), -1);
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(
+        matches!(d.provision[0], Action::CreatePublication { .. }),
+        "{d:?}"
+    );
+    assert!(matches!(d.provision[1], Action::CreateSlot { .. }), "{d:?}");
+    assert!(d.apply_children);
+    assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
+    assert_eq!(ready(&d), ("False", "RelayUnavailable"));
+    assert_eq!(d.next, Next::Refresh);
+}
+
+#[test]
+fn update_with_everything_in_place_runs_no_sql_and_reports_ready() {
+    let o = observed(
+        secrets_ok(),
+        facts("logical", Some(Some(our_marker())), true),
+        1,
+    );
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(d.provision.is_empty(), "{:?}", d.provision);
+    assert!(d.apply_children);
+    assert_eq!(ready(&d), ("True", "RelayAvailable"));
+}
+
+#[test]
+fn wal_level_replica_creates_nothing() {
+    let o = observed(secrets_ok(), facts("replica", None, false), -1);
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(d.provision.is_empty() && !d.apply_children);
+    let slot = d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_SLOT_READY)
+        .unwrap();
+    assert!(
+        !slot.status && slot.message.contains("wal_level"),
+        "{slot:?}"
+    );
+}
+
+#[test]
+fn an_invalid_spec_changes_nothing_and_keeps_the_slot_shown() {
+    let mut r = relay("logTailing", 1);
+    r.spec.ordering.partitions = 0;
+    let last = slot_status("outbox_shop_orders");
+    let d = run(&r, Some(&last), None);
+    assert_eq!(ready(&d), ("False", "InvalidSpec"));
+    assert!(d.provision.is_empty() && !d.apply_children);
+    assert_eq!(d.slot, Some(last));
+    assert_eq!(d.next, Next::AwaitChange);
+}
+
+#[test]
+fn a_missing_secret_waits_and_keeps_the_slot() {
+    let mut secrets = secrets_ok();
+    secrets.database = Cond::no(
+        CONDITION_DATABASE_READY,
+        "SecretNotFound",
+        "Secret db not found",
+    );
+    let o = observed(secrets, DatabaseSeen::NotLooked, 1);
+    let last = slot_status("outbox_shop_orders");
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert_eq!(ready(&d), ("False", "SecretNotFound"));
+    assert!(!d.apply_children);
+    assert_eq!(d.slot, Some(last));
+    assert_eq!(d.next, Next::SecretRetry);
+}
+
+#[test]
+fn an_unusable_secret_value_is_an_invalid_spec_retried_soon() {
+    let mut secrets = secrets_ok();
+    secrets.problems.push(Problem {
+        field: "spec.database.postgres.connectionSecretRef".into(),
+        message: "Secret db has no key uri".into(),
+        fix: "add it".into(),
+    });
+    let o = observed(secrets, DatabaseSeen::NotLooked, 1);
+    let d = run(&relay("polling", 2), None, Some(&o));
+    assert_eq!(ready(&d), ("False", "InvalidSpec"));
+    assert_eq!(d.next, Next::SecretRetry);
+}
+
+#[test]
+fn an_unreachable_database_leaves_the_running_relay_alone() {
+    let unreachable = DatabaseSeen::Unusable {
+        reason: "ConnectionFailed",
+        message: "cannot connect".into(),
+    };
+    let o = observed(secrets_ok(), unreachable, 1);
+    let last = slot_status("outbox_shop_orders");
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert_eq!(ready(&d), ("False", "ConnectionFailed"));
+    assert!(!d.apply_children && d.provision.is_empty());
+    assert_eq!(d.slot, Some(last), "the slot stays shown for the finalizer");
+}
+
+#[test]
+fn polling_needs_no_sql_and_reports_its_pods() {
+    let o = observed(secrets_ok(), facts("replica", None, false), 2);
+    let d = run(&relay("polling", 2), None, Some(&o));
+    assert!(d.provision.is_empty() && d.apply_children);
+    assert_eq!(ready(&d), ("True", "RelayAvailable"));
+    assert_eq!(d.slot, None);
+}
+
+#[test]
+fn a_switch_to_polling_keeps_the_old_slot_shown_so_delete_drops_it() {
+    let o = observed(secrets_ok(), facts("logical", None, false), 2);
+    let last = slot_status("outbox_shop_orders");
+    let d = run(&relay("polling", 2), Some(&last), Some(&o));
+    assert!(d.apply_children);
+    assert_eq!(d.slot, Some(last));
+}
+
+#[test]
+fn a_renamed_relay_adopts_what_the_old_name_left_and_marks_it_adopted() {
+    // The publication was made for another relay (the old name): the new one uses it
+    // but records it as adopted, so deleting the new one never drops it.
+    let old = crate::postgres::admin::Marker {
+        owner: Owner {
+            name: "old-orders".into(),
+            ..owner()
+        },
+        slot: "outbox_shop_orders".into(),
+        publication: Origin::Created,
+        slot_origin: Origin::Created,
+    };
+    let o = observed(
+        secrets_ok(),
+        facts("logical", Some(Some(old.to_comment())), true),
+        1,
+    );
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    let Action::MarkPublication { sql } = &d.provision[0] else {
+        panic!("{d:?}");
+    };
+    assert!(sql.contains("\"publication\":\"adopted\""), "{sql}");
+    assert!(sql.contains("\"slotOrigin\":\"adopted\""), "{sql}");
+}
+
+#[test]
+fn scaled_to_zero_is_not_ready_on_purpose() {
+    let o = observed(secrets_ok(), facts("logical", None, false), 0);
+    let d = run(&relay("polling", 0), None, Some(&o));
+    assert_eq!(ready(&d), ("False", "ScaledToZero"));
+    assert!(d.apply_children);
+}
+
+#[test]
+fn failed_provisioning_applies_nothing_and_says_why() {
+    let o = observed(secrets_ok(), facts("logical", None, false), -1);
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    let failed = provisioning_failed(d, None, "permission denied");
+    assert_eq!(ready(&failed), ("False", "SlotCreationFailed"));
+    assert!(!failed.apply_children && failed.provision.is_empty());
+    assert_eq!(failed.slot, None);
+}
+
+#[test]
+fn delete_drops_the_slot_status_shows_or_the_one_the_spec_names() {
+    use crate::controller::database::cleanup_target;
+    // Log tailing without status yet: the spec's names.
+    let fresh = relay("logTailing", 1);
+    assert_eq!(
+        cleanup_target(&fresh).map(|t| t.slot),
+        Some("outbox_shop_orders".to_owned())
+    );
+    // Polling that once tailed: the slot status still shows.
+    let mut switched = relay("polling", 2);
+    switched.status = Some(crate::api::OutboxRelayStatus {
+        slot: Some(slot_status("outbox_shop_orders")),
+        ..Default::default()
+    });
+    assert_eq!(
+        cleanup_target(&switched).map(|t| t.publication),
+        Some("outbox_shop_orders".to_owned())
+    );
+    // Polling that never tailed, and a spec that never parsed: nothing to drop.
+    assert!(cleanup_target(&relay("polling", 2)).is_none());
+    let mut invalid = relay("polling", 2);
+    invalid.spec.ordering.partitions = 0;
+    assert!(cleanup_target(&invalid).is_none());
+}

@@ -1,0 +1,257 @@
+//! Status figures apart from reconcile: a task, run only while this replica holds the
+//! Lease, that samples every relay's backlog, oldest unpublished age and slot lag on its
+//! own timer and patches status only when a figure changed. Reconcile never waits on
+//! it, and it writes under a field manager of its own, so the two never remove each
+//! other's fields. It also runs the orphaned-slot scan, at most once per database per
+//! six intervals.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use kube::{Api, Resource, ResourceExt};
+use serde_json::{Map, Value, json};
+use tracing::debug;
+
+use super::Context;
+use super::database;
+use super::status::{CONDITION_DATABASE_READY, find};
+use crate::api::{OutboxRelay, OutboxRelayStatus};
+use crate::postgres::admin::{self, Backlog, Plan, human_age};
+use crate::postgres::replication::SlotStats;
+
+/// The field manager of the figures in status.
+pub const FIGURES_MANAGER: &str = "outbox-operator-figures";
+/// Relays sampled at the same time (each holds a pooled connection while it runs).
+const CONCURRENCY: usize = 8;
+
+/// Samples every relay in `store` each status interval until dropped (the caller aborts
+/// it when the controller stops, e.g. on losing the Lease).
+pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
+    let mut tick = tokio::time::interval(ctx.status_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !*ctx.leader.borrow() {
+            continue;
+        }
+        futures::stream::iter(store.state())
+            .for_each_concurrent(CONCURRENCY, |relay| {
+                let ctx = ctx.clone();
+                async move {
+                    let sampled =
+                        tokio::time::timeout(Duration::from_secs(30), sample(&relay, &ctx)).await;
+                    if sampled.is_err() {
+                        debug!(relay = %relay.name_any(), "sampling status figures timed out");
+                    }
+                }
+            })
+            .await;
+    }
+}
+
+/// The figures of one relay, as status shows them.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Figures {
+    backlog: Option<Backlog>,
+    slot: Option<SlotStats>,
+}
+
+async fn sample(relay: &OutboxRelay, ctx: &Context) {
+    if relay.meta().deletion_timestamp.is_some() {
+        return;
+    }
+    // Only relays whose database checks passed: the others' status says why there is
+    // nothing to measure.
+    let checked =
+        find(relay.status.as_ref(), CONDITION_DATABASE_READY).is_some_and(|c| c.status == "True");
+    let Ok(valid) = crate::spec::parse(relay) else {
+        return;
+    };
+    if !checked {
+        return;
+    }
+    let Ok(Some(url)) = database::url_of(relay, ctx).await else {
+        return;
+    };
+    let client = match ctx.pools.get(relay, &url).await {
+        Ok(client) => client,
+        Err(err) => {
+            debug!(relay = %relay.name_any(), error = %err, "cannot connect to sample status figures");
+            return;
+        }
+    };
+    let plan = Plan::for_relay(&valid);
+    let backlog = database::measure_backlog(&client, &plan).await;
+    let slot_name = relay
+        .status
+        .as_ref()
+        .and_then(|s| s.slot.as_ref())
+        .map(|s| s.name.clone())
+        .filter(|n| !n.is_empty());
+    let slot = match slot_name {
+        Some(name) => admin::slot_state(&client, &name).await.ok().flatten(),
+        None => None,
+    };
+    database::scan_orphans(relay, ctx, &client, &url).await;
+    let figures = Figures { backlog, slot };
+    let patch = status_patch(&figures);
+    if patch == current_patch(relay.status.as_ref()) {
+        return;
+    }
+    let api: Api<OutboxRelay> =
+        Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
+    let body = json!({
+        "apiVersion": OutboxRelay::api_version(&()),
+        "kind": OutboxRelay::kind(&()),
+        "status": patch,
+    });
+    ctx.metrics.wrote();
+    if let Err(err) = api
+        .patch_status(
+            &relay.name_any(),
+            &PatchParams::apply(FIGURES_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        debug!(relay = %relay.name_any(), error = %err, "writing status figures failed");
+    }
+}
+
+/// The status fields this task owns, from the figures. No waiting row: age 0. Rows
+/// waiting without a created-at column: unknown (left out). Tenths of a second: finer
+/// figures would only make writes. A figure it cannot tell is left out, so server-side
+/// apply removes what it said before.
+fn status_patch(figures: &Figures) -> Value {
+    let mut status = Map::new();
+    if let Some(b) = figures.backlog {
+        status.insert("backlogRows".into(), json!(b.rows));
+        let age = if b.rows == 0 {
+            Some(0.0)
+        } else {
+            b.oldest_age_seconds.map(|a| (a * 10.0).round() / 10.0)
+        };
+        if let Some(age) = age {
+            status.insert("oldestUnpublishedAgeSeconds".into(), json!(age));
+            status.insert("oldestUnpublishedAge".into(), json!(human_age(age)));
+        }
+    }
+    if let Some(s) = &figures.slot {
+        let mut slot = Map::new();
+        if let Some(lsn) = &s.confirmed_flush_lsn {
+            slot.insert("confirmedFlushLsn".into(), json!(lsn));
+        }
+        slot.insert("retainedWalBytes".into(), json!(s.retained_wal_bytes));
+        if !s.wal_status.is_empty() {
+            slot.insert("walStatus".into(), json!(s.wal_status));
+        }
+        slot.insert("active".into(), json!(s.active));
+        status.insert("slot".into(), Value::Object(slot));
+    }
+    Value::Object(status)
+}
+
+/// The same fields as status shows them now, for comparison.
+fn current_patch(status: Option<&OutboxRelayStatus>) -> Value {
+    let Some(status) = status else {
+        return Value::Object(Map::new());
+    };
+    let mut out = Map::new();
+    if let Some(rows) = status.backlog_rows {
+        out.insert("backlogRows".into(), json!(rows));
+    }
+    if let Some(age) = status.oldest_unpublished_age_seconds {
+        out.insert("oldestUnpublishedAgeSeconds".into(), json!(age));
+    }
+    if let Some(age) = &status.oldest_unpublished_age {
+        out.insert("oldestUnpublishedAge".into(), json!(age));
+    }
+    if let Some(s) = &status.slot {
+        let mut slot = Map::new();
+        if let Some(lsn) = &s.confirmed_flush_lsn {
+            slot.insert("confirmedFlushLsn".into(), json!(lsn));
+        }
+        if let Some(bytes) = s.retained_wal_bytes {
+            slot.insert("retainedWalBytes".into(), json!(bytes));
+        }
+        if let Some(w) = &s.wal_status {
+            slot.insert("walStatus".into(), json!(w));
+        }
+        if let Some(a) = s.active {
+            slot.insert("active".into(), json!(a));
+        }
+        if !slot.is_empty() {
+            out.insert("slot".into(), Value::Object(slot));
+        }
+    }
+    Value::Object(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::SlotStatus;
+
+    #[test]
+    fn figures_round_trip_so_an_unchanged_sample_writes_nothing() {
+        let figures = Figures {
+            backlog: Some(Backlog {
+                rows: 12,
+                oldest_age_seconds: Some(4.04),
+            }),
+            slot: Some(SlotStats {
+                active: true,
+                confirmed_flush_lsn: Some("0/1A2B3C".into()),
+                retained_wal_bytes: 8192,
+                wal_status: "reserved".into(),
+            }),
+        };
+        let patch = status_patch(&figures);
+        let status = OutboxRelayStatus {
+            backlog_rows: Some(12),
+            oldest_unpublished_age_seconds: Some(4.0),
+            oldest_unpublished_age: Some("4s".into()),
+            slot: Some(SlotStatus {
+                name: "s".into(),
+                publication: Some("s".into()),
+                confirmed_flush_lsn: Some("0/1A2B3C".into()),
+                retained_wal_bytes: Some(8192),
+                wal_status: Some("reserved".into()),
+                active: Some(true),
+            }),
+            ..OutboxRelayStatus::default()
+        };
+        assert_eq!(patch, current_patch(Some(&status)));
+        let more = Figures {
+            backlog: Some(Backlog {
+                rows: 13,
+                oldest_age_seconds: Some(4.04),
+            }),
+            ..figures
+        };
+        assert_ne!(status_patch(&more), current_patch(Some(&status)));
+    }
+
+    #[test]
+    fn an_empty_backlog_is_age_zero_and_no_created_at_is_no_age() {
+        let empty = status_patch(&Figures {
+            backlog: Some(Backlog {
+                rows: 0,
+                oldest_age_seconds: None,
+            }),
+            slot: None,
+        });
+        assert_eq!(empty["oldestUnpublishedAge"], "0s");
+        let unknown = status_patch(&Figures {
+            backlog: Some(Backlog {
+                rows: 5,
+                oldest_age_seconds: None,
+            }),
+            slot: None,
+        });
+        assert!(unknown.get("oldestUnpublishedAge").is_none());
+    }
+}

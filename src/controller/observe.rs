@@ -1,0 +1,222 @@
+//! The observe step of a reconcile: everything the decision needs, read and never
+//! written — the referenced Secrets, the database's facts (settings, table, slot and
+//! publication), the relay's children as the API server has them, and whether the
+//! Prometheus Operator's kinds are served.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use kube::{Api, ResourceExt};
+
+use super::database::{self, DatabaseSeen};
+use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
+use super::{Context, Error};
+use crate::api::OutboxRelay;
+use crate::resources::{
+    Desired, MONITORING_API_VERSION, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_PLURAL,
+};
+use crate::spec::secrets::SecretUse;
+use crate::spec::{Problem, ValidRelay};
+
+/// How long the answer to "are the Prometheus Operator's CRDs served?" is reused.
+const MONITORING_LOOKUP_TTL: Duration = Duration::from_secs(15);
+
+/// What the referenced Secrets say.
+#[derive(Clone, Debug)]
+pub(super) struct SecretsSeen {
+    /// `DatabaseReady` as far as its Secret goes.
+    pub database: Cond,
+    /// `BrokerReady` as far as its Secrets go.
+    pub broker: Cond,
+    /// Keys missing from a Secret that exists, or values the relay could not use.
+    pub problems: Vec<Problem>,
+}
+
+/// The relay's children as the API server has them.
+#[derive(Clone, Debug, Default)]
+pub(super) struct ChildrenSeen {
+    /// The Deployment (with its status).
+    pub deployment: Option<Deployment>,
+    /// The ConfigMap's `resourceVersion`.
+    pub config_map_version: Option<String>,
+    /// The Service's `resourceVersion`.
+    pub service_version: Option<String>,
+}
+
+/// Everything one reconcile looked at.
+#[derive(Clone, Debug)]
+pub(super) struct Observed {
+    /// The Secrets.
+    pub secrets: SecretsSeen,
+    /// The database (not looked at while a Secret is missing or unusable).
+    pub database: DatabaseSeen,
+    /// The children.
+    pub children: ChildrenSeen,
+    /// ServiceMonitor and PrometheusRule are served.
+    pub monitoring: bool,
+}
+
+/// Reads everything a parsed relay's decision needs. Writes nothing.
+pub(super) async fn observe(
+    relay: &OutboxRelay,
+    valid: &ValidRelay,
+    desired: &Desired,
+    ctx: &Context,
+) -> Result<Observed, Error> {
+    let (secrets, url) = secrets(valid, ctx).await?;
+    let database = match url {
+        Some(url) if secrets.problems.is_empty() => {
+            database::observe(relay, valid, &url, ctx).await
+        }
+        _ => DatabaseSeen::NotLooked,
+    };
+    let children = children(relay, desired, ctx).await?;
+    let monitoring = monitoring_available(ctx).await?;
+    Ok(Observed {
+        secrets,
+        database,
+        children,
+        monitoring,
+    })
+}
+
+/// Reads every Secret key the pods need: a missing Secret is a condition (it may be
+/// created any moment, e.g. by a GitOps tool in another order); a Secret without the
+/// key, or with a value the relay could not use, is a spec problem. Returns the
+/// database URL when it could be read. Only names and keys are reported, never values.
+async fn secrets(
+    valid: &ValidRelay,
+    ctx: &Context,
+) -> Result<(SecretsSeen, Option<String>), Error> {
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &valid.namespace);
+    let mut seen = SecretsSeen {
+        database: Cond::yes(
+            CONDITION_DATABASE_READY,
+            "SecretFound",
+            format!(
+                "Secret {} has key {}; the database is checked once the broker Secrets exist too",
+                valid.connection.name, valid.connection.key
+            ),
+        ),
+        broker: Cond::yes(
+            CONDITION_BROKER_READY,
+            "SecretsFound",
+            "every Secret the broker connection needs exists; the relay checks the connection itself",
+        ),
+        problems: Vec::new(),
+    };
+    let mut url = None;
+    for slot in valid.secrets() {
+        let reference = &slot.reference;
+        let Some(secret) = api.get_opt(&reference.name).await? else {
+            let cond = match slot.purpose {
+                SecretUse::Database => &mut seen.database,
+                SecretUse::Broker => &mut seen.broker,
+            };
+            // The first missing Secret per condition; creating it reveals the next.
+            if cond.status {
+                *cond = Cond::no(
+                    cond.type_,
+                    "SecretNotFound",
+                    format!(
+                        "Secret {} not found in namespace {}; create it with key {}",
+                        reference.name, valid.namespace, reference.key
+                    ),
+                );
+            }
+            continue;
+        };
+        let value = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&reference.key))
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+            .or_else(|| {
+                secret
+                    .string_data
+                    .as_ref()
+                    .and_then(|d| d.get(&reference.key).cloned())
+            });
+        let checked = match value {
+            None => Err(format!(
+                "Secret {} has no key {}",
+                reference.name, reference.key
+            )),
+            Some(value) => slot.check_value(&value).map(|()| value),
+        };
+        match checked {
+            Ok(value) => {
+                if slot.purpose == SecretUse::Database {
+                    url = Some(value.trim().to_owned());
+                }
+            }
+            Err(message) => seen.problems.push(Problem {
+                field: slot.field.to_owned(),
+                message,
+                fix: format!(
+                    "put the value under key {} of Secret {}, or point {}.key at the key that holds it",
+                    reference.key, reference.name, slot.field
+                ),
+            }),
+        }
+    }
+    Ok((seen, url))
+}
+
+/// The Deployment (with its status) and the ConfigMap's and Service's versions.
+async fn children(
+    relay: &OutboxRelay,
+    desired: &Desired,
+    ctx: &Context,
+) -> Result<ChildrenSeen, Error> {
+    let namespace = relay.namespace().unwrap_or_default();
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &namespace);
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
+    let names = (
+        desired.deployment.name_any(),
+        desired.config_map.name_any(),
+        desired.service.name_any(),
+    );
+    let (deployment, config_map, service) = futures::try_join!(
+        deployments.get_opt(&names.0),
+        config_maps.get_metadata_opt(&names.1),
+        services.get_metadata_opt(&names.2),
+    )?;
+    Ok(ChildrenSeen {
+        deployment: deployment.filter(|d| d.metadata.deletion_timestamp.is_none()),
+        config_map_version: config_map.and_then(|c| c.metadata.resource_version),
+        service_version: service.and_then(|s| s.metadata.resource_version),
+    })
+}
+
+/// Whether the Prometheus operator's ServiceMonitor and PrometheusRule kinds are served.
+pub(super) async fn monitoring_available(ctx: &Context) -> Result<bool, Error> {
+    let cached = *ctx
+        .monitoring
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((served, at)) = cached
+        && at.elapsed() < MONITORING_LOOKUP_TTL
+    {
+        return Ok(served);
+    }
+    let served = match ctx
+        .client
+        .list_api_group_resources(MONITORING_API_VERSION)
+        .await
+    {
+        Ok(list) => {
+            let served: BTreeSet<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
+            served.contains(SERVICE_MONITOR_PLURAL) && served.contains(PROMETHEUS_RULE_PLURAL)
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => false,
+        Err(err) => return Err(err.into()),
+    };
+    *ctx.monitoring
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((served, Instant::now()));
+    Ok(served)
+}

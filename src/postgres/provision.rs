@@ -1,0 +1,272 @@
+//! Creating or adopting a log-tailing relay's publication and slot, split in two: a pure
+//! plan from the facts the preflight checks read ([`plan`]), and its execution
+//! ([`execute`]). The controller decides with the first and applies with the second, so
+//! nothing that looks at the database ever changes it.
+
+use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
+
+use super::PgError;
+use super::admin::{Facts, Marker, Origin, Owner, Plan, comment_sql, create_publication_sql};
+
+/// Who made the publication and the slot, as the marker will record it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Provisioned {
+    /// Who made the publication (`None`: it carries someone else's comment).
+    pub publication: Option<Origin>,
+    /// Who made the slot (`None`: unrecorded, see `admin`'s module documentation).
+    pub slot: Option<Origin>,
+}
+
+/// One change in the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Create the publication and write its marker, in one transaction.
+    CreatePublication {
+        /// Publication name (for messages).
+        publication: String,
+        /// `BEGIN; CREATE PUBLICATION …; COMMENT ON PUBLICATION …; COMMIT`.
+        sql: String,
+    },
+    /// Rewrite the marker of a publication that exists.
+    MarkPublication {
+        /// `COMMENT ON PUBLICATION …`.
+        sql: String,
+    },
+    /// Create the logical replication slot (its own statement: PostgreSQL refuses it
+    /// in a transaction that wrote).
+    CreateSlot {
+        /// Slot name.
+        slot: String,
+    },
+}
+
+/// What to do, and what will then be true.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProvisionPlan {
+    /// The changes, in order (empty when everything exists and is marked).
+    pub actions: Vec<Action>,
+    /// Who made what, once the actions ran.
+    pub outcome: Provisioned,
+}
+
+/// Plans the publication and slot of `plan` for `owner` from `facts` (pure). A marker
+/// of the same namespace/name (this relay, or an earlier one of that name whose cleanup
+/// could not run) is taken over with its facts; a publication that carries someone
+/// else's comment is used as is and never commented on.
+pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts) -> ProvisionPlan {
+    let Some(lt) = &plan.log_tailing else {
+        return ProvisionPlan {
+            actions: Vec::new(),
+            outcome: Provisioned {
+                publication: None,
+                slot: None,
+            },
+        };
+    };
+    let existing = facts.publication.as_ref();
+    let previous = existing
+        .and_then(|p| p.comment.as_deref())
+        .and_then(Marker::from_comment);
+    let foreign_comment = existing.is_some_and(|p| p.comment.is_some() && previous.is_none());
+    let slot_exists = facts.slot.is_some();
+    let inherited = previous
+        .as_ref()
+        .filter(|m| m.owner.namespace == owner.namespace && m.owner.name == owner.name)
+        .filter(|m| m.slot == lt.slot);
+    let publication_origin = match (existing, inherited) {
+        (None, _) => Origin::Created,
+        (Some(_), Some(m)) => m.publication,
+        (Some(_), None) => Origin::Adopted,
+    };
+    let slot_origin = match inherited {
+        Some(m) if m.slot_origin == Origin::Created => Origin::Created,
+        _ if slot_exists => Origin::Adopted,
+        _ => Origin::Created,
+    };
+    let marker = Marker {
+        owner: owner.clone(),
+        slot: lt.slot.clone(),
+        publication: publication_origin,
+        slot_origin,
+    };
+    let mut actions = Vec::new();
+    if existing.is_none() {
+        // The comment is written with the publication, before the slot exists: a crash
+        // in between leaves a marker naming a missing slot, never an unmarked slot.
+        actions.push(Action::CreatePublication {
+            publication: lt.publication.clone(),
+            sql: format!(
+                "BEGIN; {}; {}; COMMIT",
+                create_publication_sql(&lt.publication, &plan.schema, &plan.table),
+                comment_sql(&lt.publication, Some(&marker.to_comment()))
+            ),
+        });
+    } else if !foreign_comment && previous.as_ref() != Some(&marker) {
+        actions.push(Action::MarkPublication {
+            sql: comment_sql(&lt.publication, Some(&marker.to_comment())),
+        });
+    }
+    if !slot_exists {
+        actions.push(Action::CreateSlot {
+            slot: lt.slot.clone(),
+        });
+    }
+    ProvisionPlan {
+        actions,
+        outcome: Provisioned {
+            publication: (!foreign_comment).then_some(publication_origin),
+            slot: (!foreign_comment).then_some(slot_origin),
+        },
+    }
+}
+
+/// Carries out planned actions, in order. A slot or publication created concurrently
+/// by someone else is reported for a retry (the next plan adopts it).
+pub async fn execute(client: &Client, actions: &[Action]) -> Result<(), PgError> {
+    for action in actions {
+        match action {
+            Action::CreatePublication { publication, sql } => {
+                if let Err(e) = client.batch_execute(sql).await {
+                    let _ = client.batch_execute("ROLLBACK").await;
+                    if e.code() == Some(&SqlState::DUPLICATE_OBJECT) {
+                        return Err(PgError::Replication(format!(
+                            "publication {publication} was created concurrently by someone else; retrying"
+                        )));
+                    }
+                    return Err(PgError::Db {
+                        what: "creating the publication",
+                        source: e,
+                    });
+                }
+            }
+            Action::MarkPublication { sql } => {
+                client
+                    .batch_execute(sql)
+                    .await
+                    .map_err(|source| PgError::Db {
+                        what: "marking the publication",
+                        source,
+                    })?;
+            }
+            Action::CreateSlot { slot } => {
+                let created = client
+                    .query_one(
+                        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                        &[slot],
+                    )
+                    .await;
+                match created {
+                    Ok(_) => {}
+                    Err(e) if e.code() == Some(&SqlState::DUPLICATE_OBJECT) => {}
+                    Err(source) => {
+                        return Err(PgError::Db {
+                            what: "creating the replication slot",
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::admin::{PublicationFacts, ServerFacts, SlotFacts, SlotPlan, TableFacts};
+    use super::*;
+
+    fn plan_for() -> Plan {
+        Plan {
+            schema: "public".into(),
+            table: "outbox".into(),
+            id: "id".into(),
+            columns: Vec::new(),
+            created_at: "created_at".into(),
+            published_at: None,
+            privileges: Vec::new(),
+            log_tailing: Some(SlotPlan {
+                slot: "s".into(),
+                publication: "p".into(),
+                delete_after_publish: true,
+            }),
+        }
+    }
+
+    fn owner(name: &str) -> Owner {
+        Owner {
+            namespace: "shop".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }
+    }
+
+    fn facts(publication: Option<Option<String>>, slot: bool) -> Facts {
+        Facts {
+            server: ServerFacts {
+                wal_level: "logical".into(),
+                max_replication_slots: 10,
+                slots_in_use: 0,
+                max_wal_senders: 10,
+                replication: true,
+                superuser: false,
+                user: "u".into(),
+                database: "d".into(),
+                can_create: true,
+            },
+            table: TableFacts {
+                exists: true,
+                columns: Vec::new(),
+                owned: true,
+                missing_privileges: Vec::new(),
+            },
+            slot: slot.then(|| SlotFacts {
+                database: Some("d".into()),
+                plugin: Some("pgoutput".into()),
+                slot_type: "logical".into(),
+            }),
+            publication: publication.map(|comment| PublicationFacts {
+                publishes_insert: true,
+                has_table: true,
+                comment,
+            }),
+        }
+    }
+
+    #[test]
+    fn nothing_there_creates_both_publication_first() {
+        let p = plan(&plan_for(), &owner("orders"), &facts(None, false));
+        assert!(matches!(p.actions[0], Action::CreatePublication { .. }));
+        assert!(matches!(p.actions[1], Action::CreateSlot { .. }));
+        assert_eq!(p.outcome.slot, Some(Origin::Created));
+    }
+
+    #[test]
+    fn what_exists_is_adopted_and_a_marked_pair_needs_nothing() {
+        let adopted = plan(&plan_for(), &owner("orders"), &facts(Some(None), true));
+        assert_eq!(adopted.outcome.publication, Some(Origin::Adopted));
+        assert_eq!(adopted.outcome.slot, Some(Origin::Adopted));
+        let Action::MarkPublication { sql } = &adopted.actions[0] else {
+            panic!("{adopted:?}");
+        };
+        let comment = sql.split("IS '").nth(1).unwrap().trim_end_matches('\'');
+        let marked = plan(
+            &plan_for(),
+            &owner("orders"),
+            &facts(Some(Some(comment.to_owned())), true),
+        );
+        assert!(marked.actions.is_empty(), "{marked:?}");
+    }
+
+    #[test]
+    fn a_foreign_comment_is_never_touched() {
+        let p = plan(
+            &plan_for(),
+            &owner("orders"),
+            &facts(Some(Some("someone else's".into())), true),
+        );
+        assert!(p.actions.is_empty());
+        assert_eq!(p.outcome.publication, None);
+    }
+}
