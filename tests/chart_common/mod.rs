@@ -6,7 +6,7 @@
 //! in parallel never share a release. Installs skip the CRDs unless asked: the CRD is
 //! cluster-wide and other tests on the same rig may rely on it.
 
-// Each test file compiles this module on its own and uses only part of it.
+// Compiled only into tests/packaging, which need not use every helper.
 #![allow(dead_code)]
 
 use std::panic::AssertUnwindSafe;

@@ -7,7 +7,9 @@
 //! Every helper creates something new under a random name so that tests, which cargo
 //! runs in parallel threads, never share state.
 
-// Each test file compiles this module on its own and uses only part of it.
+// Each test binary (one per area: tests/smoke, relay, controller, packaging, e2e), the
+// demo example and the system bench compile this module on their own and use only part
+// of it.
 #![allow(dead_code)]
 
 use std::collections::HashMap;

@@ -1,0 +1,849 @@
+//! The controller's work in PostgreSQL, against the rig's real kube-apiserver and real
+//! PostgreSQL (plus a private PostgreSQL with `wal_level=replica`): preflight checks as
+//! conditions, slot and publication created before the relay and dropped by the
+//! finalizer after it stopped (also while a walsender holds the slot), a foreign slot
+//! adopted but kept, orphaned slots reported but never dropped, and the backlog in
+//! status.
+
+use crate::common;
+
+use common::operator;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use outbox_operator::api::OutboxRelay;
+use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::postgres::admin::{Marker, Origin, Owner};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+
+struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), controller::Error>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the controller did not stop within 60s")
+            .expect("the controller task panicked")
+            .expect("the controller returned an error");
+    }
+}
+
+fn start_controller(client: &Client, namespace: &str) -> Running {
+    outbox_operator::telemetry::init_logging();
+    let mut args = ControllerArgs::for_namespace(namespace);
+    args.identity = Some("slots-test".to_owned());
+    args.lease_name = "outbox-operator-slots-test".to_owned();
+    // Status follows the database quickly in tests.
+    args.status_interval_seconds = 1;
+    let metrics = Arc::new(Metrics::new());
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(controller::run(
+        client.clone(),
+        args,
+        metrics.clone(),
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    Running {
+        stop: Some(tx),
+        task,
+        metrics,
+    }
+}
+
+/// A relay reading Secret `db`, publishing to a NATS URL nobody needs to reach (the rig
+/// runs no pods): log tailing with `mode`, or polling.
+fn manifest(name: &str, mode: Value) -> Value {
+    json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": name},
+        "spec": {
+            "database": {"postgres": {"connectionSecretRef": {"name": "db"}, "sslMode": "disable"}},
+            "mode": mode,
+            "broker": {"nats": {"url": "nats://nats:4222"}},
+            "replicas": 1
+        }
+    })
+}
+
+fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
+    relay
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .cloned()
+}
+
+fn describe(relay: &OutboxRelay) -> String {
+    serde_json::to_string_pretty(&relay.status).unwrap_or_default()
+}
+
+async fn wait_relay(
+    api: &Api<OutboxRelay>,
+    name: &str,
+    what: &str,
+    check: impl Fn(&OutboxRelay) -> bool,
+) -> OutboxRelay {
+    common::wait_for_some(what, WAIT, || async {
+        let relay = api.get_opt(name).await.ok().flatten()?;
+        let observed = relay.status.as_ref().and_then(|s| s.observed_generation);
+        (observed == relay.metadata.generation && check(&relay)).then_some(relay)
+    })
+    .await
+}
+
+async fn delete_and_wait_gone(api: &Api<OutboxRelay>, name: &str) {
+    api.delete(name, &DeleteParams::default()).await.unwrap();
+    common::wait_for(
+        &format!("{name} to be finalized and gone"),
+        WAIT,
+        || async { matches!(api.get_opt(name).await, Ok(None)) },
+    )
+    .await;
+}
+
+/// Removes the finalizer of every relay left (after a failure), so the namespace can go.
+async fn release_relays(client: &Client, namespace: &str) {
+    let api: Api<OutboxRelay> = Api::namespaced(client.clone(), namespace);
+    let _ = api
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    for relay in api
+        .list(&ListParams::default())
+        .await
+        .into_iter()
+        .flat_map(|l| l.items)
+    {
+        let _ = api
+            .patch(
+                &relay.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+            )
+            .await;
+    }
+}
+
+async fn slot_count(client: &tokio_postgres::Client, slot: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn publication_comment(
+    client: &tokio_postgres::Client,
+    publication: &str,
+) -> Option<Option<String>> {
+    client
+        .query_opt(
+            "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+async fn events_of(client: &Client, namespace: &str, relay: &str) -> Vec<Event> {
+    Api::<Event>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(relay))
+        .collect()
+}
+
+async fn wait_event(client: &Client, namespace: &str, relay: &str, reason: &str) -> Event {
+    common::wait_for_some(&format!("a {reason} Event for {relay}"), WAIT, || async {
+        events_of(client, namespace, relay)
+            .await
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some(reason))
+    })
+    .await
+}
+
+/// A fresh database with the tests' outbox table.
+async fn outbox_database() -> common::TestDatabase {
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    db
+}
+
+/// Runs `body` with a namespace and a controller; afterwards (also on panic) releases
+/// leftover relays, stops the controller and deletes the namespace.
+async fn with_controller<F, Fut>(body: F)
+where
+    F: FnOnce(Client, String, Arc<Metrics>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    use futures::FutureExt;
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let running = start_controller(&client, &ns);
+    let outcome =
+        std::panic::AssertUnwindSafe(body(client.clone(), ns.clone(), running.metrics.clone()))
+            .catch_unwind()
+            .await;
+    if outcome.is_err() {
+        release_relays(&client, &ns).await;
+    }
+    running.stop().await;
+    common::delete_namespace(&client, &ns).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_recreating_starts_clean()
+ {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_orders", ns.replace('-', "_"));
+
+        let created =
+            operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
+                .await;
+        let relay = wait_relay(&relays, "orders", "SlotReady=True with status.slot", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                && r.status.as_ref().is_some_and(|s| s.slot.is_some())
+        })
+        .await;
+        let status = relay.status.clone().unwrap();
+        let slot_status = status.slot.clone().unwrap();
+        assert_eq!(slot_status.name, slot, "{}", describe(&relay));
+        assert_eq!(slot_status.publication.as_deref(), Some(slot.as_str()));
+        assert!(
+            slot_status.confirmed_flush_lsn.is_some(),
+            "{}",
+            describe(&relay)
+        );
+        assert!(slot_status.retained_wal_bytes.is_some());
+        assert_eq!(slot_status.wal_status.as_deref(), Some("reserved"));
+        assert_eq!(slot_status.active, Some(false));
+        assert_eq!(
+            condition(&relay, "DatabaseReady").map(|c| c.status),
+            Some("True".to_owned())
+        );
+        // The table is the backlog (deleteAfterPublish): empty.
+        assert_eq!(status.backlog_rows, Some(0), "{}", describe(&relay));
+        assert!(matches!(
+            deployments.get_opt("orders-relay").await,
+            Ok(Some(_))
+        ));
+
+        // In PostgreSQL: the slot, and the publication marked as the operator's.
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+        let comment = publication_comment(&db.client, &slot)
+            .await
+            .expect("publication exists")
+            .expect("publication carries the operator's marker");
+        let marker = Marker::from_comment(&comment).expect("a marker");
+        assert_eq!(marker.owner.uid, created.uid().unwrap());
+        assert_eq!(
+            (marker.publication, marker.slot_origin),
+            (Origin::Created, Origin::Created)
+        );
+
+        // A consumer streams the slot while the relay is deleted: the finalizer stops
+        // the relay, terminates the walsender and still drops the slot.
+        let config = outbox_operator::postgres::replication::replication_config(
+            &db.url,
+            "test",
+            &slot,
+            &slot,
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let mut stream = pgwire_replication::ReplicationClient::connect(config)
+            .await
+            .unwrap_or_else(|e| panic!("streaming slot {slot}: {e}"));
+        tokio::time::timeout(WAIT, stream.wait_started())
+            .await
+            .expect("START_REPLICATION within 60s")
+            .unwrap();
+        common::wait_for("the slot to be active", WAIT, || async {
+            db.client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&slot],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        })
+        .await;
+        delete_and_wait_gone(&relays, "orders").await;
+        assert_eq!(slot_count(&db.client, &slot).await, 0, "slot left behind");
+        assert_eq!(publication_comment(&db.client, &slot).await, None);
+        assert!(matches!(
+            deployments.get_opt("orders-relay").await,
+            Ok(None)
+        ));
+        let dropped = wait_event(&client, &ns, "orders", "SlotDropped").await;
+        let note = dropped.note.unwrap_or_default();
+        assert!(
+            note.contains(&format!("dropped replication slot {slot}"))
+                && note.contains("terminated the walsender"),
+            "{note}"
+        );
+        drop(stream);
+
+        // Recreated: a fresh slot and publication, marked for the new uid.
+        let again =
+            operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
+                .await;
+        wait_relay(&relays, "orders", "SlotReady=True again", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        let comment = publication_comment(&db.client, &slot)
+            .await
+            .flatten()
+            .unwrap();
+        let marker = Marker::from_comment(&comment).unwrap();
+        assert_eq!(marker.owner.uid, again.uid().unwrap());
+        assert_eq!(marker.slot_origin, Origin::Created);
+        delete_and_wait_gone(&relays, "orders").await;
+        assert_eq!(slot_count(&db.client, &slot).await, 0);
+        db.drop_database().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_names_the_setting_and_creates_nothing() {
+    let pg = common::private::PrivatePostgres::start_with(&["wal_level=replica"]);
+    let url = pg.url();
+    let admin_client = common::pg_connect(&url).await.unwrap();
+    common::create_outbox_table(&admin_client, 4).await;
+
+    // `check` says the same, one line per check, and fails.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("relay.yaml");
+    std::fs::write(
+        &file,
+        serde_yaml::to_string(&manifest("orders", json!({"logTailing": {}}))).unwrap(),
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
+        .args(["check", "-f"])
+        .arg(&file)
+        .env("OUTBOX_DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "{}",
+        common::describe_output(&output)
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL  wal_level") && l.contains("set wal_level = logical")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().any(|l| l.starts_with("ok    columns")),
+        "{stdout}"
+    );
+
+    with_controller(|client, ns, _metrics| async move {
+        operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}}))).await;
+        let relay = wait_relay(&relays, "orders", "SlotReady=False", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "False")
+        })
+        .await;
+        let slot = condition(&relay, "SlotReady").unwrap();
+        assert_eq!(slot.reason, "WalLevelNotLogical", "{}", describe(&relay));
+        assert!(
+            slot.message.contains("wal_level is replica; set wal_level = logical"),
+            "{}",
+            slot.message
+        );
+        let ready = condition(&relay, "Ready").unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "WalLevelNotLogical"));
+        assert_eq!(condition(&relay, "DatabaseReady").unwrap().status, "True");
+        // Nothing half-created: no slot, no publication, no Deployment, no ConfigMap.
+        let counts: (i64, i64) = admin_client
+            .query_one(
+                "SELECT (SELECT count(*) FROM pg_replication_slots), (SELECT count(*) FROM pg_publication)",
+                &[],
+            )
+            .await
+            .map(|r| (r.get(0), r.get(1)))
+            .unwrap();
+        assert_eq!(counts, (0, 0));
+        assert!(matches!(
+            Api::<Deployment>::namespaced(client.clone(), &ns).get_opt("orders-relay").await,
+            Ok(None)
+        ));
+        assert!(matches!(
+            Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                .get_opt("orders-relay-config")
+                .await,
+            Ok(None)
+        ));
+        // Deleting it needs nothing from the database.
+        delete_and_wait_gone(&relays, "orders").await;
+    })
+    .await;
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_column_and_a_role_without_replication_are_conditions() {
+    let db = outbox_database().await;
+    let role = format!("norepl_{}", common::unique_suffix());
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN PASSWORD 'pw' NOREPLICATION; \
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO \"{role}\";"
+        ))
+        .await
+        .unwrap();
+    let rig = common::Rig::load();
+    let host = common::host_port(rig.pg_url()).to_owned();
+    let role_url = format!("postgres://{role}:pw@{host}/{}", db.name);
+    let url = db.url.clone();
+    let role_name = role.clone();
+
+    with_controller(|client, ns, _metrics| async move {
+        let role = role_name;
+        operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
+        operator::create_secret(&client, &ns, "db-norepl", &[("uri", &role_url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+
+        let mut missing = manifest("missing-column", json!({"polling": {}}));
+        missing["spec"]["table"] = json!({"headers": ["tenant_id"]});
+        operator::apply_relay(&client, &ns, &missing).await;
+        let relay = wait_relay(&relays, "missing-column", "DatabaseReady=False", |r| {
+            condition(r, "DatabaseReady").is_some_and(|c| c.status == "False")
+        })
+        .await;
+        let cond = condition(&relay, "DatabaseReady").unwrap();
+        assert_eq!(cond.reason, "ColumnMissing", "{}", describe(&relay));
+        assert!(
+            cond.message
+                .contains("has no column tenant_id (table.headers)"),
+            "{}",
+            cond.message
+        );
+        assert!(matches!(
+            Api::<Deployment>::namespaced(client.clone(), &ns)
+                .get_opt("missing-column-relay")
+                .await,
+            Ok(None)
+        ));
+
+        let mut norepl = manifest("norepl", json!({"logTailing": {}}));
+        norepl["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-norepl");
+        operator::apply_relay(&client, &ns, &norepl).await;
+        let relay = wait_relay(&relays, "norepl", "SlotReady=False", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "False")
+        })
+        .await;
+        let cond = condition(&relay, "SlotReady").unwrap();
+        assert_eq!(cond.reason, "ReplicationNotAllowed", "{}", describe(&relay));
+        assert!(
+            cond.message
+                .contains(&format!("ALTER ROLE \"{role}\" REPLICATION")),
+            "{}",
+            cond.message
+        );
+        // The password never shows.
+        assert!(
+            !serde_json::to_string(&relay.status)
+                .unwrap()
+                .contains(":pw@")
+        );
+        delete_and_wait_gone(&relays, "missing-column").await;
+        delete_and_wait_gone(&relays, "norepl").await;
+    })
+    .await;
+    let name = db.name.clone();
+    db.drop_database().await;
+    let admin_client = common::pg_admin().await;
+    let _ = admin_client
+        .batch_execute(&format!(
+            "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE); DROP ROLE IF EXISTS \"{role}\""
+        ))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_slot_of_the_same_name_is_adopted_and_kept() {
+    let db = outbox_database().await;
+    let slot = format!("foreign_{}", common::unique_suffix());
+    db.client
+        .query_one(
+            "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let slot_name = slot.clone();
+    {
+        let db_client = &db.client;
+        with_controller(|client, ns, _metrics| async move {
+            operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
+            let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+            operator::apply_relay(
+                &client,
+                &ns,
+                &manifest("orders", json!({"logTailing": {"slotName": slot_name}})),
+            )
+            .await;
+            let relay = wait_relay(&relays, "orders", "SlotReady=True", |r| {
+                condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+            })
+            .await;
+            let message = condition(&relay, "SlotReady").unwrap().message;
+            assert!(
+                message.contains(&format!(
+                    "replication slot {slot_name} (existed before, kept when the OutboxRelay is deleted)"
+                )),
+                "{message}"
+            );
+            delete_and_wait_gone(&relays, "orders").await;
+            // The slot is still there; the publication the operator made is gone.
+            assert_eq!(slot_count(db_client, &slot_name).await, 1);
+            assert_eq!(publication_comment(db_client, &slot_name).await, None);
+            let event = wait_event(&client, &ns, "orders", "SlotDropped").await;
+            let note = event.note.unwrap_or_default();
+            assert!(
+                note.contains(&format!("kept replication slot {slot_name}")),
+                "{note}"
+            );
+        })
+        .await;
+    }
+    common::drop_slot(&db.client, &slot).await;
+    db.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orphaned_slot_is_reported_never_dropped_and_polling_backlog_is_in_status() {
+    let db = outbox_database().await;
+    let slot = format!("ghost_{}", common::unique_suffix());
+    let url = db.url.clone();
+    let slot_name = slot.clone();
+    {
+        let db_client = &db.client;
+        with_controller(|client, ns, metrics| async move {
+            // What the operator would have left for a relay deleted while its Secret
+            // was gone: a marked publication and a slot it created.
+            let ghost = Owner {
+                namespace: ns.clone(),
+                name: "ghost".to_owned(),
+                uid: "00000000-0000-0000-0000-000000000000".to_owned(),
+            };
+            common::create_replication_for(db_client, &slot_name, &slot_name, &ghost).await;
+
+            operator::create_secret(&client, &ns, "db", &[("uri", &url)]).await;
+            for i in 0..3 {
+                common::insert_row(db_client, "Order", &format!("o-{i}"), &json!({"n": i})).await;
+            }
+            let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+            operator::apply_relay(&client, &ns, &manifest("live", json!({"polling": {}}))).await;
+            // No pods run in the rig: the rows wait, and status says so.
+            let relay = wait_relay(&relays, "live", "status.backlogRows 3", |r| {
+                r.status.as_ref().and_then(|s| s.backlog_rows) == Some(3)
+            })
+            .await;
+            let status = relay.status.clone().unwrap();
+            assert!(
+                status.oldest_unpublished_age_seconds.is_some(),
+                "{}",
+                describe(&relay)
+            );
+            assert!(
+                status
+                    .oldest_unpublished_age
+                    .as_deref()
+                    .is_some_and(|a| a.ends_with('s') || a.ends_with('m')),
+                "{}",
+                describe(&relay)
+            );
+            assert!(status.slot.is_none());
+            assert!(condition(&relay, "SlotReady").is_none());
+
+            common::wait_for("the orphaned-slot gauge", WAIT, || async {
+                metrics.orphaned_slots() == 1
+            })
+            .await;
+            assert!(
+                metrics
+                    .encode()
+                    .lines()
+                    .any(|l| l == "outbox_operator_orphaned_slots 1"),
+                "{}",
+                metrics.encode()
+            );
+            let event = wait_event(&client, &ns, "live", "OrphanedSlot").await;
+            assert_eq!(event.type_.as_deref(), Some("Warning"));
+            let note = event.note.unwrap_or_default();
+            assert!(
+                note.contains(&format!("replication slot {slot_name}"))
+                    && note.contains(&format!("OutboxRelay {ns}/ghost")),
+                "{note}"
+            );
+            // Never dropped by the operator.
+            assert_eq!(slot_count(db_client, &slot_name).await, 1);
+
+            // Published rows leave the backlog.
+            db_client
+                .batch_execute("UPDATE public.outbox SET published_at = now()")
+                .await
+                .unwrap();
+            wait_relay(&relays, "live", "status.backlogRows 0", |r| {
+                r.status.as_ref().and_then(|s| s.backlog_rows) == Some(0)
+            })
+            .await;
+            delete_and_wait_gone(&relays, "live").await;
+            assert_eq!(slot_count(db_client, &slot_name).await, 1);
+            let marker = publication_comment(db_client, &slot_name)
+                .await
+                .flatten()
+                .and_then(|c| Marker::from_comment(&c))
+                .expect("the orphan's marker is untouched");
+            assert_eq!(marker.owner, ghost);
+        })
+        .await;
+    }
+    common::drop_slot(&db.client, &slot).await;
+    db.drop_database().await;
+}
+
+/// The relay stops before its slot goes: while one of its pods is still there (held by
+/// a finalizer of the test's), the OutboxRelay stays and so does the slot; once the pod
+/// is gone, the finalizer drops the slot and lets the relay go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
+    use k8s_openapi::api::core::v1::Pod;
+    const HOLD: &str = "outbox.dev/test-hold";
+
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_held", ns.replace('-', "_"));
+        operator::apply_relay(&client, &ns, &manifest("held", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "held", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        // kube-controller-manager makes the Deployment's pod (Pending: no kubelet).
+        let selector = ListParams::default().labels("app.kubernetes.io/instance=held");
+        let pod = common::wait_for_some("the relay's pod", WAIT, || async {
+            pods.list(&selector).await.ok()?.items.into_iter().next()
+        })
+        .await;
+        let pod_name = pod.name_any();
+        pods.patch(
+            &pod_name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": [HOLD]}})),
+        )
+        .await
+        .unwrap();
+
+        relays
+            .delete("held", &DeleteParams::default())
+            .await
+            .unwrap();
+        // The Deployment goes and the pod is being deleted, but it is still there.
+        common::wait_for("the pod to be terminating", WAIT, || async {
+            pods.get_opt(&pod_name)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|p| p.metadata.deletion_timestamp.is_some())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            matches!(relays.get_opt("held").await, Ok(Some(_))),
+            "the OutboxRelay went while its pod was still there"
+        );
+        assert_eq!(
+            slot_count(&db.client, &slot).await,
+            1,
+            "slot dropped too early"
+        );
+
+        // The pod goes: the slot is dropped and the relay released.
+        pods.patch(
+            &pod_name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+        common::wait_for("the OutboxRelay to be gone", WAIT, || async {
+            matches!(relays.get_opt("held").await, Ok(None))
+        })
+        .await;
+        assert_eq!(slot_count(&db.client, &slot).await, 0);
+        db.drop_database().await;
+    })
+    .await;
+}
+
+/// A relay deleted after its Secret (as in a namespace deletion) does not hang: a Warning
+/// names the slot left behind, and orphan detection then reports it from a relay that
+/// shares the database. The slot stays until someone drops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_reported() {
+    with_controller(|client, ns, metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        operator::create_secret(&client, &ns, "db-too", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_lost", ns.replace('-', "_"));
+        operator::apply_relay(&client, &ns, &manifest("lost", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "lost", "SlotReady=True and status.slot", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                && r.status.as_ref().is_some_and(|s| s.slot.is_some())
+        })
+        .await;
+        Api::<Secret>::namespaced(client.clone(), &ns)
+            .delete("db", &DeleteParams::default())
+            .await
+            .unwrap();
+        // The controller notices the Secret is gone before the relay is deleted; status
+        // must still show the slot, or the finalizer would take it for never created.
+        wait_relay(
+            &relays,
+            "lost",
+            "DatabaseReady=False (SecretNotFound) with status.slot kept",
+            |r| {
+                condition(r, "DatabaseReady").is_some_and(|c| c.reason == "SecretNotFound")
+                    && r.status.as_ref().is_some_and(|s| s.slot.is_some())
+            },
+        )
+        .await;
+        delete_and_wait_gone(&relays, "lost").await;
+        let event = wait_event(&client, &ns, "lost", "SlotLeftBehind").await;
+        assert_eq!(event.type_.as_deref(), Some("Warning"));
+        let note = event.note.unwrap_or_default();
+        assert!(note.contains(&format!("replication slot {slot}")), "{note}");
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+
+        // Another relay on the same database sees the orphan.
+        let mut other = manifest("other", json!({"polling": {}}));
+        other["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-too");
+        operator::apply_relay(&client, &ns, &other).await;
+        common::wait_for("the orphaned-slot gauge", WAIT, || async {
+            metrics.orphaned_slots() == 1
+        })
+        .await;
+        let event = wait_event(&client, &ns, "other", "OrphanedSlot").await;
+        let note = event.note.unwrap_or_default();
+        assert!(note.contains(&format!("OutboxRelay {ns}/lost")), "{note}");
+        delete_and_wait_gone(&relays, "other").await;
+        assert_eq!(
+            slot_count(&db.client, &slot).await,
+            1,
+            "the operator dropped an orphan"
+        );
+        common::drop_slot(&db.client, &slot).await;
+        db.drop_database().await;
+    })
+    .await;
+}
+
+/// A database dropped before its relay counts as cleaned: the finalizer gets
+/// `database does not exist` (3D000) and lets the relay go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_database_is_gone_is_released() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_gone", ns.replace('-', "_"));
+        operator::apply_relay(&client, &ns, &manifest("gone", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "gone", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        // A database with a slot cannot be dropped: the slot goes first, as a DBA would
+        // (again if the controller re-created it in between: it still owns it).
+        let admin_client = common::pg_admin().await;
+        let name = db.name.clone();
+        drop(db);
+        let mut exists = true;
+        for _ in 0..20 {
+            common::drop_slot(&admin_client, &slot).await;
+            let _ = admin_client
+                .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .await;
+            exists = admin_client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)",
+                    &[&name],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if !exists {
+                break;
+            }
+        }
+        assert!(!exists, "database {name} still exists");
+        delete_and_wait_gone(&relays, "gone").await;
+        let event = wait_event(&client, &ns, "gone", "DatabaseGone").await;
+        assert!(
+            event.note.unwrap_or_default().contains(&slot),
+            "the Event names the slot"
+        );
+    })
+    .await;
+}

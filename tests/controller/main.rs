@@ -1,0 +1,16 @@
+//! The controller against the rig's real kube-apiserver and PostgreSQL (in-process and
+//! as a process), its PostgreSQL administration, and `outbox-operator check` against
+//! the real brokers.
+//!
+//! One test binary per area (see tests/smoke/main.rs). Run one file's tests with e.g.
+//! `cargo test --test controller controller_slots`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod check_brokers;
+mod controller_binary;
+mod controller_invalid_specs;
+mod controller_reconcile;
+mod controller_slots;
+mod postgres_admin;

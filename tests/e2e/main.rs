@@ -1,0 +1,14 @@
+//! End to end, as a user runs the operator: the example manifests and both modes
+//! through the controller and the pod runner, the pod runner itself, and `make demo`'s
+//! program for a bounded time.
+//!
+//! One test binary per area (see tests/smoke/main.rs). Run one file's tests with e.g.
+//! `cargo test --test e2e e2e_operator`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod demo_run;
+mod e2e_examples;
+mod e2e_operator;
+mod e2e_pod_runner;

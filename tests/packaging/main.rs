@@ -1,0 +1,23 @@
+//! What ships besides the binary's behaviour: the Helm chart (lint, dry-run apply,
+//! install, RBAC), the rendered alerts (promtool and the rig's Prometheus), `render`
+//! and its golden files, the command-line surface and the README's generated reference.
+//!
+//! One test binary per area (see tests/smoke/main.rs). Run one file's tests with e.g.
+//! `cargo test --test packaging render_golden`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+#[path = "../chart_common/mod.rs"]
+mod chart_common;
+
+mod alerts_prometheus;
+mod alerts_rules;
+mod chart_apply;
+mod chart_install;
+mod chart_lint;
+mod chart_rbac_controller;
+mod cli;
+mod readme_reference;
+mod render_cli;
+mod render_golden;

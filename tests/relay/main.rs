@@ -1,0 +1,17 @@
+//! The relay process against the rig's real PostgreSQL and brokers: delivery per
+//! broker, crashes, poison rows, log tailing, housekeeping, outages and partition
+//! ownership.
+//!
+//! One test binary per area (see tests/smoke/main.rs). Run one file's tests with e.g.
+//! `cargo test --test relay relay_log_tailing`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod relay_brokers;
+mod relay_crash;
+mod relay_failures;
+mod relay_log_tailing;
+mod relay_maintenance;
+mod relay_outage;
+mod relay_ownership;

@@ -1,0 +1,53 @@
+//! The pure helpers of tests/common (env-file parsing, URL handling); needs no rig.
+
+use crate::common;
+
+use common::{host_port, parse_env, pg_url_for, unique_suffix};
+
+#[test]
+fn host_port_strips_scheme_userinfo_and_path() {
+    assert_eq!(
+        host_port("postgres://postgres@127.0.0.1:5433/postgres"),
+        "127.0.0.1:5433"
+    );
+    assert_eq!(
+        host_port("amqp://guest:guest@127.0.0.1:5673/%2f"),
+        "127.0.0.1:5673"
+    );
+    assert_eq!(host_port("nats://127.0.0.1:4223"), "127.0.0.1:4223");
+    assert_eq!(host_port("127.0.0.1:9092"), "127.0.0.1:9092");
+}
+
+#[test]
+fn pg_url_for_replaces_only_the_database() {
+    assert_eq!(
+        pg_url_for("postgres://postgres@127.0.0.1:5433/postgres", "test_x"),
+        "postgres://postgres@127.0.0.1:5433/test_x"
+    );
+    assert_eq!(
+        pg_url_for("postgres://u@h:1/db?sslmode=disable", "t"),
+        "postgres://u@h:1/t?sslmode=disable"
+    );
+    assert_eq!(pg_url_for("postgres://u@h:1", "t"), "postgres://u@h:1/t");
+}
+
+#[test]
+fn rig_env_skips_comments_and_blank_lines() {
+    let env = parse_env("# written by the rig\n\nA=1\nB=\nC=http://x/?a=b\n");
+    assert_eq!(env.get("A").map(String::as_str), Some("1"));
+    assert_eq!(env.get("B").map(String::as_str), Some(""));
+    assert_eq!(env.get("C").map(String::as_str), Some("http://x/?a=b"));
+    assert_eq!(env.len(), 3);
+}
+
+#[test]
+fn unique_suffixes_are_lowercase_and_differ() {
+    let a = unique_suffix();
+    let b = unique_suffix();
+    assert_ne!(a, b);
+    assert!(
+        a.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
+        "{a}"
+    );
+}
