@@ -10,6 +10,9 @@ pub const IDENTIFIER_PATTERN: &str = "^[A-Za-z_][A-Za-z0-9_]{0,62}$";
 pub const SLOT_NAME_PATTERN: &str = "^[a-z0-9_]{1,63}$";
 /// Go-style durations: `500ms`, `30s`, `5m`, `24h`, `1h30m`.
 pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
+/// The key a Secret reference names when it names none: the one entry every reader
+/// (CRD default, controller, relay, `check`, the README reference) goes by.
+pub const DEFAULT_SECRET_KEY: &str = "uri";
 /// Placeholder in topic, subject and routing-key templates.
 pub const AGGREGATE_TYPE_PLACEHOLDER: &str = "{aggregateType}";
 /// The shortest heartbeat a log-tailing relay accepts.

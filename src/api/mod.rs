@@ -117,14 +117,14 @@ pub struct SecretKeyRef {
         regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     )]
     pub name: String,
-    /// Key within the Secret.
+    /// Key within the Secret; `uri` when left out, for every reference.
     #[serde(default = "default_secret_key")]
     #[schemars(length(min = 1, max = 253), regex(pattern = "^[-._a-zA-Z0-9]+$"))]
     pub key: String,
 }
 
 fn default_secret_key() -> String {
-    "uri".to_owned()
+    crate::rules::DEFAULT_SECRET_KEY.to_owned()
 }
 
 /// TLS mode for the database connection, as libpq names them.

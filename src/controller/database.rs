@@ -389,7 +389,7 @@ pub(super) async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Cl
     for k in new {
         if let Some(note) = found.get(&k) {
             warn!(database = %key, orphan = %k, "replication objects whose OutboxRelay is gone");
-            super::reconcile::publish(relay, ctx, EventType::Warning, "OrphanedSlot", note.clone())
+            ctx.publish(relay, EventType::Warning, "OrphanedSlot", note.clone())
                 .await;
         }
     }

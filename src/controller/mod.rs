@@ -453,8 +453,10 @@ async fn run_controller(
         watcher::Config::default(),
     );
     // The figures task reads the relays from the controller's own cache and lives as
-    // long as this leadership term.
-    let figures = tokio::spawn(figures::run(ctx.clone(), controller.store()));
+    // long as this leadership term: it is aborted when this future ends or is dropped
+    // (shutdown drops it once no reconcile runs), so it never outlives the Lease and
+    // never keeps the Context (and its Lease receiver) alive.
+    let _figures = AbortOnDrop(tokio::spawn(figures::run(ctx.clone(), controller.store())));
     controller
         .owns(scoped::<ConfigMap>(client, namespace), children.clone())
         .owns(scoped::<Deployment>(client, namespace), children.clone())
@@ -477,11 +479,41 @@ async fn run_controller(
             }
         })
         .await;
-    figures.abort();
+}
+
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl Context {
-    fn recorder(&self) -> Recorder {
-        Recorder::new(self.client.clone(), self.reporter.clone())
+    /// Publishes an Event about `relay`; a failure is logged, not fatal (Events are
+    /// advisory).
+    async fn publish(
+        &self,
+        relay: &OutboxRelay,
+        type_: kube::runtime::events::EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let event = kube::runtime::events::Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        self.metrics.wrote();
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        if let Err(err) = recorder
+            .publish(&event, &kube::Resource::object_ref(relay, &()))
+            .await
+        {
+            warn!(relay = %kube::ResourceExt::name_any(relay), error = %err, "could not record an Event");
+        }
     }
 }

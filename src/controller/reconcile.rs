@@ -13,7 +13,7 @@ use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
 };
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, Resource, ResourceExt};
 use serde::Serialize;
@@ -431,7 +431,7 @@ async fn update_status(
         .await?;
     }
     if let Some((type_, reason, note)) = event {
-        publish(relay, ctx, type_, reason, note).await;
+        ctx.publish(relay, type_, reason, note).await;
     }
     Ok(())
 }
@@ -456,27 +456,6 @@ fn ready_transition(
     Some((type_, new.reason, new.message.clone()))
 }
 
-/// Publishes an Event; a failure is logged, not fatal (Events are advisory).
-pub(super) async fn publish(
-    relay: &OutboxRelay,
-    ctx: &Context,
-    type_: EventType,
-    reason: &str,
-    note: String,
-) {
-    let event = Event {
-        type_,
-        reason: reason.to_owned(),
-        note: Some(note),
-        action: "Reconcile".to_owned(),
-        secondary: None,
-    };
-    ctx.metrics.wrote();
-    if let Err(err) = ctx.recorder().publish(&event, &relay.object_ref(&())).await {
-        warn!(relay = %relay.name_any(), error = %err, "could not record an Event");
-    }
-}
-
 /// Cleanup before the OutboxRelay goes. Children need nothing (garbage collection
 /// removes them through their owner references). For log tailing the relay is stopped
 /// first (its Deployment deleted, then waiting until its pods are gone), so that no
@@ -488,12 +467,11 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         match database::drop_external(relay, &target, ctx).await? {
             Cleanup::Done(type_, reason, note) => {
                 info!(relay = %relay.name_any(), reason, note = %note, "cleanup in PostgreSQL done");
-                publish(relay, ctx, type_, reason, note).await;
+                ctx.publish(relay, type_, reason, note).await;
             }
             Cleanup::Retry(message) => {
-                publish(
+                ctx.publish(
                     relay,
-                    ctx,
                     EventType::Warning,
                     "CleanupRetrying",
                     message.clone(),
@@ -510,9 +488,8 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&uid);
     }
-    publish(
+    ctx.publish(
         relay,
-        ctx,
         EventType::Normal,
         "Deleting",
         "finalizer done; child objects are garbage-collected".to_owned(),

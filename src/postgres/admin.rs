@@ -701,24 +701,6 @@ pub fn first_failure(checks: &[Check], scope: Scope) -> Option<&Check> {
 // ---------------------------------------------------------------------------------------
 // Create or adopt
 
-/// What [`provision`] found or made.
-pub use super::provision::Provisioned;
-
-/// Creates the publication and the slot when missing, adopting what exists, and records
-/// what it created in the publication's comment: reads the facts, plans
-/// ([`super::provision::plan`], pure) and carries the plan out. Call it only after
-/// [`evaluate`] found no failure. Idempotent.
-pub async fn provision(
-    client: &Client,
-    plan: &Plan,
-    owner: &Owner,
-) -> Result<Provisioned, PgError> {
-    let facts = gather(client, plan).await?;
-    let planned = super::provision::plan(plan, owner, &facts);
-    super::provision::execute(client, &planned.actions).await?;
-    Ok(planned.outcome)
-}
-
 /// The slot's and publication's presence, for a relay that must not create them.
 pub async fn replication_objects_exist(
     client: &Client,

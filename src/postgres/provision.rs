@@ -7,7 +7,9 @@ use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
 use super::PgError;
-use super::admin::{Facts, Marker, Origin, Owner, Plan, comment_sql, create_publication_sql};
+use super::admin::{
+    Facts, Marker, Origin, Owner, Plan, comment_sql, create_publication_sql, gather,
+};
 
 /// Who made the publication and the slot, as the marker will record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,6 +121,20 @@ pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts) -> ProvisionPlan {
             slot: (!foreign_comment).then_some(slot_origin),
         },
     }
+}
+
+/// Creates the publication and the slot when missing, adopting what exists, and records
+/// what it created in the publication's comment: reads the facts, [`plan`]s and
+/// [`execute`]s. Call it only after `admin::evaluate` found no failure. Idempotent.
+pub async fn provision(
+    client: &Client,
+    plan: &Plan,
+    owner: &Owner,
+) -> Result<Provisioned, PgError> {
+    let facts = gather(client, plan).await?;
+    let planned = self::plan(plan, owner, &facts);
+    execute(client, &planned.actions).await?;
+    Ok(planned.outcome)
 }
 
 /// Carries out planned actions, in order. A slot or publication created concurrently

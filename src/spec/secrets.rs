@@ -162,6 +162,41 @@ mod tests {
         }
     }
 
+    /// Every Secret reference of the CRD defaults its key the same way, and a manifest
+    /// read offline (render, check, the relay's file) gets the same default.
+    #[test]
+    fn every_secret_reference_defaults_its_key_to_the_one_catalogue_entry() {
+        use kube::CustomResourceExt;
+        fn walk(path: &str, node: &serde_json::Value, found: &mut Vec<(String, String)>) {
+            if let Some(props) = node["properties"].as_object() {
+                for (name, child) in props {
+                    let here = format!("{path}.{name}");
+                    if name.ends_with("SecretRef") {
+                        let default = child["properties"]["key"]["default"]
+                            .as_str()
+                            .unwrap_or("<none>")
+                            .to_owned();
+                        found.push((here.clone(), default));
+                    }
+                    walk(&here, child, found);
+                }
+            }
+        }
+        let crd = serde_json::to_value(crate::api::OutboxRelay::crd()).unwrap();
+        let mut found = Vec::new();
+        walk(
+            "spec",
+            &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"],
+            &mut found,
+        );
+        assert!(found.len() >= 6, "{found:?}");
+        for (field, default) in &found {
+            assert_eq!(default, crate::rules::DEFAULT_SECRET_KEY, "{field}");
+        }
+        let offline: SecretKeyRef = serde_yaml::from_str("name: db").unwrap();
+        assert_eq!(offline.key, crate::rules::DEFAULT_SECRET_KEY);
+    }
+
     #[test]
     fn values_are_checked_without_being_quoted() {
         let pg = slot(Content::PostgresUrl);

@@ -1258,7 +1258,7 @@ pub async fn install_outbox_crd(client: &kube::Client) {
 }
 
 /// Creates the publication (inserts into `public.outbox`) and the `pgoutput` slot through
-/// the operator's own code (`outbox_operator::postgres::admin::provision`), for tests
+/// the operator's own code (`outbox_operator::postgres::provision::provision`), for tests
 /// that run a log-tailing relay without the controller: the relay never creates them.
 pub async fn create_replication(client: &tokio_postgres::Client, slot: &str, publication: &str) {
     let owner = outbox_operator::postgres::admin::Owner {
@@ -1276,7 +1276,7 @@ pub async fn create_replication_for(
     publication: &str,
     owner: &outbox_operator::postgres::admin::Owner,
 ) {
-    use outbox_operator::postgres::admin::{self, Plan, SlotPlan};
+    use outbox_operator::postgres::admin::{Plan, SlotPlan};
 
     let plan = Plan {
         schema: "public".to_owned(),
@@ -1292,7 +1292,7 @@ pub async fn create_replication_for(
             delete_after_publish: true,
         }),
     };
-    admin::provision(client, &plan, owner)
+    outbox_operator::postgres::provision::provision(client, &plan, owner)
         .await
         .unwrap_or_else(|err| panic!("creating slot {slot} and publication {publication}: {err}"));
 }

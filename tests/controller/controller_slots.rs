@@ -244,10 +244,22 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
         let created =
             operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
                 .await;
-        let relay = wait_relay(&relays, "orders", "SlotReady=True with status.slot", |r| {
-            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
-                && r.status.as_ref().is_some_and(|s| s.slot.is_some())
-        })
+        // The slot's figures and the backlog come from the figures task, a status
+        // interval after the slot itself.
+        let relay = wait_relay(
+            &relays,
+            "orders",
+            "SlotReady=True with the slot's figures and the backlog in status",
+            |r| {
+                condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                    && r.status.as_ref().is_some_and(|s| {
+                        s.backlog_rows.is_some()
+                            && s.slot
+                                .as_ref()
+                                .is_some_and(|slot| slot.confirmed_flush_lsn.is_some())
+                    })
+            },
+        )
         .await;
         let status = relay.status.clone().unwrap();
         let slot_status = status.slot.clone().unwrap();

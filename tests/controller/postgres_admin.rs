@@ -85,14 +85,14 @@ async fn provision_checks_adopt_drop_and_measure_against_a_real_server() {
     );
 
     // Provisioning creates both, marked; again, it changes nothing.
-    let made = admin::provision(&client, &p, &owner("orders"))
+    let made = outbox_operator::postgres::provision::provision(&client, &p, &owner("orders"))
         .await
         .unwrap();
     assert_eq!(
         (made.publication, made.slot),
         (Some(Origin::Created), Some(Origin::Created))
     );
-    let again = admin::provision(&client, &p, &owner("orders"))
+    let again = outbox_operator::postgres::provision::provision(&client, &p, &owner("orders"))
         .await
         .unwrap();
     assert_eq!(made, again);
@@ -115,9 +115,10 @@ async fn provision_checks_adopt_drop_and_measure_against_a_real_server() {
         .await
         .unwrap();
     let foreign = plan("foreign_slot", true);
-    let made = admin::provision(&client, &foreign, &owner("adopter"))
-        .await
-        .unwrap();
+    let made =
+        outbox_operator::postgres::provision::provision(&client, &foreign, &owner("adopter"))
+            .await
+            .unwrap();
     assert_eq!(
         (made.publication, made.slot),
         (Some(Origin::Created), Some(Origin::Adopted))
