@@ -438,7 +438,7 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
     match target {
         Target::Kafka => {
             let topic = common::fresh_topic(KAFKA_PARTITIONS).await;
-            let config = outbox_operator::spec::config::KafkaSettings {
+            let config = outbox_operator::broker::kafka::KafkaSettings {
                 bootstrap_servers: rig.kafka_bootstrap().to_owned(),
                 topic: topic.clone(),
                 tls: false,
@@ -458,7 +458,7 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
         Target::Nats => {
             let stream = common::fresh_stream().await;
             let subject = format!("{}.events", stream.subject_prefix);
-            let config = outbox_operator::spec::config::NatsSettings {
+            let config = outbox_operator::broker::nats::NatsSettings {
                 url: rig.nats_url().to_owned(),
                 subject: subject.clone(),
                 credentials_file: None,

@@ -68,7 +68,18 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
             ),
         );
         all_ok &= check_database(&valid, &plan, &url, url_env, out).await;
-        for probe in probe::probe(&valid).await {
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let probes = match crate::spec::config::read_broker(&valid, &env) {
+            Ok(settings) => settings.probe().await,
+            Err(err) => vec![probe::Probe {
+                name: "broker",
+                ok: false,
+                message: format!(
+                    "{err} (outside a pod, set these variables to the values the relay would get)"
+                ),
+            }],
+        };
+        for probe in probes {
             all_ok &= probe.ok;
             report(out, probe.ok, probe.name, &probe.message);
         }

@@ -1,6 +1,7 @@
 //! The field rules: pure checks of one value each, shared by `crate::spec::parse`, the
 //! CRD schema (`crate::api`) and the code that builds SQL and broker names.
 
+use std::fmt;
 use std::time::Duration;
 
 /// What a SQL identifier from a user may look like; it is also always quoted in SQL.
@@ -31,6 +32,50 @@ pub const FIXED_KAFKA_PROPERTIES: [&str; 8] = [
     "sasl.",
     "ssl.",
 ];
+
+/// One thing wrong with a spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// The field, as a path (`spec.mode.polling.interval`).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+    /// How to fix it.
+    pub fix: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} ({})", self.field, self.message, self.fix)
+    }
+}
+
+/// Every problem found in a spec, in field order of discovery.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct Problems(pub Vec<Problem>);
+
+impl fmt::Display for Problems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lines: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&lines.join("; "))
+    }
+}
+
+impl Problems {
+    /// Adds a problem.
+    pub fn push(&mut self, field: impl Into<String>, message: impl Into<String>, fix: &str) {
+        self.0.push(Problem {
+            field: field.into(),
+            message: message.into(),
+            fix: fix.to_owned(),
+        });
+    }
+
+    /// True when nothing was found.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
 
 /// Checks a user-supplied SQL identifier against [`IDENTIFIER_PATTERN`].
 pub fn check_identifier(value: &str) -> Result<(), String> {
@@ -125,6 +170,49 @@ pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), Stri
 /// aggregate type.
 pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), String> {
     check_destination(kind, &template.replace(AGGREGATE_TYPE_PLACEHOLDER, "Order"))
+}
+
+/// Checks a destination template, adding a problem for `field` when it breaks `kind`'s
+/// rules.
+pub fn check_template_into(p: &mut Problems, kind: BrokerKind, field: &str, value: &str) {
+    if let Err(message) = check_template(kind, value) {
+        p.push(
+            field,
+            format!("`{value}` {message}"),
+            "fix the template; {aggregateType} is replaced by each row's aggregate type",
+        );
+    }
+}
+
+/// Checks a Secret reference's name (a DNS subdomain) and key, adding a problem for each.
+pub fn check_secret_ref(p: &mut Problems, field: &str, name: &str, key: &str) {
+    let dns_subdomain = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
+    };
+    if !dns_subdomain(name) {
+        p.push(
+            format!("{field}.name"),
+            format!("`{name}` is not a valid Secret name"),
+            "name a Secret in the relay's namespace (lowercase letters, digits, - and .)",
+        );
+    }
+    let key_ok = !key.is_empty()
+        && key.len() <= 253
+        && key
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
+    if !key_ok {
+        p.push(
+            format!("{field}.key"),
+            format!("`{key}` is not a valid Secret key"),
+            "use letters, digits, -, _ and .",
+        );
+    }
 }
 
 /// `outbox_<namespace>_<name>`, made safe for PostgreSQL: lowercase letters, digits and

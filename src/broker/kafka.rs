@@ -6,10 +6,18 @@ use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
 
+use super::probe::{Probe, TIMEOUT, templated};
 use super::{Broker, Message, PublishError};
-use crate::spec::config::KafkaSettings;
+use crate::api::{KafkaSpec, SaslMechanism};
+use crate::rules::{
+    BrokerKind, Problems, check_secret_ref, check_template_into, is_fixed_kafka_property,
+};
+use crate::secrets::{
+    Content, Delivery, ENV_KAFKA_CA_FILE, ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME,
+    KAFKA_CA_PATH, SecretSlot, SecretUse,
+};
 
 /// Publishes to Kafka. The producer reconnects by itself after an outage.
 pub struct KafkaBroker {
@@ -125,4 +133,201 @@ impl Broker for KafkaBroker {
     fn is_broken(&self) -> bool {
         self.producer.client().fatal_error().is_some()
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The spec's rules, Secrets and settings of a Kafka relay, and `check`'s probe.
+
+/// Every problem of a Kafka spec.
+pub fn check(k: &KafkaSpec, p: &mut Problems) {
+    if k.bootstrap_servers.trim().is_empty() {
+        p.push(
+            "spec.broker.kafka.bootstrapServers",
+            "is empty",
+            "name at least one host:port",
+        );
+    }
+    check_template_into(p, BrokerKind::Kafka, "spec.broker.kafka.topic", &k.topic);
+    for key in k.properties.keys() {
+        if is_fixed_kafka_property(key) {
+            p.push(
+                format!("spec.broker.kafka.properties.{key}"),
+                "is fixed by the relay (delivery guarantees) or set through tls and sasl",
+                "remove it; acks=all and idempotence are always on",
+            );
+        }
+    }
+    if let Some(sasl) = &k.sasl {
+        check_secret_ref(
+            p,
+            "spec.broker.kafka.sasl.usernameSecretRef",
+            &sasl.username_secret_ref.name,
+            &sasl.username_secret_ref.key,
+        );
+        check_secret_ref(
+            p,
+            "spec.broker.kafka.sasl.passwordSecretRef",
+            &sasl.password_secret_ref.name,
+            &sasl.password_secret_ref.key,
+        );
+    }
+    if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        check_secret_ref(p, "spec.broker.kafka.tls.caSecretRef", &ca.name, &ca.key);
+    }
+}
+
+/// The Secret references of a Kafka spec: SASL credentials as variables, the CA as a
+/// mounted file.
+pub fn secrets(k: &KafkaSpec) -> Vec<SecretSlot> {
+    let slot = |field, reference: &crate::api::SecretKeyRef, delivery| SecretSlot {
+        field,
+        purpose: SecretUse::Broker,
+        reference: reference.clone(),
+        delivery,
+        content: Content::Text,
+    };
+    let mut all = Vec::new();
+    if let Some(sasl) = &k.sasl {
+        all.push(slot(
+            "spec.broker.kafka.sasl.usernameSecretRef",
+            &sasl.username_secret_ref,
+            Delivery::Env(ENV_KAFKA_SASL_USERNAME),
+        ));
+        all.push(slot(
+            "spec.broker.kafka.sasl.passwordSecretRef",
+            &sasl.password_secret_ref,
+            Delivery::Env(ENV_KAFKA_SASL_PASSWORD),
+        ));
+    }
+    if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        all.push(slot(
+            "spec.broker.kafka.tls.caSecretRef",
+            ca,
+            Delivery::File {
+                path: KAFKA_CA_PATH,
+                local_env: ENV_KAFKA_CA_FILE,
+            },
+        ));
+    }
+    all
+}
+
+/// Kafka producer settings with credentials resolved. No `Debug`: it holds secrets.
+#[derive(Clone)]
+pub struct KafkaSettings {
+    /// `host:port` list.
+    pub bootstrap_servers: String,
+    /// Topic template.
+    pub topic: String,
+    /// TLS on (with the system roots when no CA file is given).
+    pub tls: bool,
+    /// CA certificate file.
+    pub ca_file: Option<String>,
+    /// SASL mechanism, user name and password.
+    pub sasl: Option<(SaslMechanism, String, String)>,
+    /// Extra librdkafka producer settings.
+    pub properties: std::collections::BTreeMap<String, String>,
+}
+
+/// The settings of a Kafka spec, with Secret values (`value`, by field) and mounted
+/// files (`file`, by field) resolved.
+pub fn settings(
+    k: &KafkaSpec,
+    value: &dyn Fn(&str) -> String,
+    file: &dyn Fn(&str) -> Option<String>,
+) -> KafkaSettings {
+    KafkaSettings {
+        bootstrap_servers: k.bootstrap_servers.clone(),
+        topic: k.topic.clone(),
+        tls: k.tls.is_some(),
+        ca_file: file("spec.broker.kafka.tls.caSecretRef"),
+        sasl: k.sasl.as_ref().map(|s| {
+            (
+                s.mechanism,
+                value("spec.broker.kafka.sasl.usernameSecretRef"),
+                value("spec.broker.kafka.sasl.passwordSecretRef"),
+            )
+        }),
+        properties: k.properties.clone(),
+    }
+}
+
+/// `check`'s questions to Kafka: does it answer with these settings, and does the topic
+/// exist (metadata request with topic auto-creation off)?
+pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
+    let mut client = super::kafka::client_config(k);
+    client.set("allow.auto.create.topics", "false");
+    let producer: BaseProducer = match client.create() {
+        Ok(p) => p,
+        Err(err) => {
+            return vec![Probe::fail(
+                "broker",
+                format!("cannot create a Kafka client with these settings: {err}"),
+            )];
+        }
+    };
+    let topic = (!templated(&k.topic)).then(|| k.topic.clone());
+    let wanted = topic.clone();
+    let metadata = tokio::task::spawn_blocking(move || {
+        producer.client().fetch_metadata(wanted.as_deref(), TIMEOUT)
+    })
+    .await;
+    let metadata = match metadata {
+        Ok(Ok(m)) => m,
+        Ok(Err(err)) => {
+            return vec![Probe::fail(
+                "broker",
+                format!(
+                    "cannot reach Kafka at {} within {TIMEOUT:?}: {err}; check bootstrapServers, the network, TLS and SASL",
+                    k.bootstrap_servers
+                ),
+            )];
+        }
+        Err(err) => {
+            return vec![Probe::fail(
+                "broker",
+                format!("metadata request failed: {err}"),
+            )];
+        }
+    };
+    let mut probes = vec![Probe::ok(
+        "broker",
+        format!(
+            "Kafka at {} answers ({} broker(s))",
+            k.bootstrap_servers,
+            metadata.brokers().len()
+        ),
+    )];
+    match topic {
+        Some(name) => {
+            let found = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == name)
+                .filter(|t| t.error().is_none() && !t.partitions().is_empty());
+            probes.push(match found {
+                Some(t) => Probe::ok(
+                    "topic",
+                    format!(
+                        "topic {name} exists with {} partition(s)",
+                        t.partitions().len()
+                    ),
+                ),
+                None => Probe::fail(
+                    "topic",
+                    format!(
+                        "topic {name} does not exist: create it (the relay never creates topics)"
+                    ),
+                ),
+            });
+        }
+        None => probes.push(Probe::ok(
+            "topic",
+            format!(
+                "topics follow the template {}: one per aggregate type, not checked here",
+                k.topic
+            ),
+        )),
+    }
+    probes
 }

@@ -6,11 +6,32 @@ pub mod kafka;
 pub mod nats;
 pub mod probe;
 
+use std::sync::Arc;
+
 use futures::future::BoxFuture;
 
-use crate::postgres::OutboxRow;
-
 pub use crate::rules::{AGGREGATE_TYPE_PLACEHOLDER, BrokerKind, check_destination, check_template};
+
+/// One outbox row as the relay publishes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    /// Row id: the message id.
+    pub id: i64,
+    /// Aggregate type (empty when NULL).
+    pub aggregate_type: String,
+    /// Aggregate id: the message key.
+    pub aggregate_id: Option<String>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Payload bytes as stored (text forms as UTF-8).
+    pub payload: Vec<u8>,
+    /// Configured header columns that are not NULL.
+    pub headers: Vec<(String, String)>,
+    /// The row's partition.
+    pub partition: i64,
+    /// Insertion time as Unix seconds, when the table has a created-at column.
+    pub created_at: Option<f64>,
+}
 
 /// A message ready for a broker.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,6 +74,61 @@ impl PublishError {
         Self {
             row_fault: false,
             message: message.into(),
+        }
+    }
+}
+
+/// A broker's settings with Secret values resolved: the one enum that names every
+/// broker. Each variant's module holds that broker's spec rules, Secret references,
+/// settings, probe and publisher; adding a broker adds a module, a variant here and
+/// one in `crate::spec::ValidBroker` (plus its spec type in `crate::api`).
+#[derive(Clone)]
+pub enum BrokerSettings {
+    /// Kafka.
+    Kafka(kafka::KafkaSettings),
+    /// NATS JetStream.
+    Nats(nats::NatsSettings),
+    /// RabbitMQ.
+    RabbitMq(amqp::RabbitMqSettings),
+}
+
+impl BrokerSettings {
+    /// Which broker rules apply.
+    pub fn kind(&self) -> BrokerKind {
+        match self {
+            BrokerSettings::Kafka(_) => BrokerKind::Kafka,
+            BrokerSettings::Nats(_) => BrokerKind::Nats,
+            BrokerSettings::RabbitMq(_) => BrokerKind::Amqp,
+        }
+    }
+
+    /// The destination template (topic, subject or routing key).
+    pub fn template(&self) -> &str {
+        match self {
+            BrokerSettings::Kafka(k) => &k.topic,
+            BrokerSettings::Nats(n) => &n.subject,
+            BrokerSettings::RabbitMq(r) => &r.routing_key,
+        }
+    }
+
+    /// A publisher with these settings (Kafka and RabbitMQ connect lazily, NATS in the
+    /// background when the server is down).
+    pub async fn connect(&self) -> Result<Arc<dyn Broker>, PublishError> {
+        Ok(match self {
+            BrokerSettings::Kafka(k) => Arc::new(kafka::KafkaBroker::new(k)?),
+            BrokerSettings::Nats(n) => Arc::new(nats::NatsBroker::new(n).await?),
+            BrokerSettings::RabbitMq(r) => {
+                Arc::new(amqp::AmqpBroker::new(r.url.clone(), r.exchange.clone()))
+            }
+        })
+    }
+
+    /// `check`'s questions to the broker, one line each.
+    pub async fn probe(&self) -> Vec<probe::Probe> {
+        match self {
+            BrokerSettings::Kafka(k) => kafka::probe(k).await,
+            BrokerSettings::Nats(n) => nats::probe(n).await,
+            BrokerSettings::RabbitMq(r) => amqp::probe(r).await,
         }
     }
 }

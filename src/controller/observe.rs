@@ -17,7 +17,7 @@ use crate::api::OutboxRelay;
 use crate::resources::{
     Desired, MONITORING_API_VERSION, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_PLURAL,
 };
-use crate::spec::secrets::SecretUse;
+use crate::secrets::SecretUse;
 use crate::spec::{Problem, ValidRelay};
 
 /// How long the answer to "are the Prometheus Operator's CRDs served?" is reused.

@@ -271,26 +271,7 @@ pub struct Columns {
     pub headers: Vec<String>,
 }
 
-/// One outbox row as the relay publishes it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OutboxRow {
-    /// Row id: the message id.
-    pub id: i64,
-    /// Aggregate type (empty when NULL).
-    pub aggregate_type: String,
-    /// Aggregate id: the message key.
-    pub aggregate_id: Option<String>,
-    /// Event type.
-    pub event_type: Option<String>,
-    /// Payload bytes as stored (text forms as UTF-8).
-    pub payload: Vec<u8>,
-    /// Configured header columns that are not NULL.
-    pub headers: Vec<(String, String)>,
-    /// The row's partition.
-    pub partition: i64,
-    /// Insertion time as Unix seconds, when the table has a created-at column.
-    pub created_at: Option<f64>,
-}
+pub use crate::broker::OutboxRow;
 
 /// The SQL of one outbox table, built once from the validated configuration and the
 /// table's actual columns.

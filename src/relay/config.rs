@@ -4,12 +4,11 @@
 
 use std::time::Duration;
 
+pub use crate::broker::BrokerSettings;
 pub use crate::rules::default_slot_name;
-pub use crate::spec::config::{
-    BrokerSettings, CONFIG_PATH, ConfigError, HTTP_PORT, RelayConfig, Resolved,
-};
-use crate::spec::secrets::Delivery;
-pub use crate::spec::secrets::ENV_DATABASE_URL;
+use crate::secrets::Delivery;
+pub use crate::secrets::ENV_DATABASE_URL;
+pub use crate::spec::config::{CONFIG_PATH, ConfigError, HTTP_PORT, RelayConfig, Resolved};
 use crate::spec::{LogTailing, ValidMode, ValidRelay};
 
 /// A relay ready to run: spec parsed, secrets read. No `Debug`: it holds secrets.

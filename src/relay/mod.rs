@@ -15,11 +15,7 @@ use std::sync::atomic::AtomicBool;
 
 use tokio::sync::watch;
 
-use crate::broker::amqp::AmqpBroker;
-use crate::broker::kafka::KafkaBroker;
-use crate::broker::nats::NatsBroker;
-use crate::broker::{Broker, BrokerKind};
-use config::{BrokerSettings, ConfigError, RelayConfig, Settings};
+use config::{ConfigError, RelayConfig, Settings};
 
 /// Why the relay stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -64,27 +60,13 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
             addr: settings.listen,
             source,
         })?;
-    let (broker, kind, template): (Arc<dyn Broker>, BrokerKind, String) = match &settings.broker {
-        BrokerSettings::Kafka(config) => (
-            Arc::new(KafkaBroker::new(config).map_err(|e| RelayError::Broker(e.message))?),
-            BrokerKind::Kafka,
-            config.topic.clone(),
-        ),
-        BrokerSettings::Nats(config) => (
-            Arc::new(
-                NatsBroker::new(config)
-                    .await
-                    .map_err(|e| RelayError::Broker(e.message))?,
-            ),
-            BrokerKind::Nats,
-            config.subject.clone(),
-        ),
-        BrokerSettings::RabbitMq(r) => (
-            Arc::new(AmqpBroker::new(r.url.clone(), r.exchange.clone())),
-            BrokerKind::Amqp,
-            r.routing_key.clone(),
-        ),
-    };
+    let broker = settings
+        .broker
+        .connect()
+        .await
+        .map_err(|e| RelayError::Broker(e.message))?;
+    let kind = settings.broker.kind();
+    let template = settings.broker.template().to_owned();
     tracing::info!(
         relay_namespace = %identity.namespace,
         relay_name = %identity.name,

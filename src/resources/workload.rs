@@ -22,8 +22,8 @@ use super::{
     BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, child_meta, config_map_name,
     labels, relay_object_name, selector_labels,
 };
+use crate::secrets::Delivery;
 use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
-use crate::spec::secrets::Delivery;
 use crate::spec::{ValidMode, ValidRelay};
 
 /// The name of the container port, used by probes, the Service and the ServiceMonitor.

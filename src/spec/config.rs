@@ -12,9 +12,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::secrets::{Delivery, SecretSlot, SecretUse};
 use super::{Problems, ValidBroker, ValidRelay, parse};
-use crate::api::{OutboxRelay, OutboxRelaySpec, SaslMechanism};
+use crate::api::{OutboxRelay, OutboxRelaySpec};
+use crate::broker::{self, BrokerSettings};
+use crate::secrets::{Delivery, SecretSlot, SecretUse};
 
 /// Where the relay pod mounts its configuration file.
 pub const CONFIG_PATH: &str = "/etc/outbox-relay/relay.yaml";
@@ -147,58 +148,6 @@ impl RelayConfig {
     }
 }
 
-/// Kafka producer settings with credentials resolved. No `Debug`: it holds secrets.
-#[derive(Clone)]
-pub struct KafkaSettings {
-    /// `host:port` list.
-    pub bootstrap_servers: String,
-    /// Topic template.
-    pub topic: String,
-    /// TLS on (with the system roots when no CA file is given).
-    pub tls: bool,
-    /// CA certificate file.
-    pub ca_file: Option<String>,
-    /// SASL mechanism, user name and password.
-    pub sasl: Option<(SaslMechanism, String, String)>,
-    /// Extra librdkafka producer settings.
-    pub properties: std::collections::BTreeMap<String, String>,
-}
-
-/// NATS settings with the credentials file located.
-#[derive(Clone, Debug)]
-pub struct NatsSettings {
-    /// Server URL(s).
-    pub url: String,
-    /// Subject template.
-    pub subject: String,
-    /// Credentials file.
-    pub credentials_file: Option<String>,
-}
-
-/// RabbitMQ settings with the URI resolved. No `Debug`: the URI holds a password.
-#[derive(Clone)]
-pub struct RabbitMqSettings {
-    /// AMQP URI (secret).
-    pub url: String,
-    /// Variable or Secret the URI came from, for messages.
-    pub url_source: String,
-    /// Exchange.
-    pub exchange: String,
-    /// Routing-key template.
-    pub routing_key: String,
-}
-
-/// The broker with credentials resolved.
-#[derive(Clone)]
-pub enum BrokerSettings {
-    /// Kafka.
-    Kafka(KafkaSettings),
-    /// NATS JetStream.
-    Nats(NatsSettings),
-    /// RabbitMQ.
-    RabbitMq(RabbitMqSettings),
-}
-
 /// The Secret values a relay process needs, read as the catalogue says.
 pub struct Resolved {
     /// PostgreSQL URL (secret).
@@ -222,71 +171,46 @@ impl Resolved {
             .unwrap_or_default();
         Ok(Self {
             database_url,
-            broker: BrokerSettings::from_values(valid, env, &values),
+            broker: broker_from_values(valid, env, &values),
         })
     }
 }
 
-impl BrokerSettings {
-    /// Reads the broker's Secret values only (for `check`, which takes the database URL
-    /// from a variable of the user's choice).
-    pub fn read(
-        valid: &ValidRelay,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Self, ConfigError> {
-        let values = read_values(valid, env, |s| s.purpose == SecretUse::Broker)?;
-        Ok(Self::from_values(valid, env, &values))
-    }
+/// Reads the broker's Secret values only (for `check`, which takes the database URL from
+/// a variable of the user's choice).
+pub fn read_broker(
+    valid: &ValidRelay,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<BrokerSettings, ConfigError> {
+    let values = read_values(valid, env, |s| s.purpose == SecretUse::Broker)?;
+    Ok(broker_from_values(valid, env, &values))
+}
 
-    fn from_values(
-        valid: &ValidRelay,
-        env: &dyn Fn(&str) -> Option<String>,
-        values: &[(SecretSlot, String)],
-    ) -> Self {
-        let value = |field: &str| {
-            values
-                .iter()
-                .find(|(s, _)| s.field == field)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default()
-        };
-        let file = |field: &str| {
-            valid
-                .secrets()
-                .iter()
-                .find(|s| s.field == field)
-                .and_then(|s| s.file_path(env))
-        };
-        match &valid.broker {
-            ValidBroker::Kafka(k) => BrokerSettings::Kafka(KafkaSettings {
-                bootstrap_servers: k.bootstrap_servers.clone(),
-                topic: k.topic.clone(),
-                tls: k.tls.is_some(),
-                ca_file: file("spec.broker.kafka.tls.caSecretRef"),
-                sasl: k.sasl.as_ref().map(|s| {
-                    (
-                        s.mechanism,
-                        value("spec.broker.kafka.sasl.usernameSecretRef"),
-                        value("spec.broker.kafka.sasl.passwordSecretRef"),
-                    )
-                }),
-                properties: k.properties.clone(),
-            }),
-            ValidBroker::Nats(n) => BrokerSettings::Nats(NatsSettings {
-                url: n.url.clone(),
-                subject: n.subject.clone(),
-                credentials_file: file("spec.broker.nats.credentialsSecretRef"),
-            }),
-            ValidBroker::RabbitMq(r) => BrokerSettings::RabbitMq(RabbitMqSettings {
-                url: value("spec.broker.rabbitmq.urlSecretRef"),
-                url_source: format!(
-                    "Secret {} key {}",
-                    r.url_secret_ref.name, r.url_secret_ref.key
-                ),
-                exchange: r.exchange.clone(),
-                routing_key: r.routing_key.clone(),
-            }),
-        }
+/// The broker's settings from Secret values read (`values`) and mounted files located
+/// through `env`: each broker module turns its spec into its settings.
+fn broker_from_values(
+    valid: &ValidRelay,
+    env: &dyn Fn(&str) -> Option<String>,
+    values: &[(SecretSlot, String)],
+) -> BrokerSettings {
+    let value = |field: &str| {
+        values
+            .iter()
+            .find(|(s, _)| s.field == field)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    let secrets = valid.secrets();
+    let file = |field: &str| {
+        secrets
+            .iter()
+            .find(|s| s.field == field)
+            .and_then(|s| s.file_path(env))
+    };
+    match &valid.broker {
+        ValidBroker::Kafka(k) => BrokerSettings::Kafka(broker::kafka::settings(k, &value, &file)),
+        ValidBroker::Nats(n) => BrokerSettings::Nats(broker::nats::settings(n, &file)),
+        ValidBroker::RabbitMq(r) => BrokerSettings::RabbitMq(broker::amqp::settings(r, &value)),
     }
 }
 

@@ -9,9 +9,7 @@
 //! with the same wording; this module holds every rule, including those.
 
 pub mod config;
-pub mod secrets;
 
-use std::fmt;
 use std::time::Duration;
 
 use crate::api::{
@@ -19,57 +17,12 @@ use crate::api::{
     RabbitMqSpec, SecretKeyRef, SslMode, parse_bytes, parse_duration,
 };
 use crate::rules::{
-    BrokerKind, MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_slot_name, check_template,
-    default_slot_name, is_fixed_kafka_property,
+    BrokerKind, MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_secret_ref,
+    check_slot_name, default_slot_name,
 };
-use secrets::{
-    Content, Delivery, ENV_DATABASE_URL, ENV_KAFKA_CA_FILE, ENV_KAFKA_SASL_PASSWORD,
-    ENV_KAFKA_SASL_USERNAME, ENV_NATS_CREDENTIALS_FILE, ENV_RABBITMQ_URL, KAFKA_CA_PATH,
-    NATS_CREDENTIALS_PATH, SecretSlot, SecretUse,
-};
+use crate::secrets::{Content, Delivery, ENV_DATABASE_URL, SecretSlot, SecretUse};
 
-/// One thing wrong with a spec.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    /// The field, as a path (`spec.mode.polling.interval`).
-    pub field: String,
-    /// What is wrong.
-    pub message: String,
-    /// How to fix it.
-    pub fix: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {} ({})", self.field, self.message, self.fix)
-    }
-}
-
-/// Every problem found in a spec, in field order of discovery.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub struct Problems(pub Vec<Problem>);
-
-impl fmt::Display for Problems {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let lines: Vec<String> = self.0.iter().map(ToString::to_string).collect();
-        f.write_str(&lines.join("; "))
-    }
-}
-
-impl Problems {
-    fn push(&mut self, field: impl Into<String>, message: impl Into<String>, fix: &str) {
-        self.0.push(Problem {
-            field: field.into(),
-            message: message.into(),
-            fix: fix.to_owned(),
-        });
-    }
-
-    /// True when nothing was found.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
+pub use crate::rules::{Problem, Problems};
 
 /// The outbox table's columns, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -323,61 +276,11 @@ impl ValidRelay {
             delivery: Delivery::Env(ENV_DATABASE_URL),
             content: Content::PostgresUrl,
         }];
-        let broker = |field, reference: &SecretKeyRef, delivery, content| SecretSlot {
-            field,
-            purpose: SecretUse::Broker,
-            reference: reference.clone(),
-            delivery,
-            content,
-        };
-        match &self.broker {
-            ValidBroker::Kafka(k) => {
-                if let Some(sasl) = &k.sasl {
-                    all.push(broker(
-                        "spec.broker.kafka.sasl.usernameSecretRef",
-                        &sasl.username_secret_ref,
-                        Delivery::Env(ENV_KAFKA_SASL_USERNAME),
-                        Content::Text,
-                    ));
-                    all.push(broker(
-                        "spec.broker.kafka.sasl.passwordSecretRef",
-                        &sasl.password_secret_ref,
-                        Delivery::Env(ENV_KAFKA_SASL_PASSWORD),
-                        Content::Text,
-                    ));
-                }
-                if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-                    all.push(broker(
-                        "spec.broker.kafka.tls.caSecretRef",
-                        ca,
-                        Delivery::File {
-                            path: KAFKA_CA_PATH,
-                            local_env: ENV_KAFKA_CA_FILE,
-                        },
-                        Content::Text,
-                    ));
-                }
-            }
-            ValidBroker::Nats(n) => {
-                if let Some(creds) = &n.credentials_secret_ref {
-                    all.push(broker(
-                        "spec.broker.nats.credentialsSecretRef",
-                        creds,
-                        Delivery::File {
-                            path: NATS_CREDENTIALS_PATH,
-                            local_env: ENV_NATS_CREDENTIALS_FILE,
-                        },
-                        Content::Text,
-                    ));
-                }
-            }
-            ValidBroker::RabbitMq(r) => all.push(broker(
-                "spec.broker.rabbitmq.urlSecretRef",
-                &r.url_secret_ref,
-                Delivery::Env(ENV_RABBITMQ_URL),
-                Content::AmqpUrl,
-            )),
-        }
+        all.extend(match &self.broker {
+            ValidBroker::Kafka(k) => crate::broker::kafka::secrets(k),
+            ValidBroker::Nats(n) => crate::broker::nats::secrets(n),
+            ValidBroker::RabbitMq(r) => crate::broker::amqp::secrets(r),
+        });
         all
     }
 }
@@ -418,10 +321,12 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             "use disable or prefer until TLS to PostgreSQL is released",
         );
     }
-    secret_ref(
+    let db = &spec.database.postgres.connection_secret_ref;
+    check_secret_ref(
         &mut p,
         "spec.database.postgres.connectionSecretRef",
-        &spec.database.postgres.connection_secret_ref,
+        &db.name,
+        &db.key,
     );
 
     // Table.
@@ -550,93 +455,15 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             None
         }
         Some(Broker::Kafka(k)) => {
-            if k.bootstrap_servers.trim().is_empty() {
-                p.push(
-                    "spec.broker.kafka.bootstrapServers",
-                    "is empty",
-                    "name at least one host:port",
-                );
-            }
-            template(
-                &mut p,
-                BrokerKind::Kafka,
-                "spec.broker.kafka.topic",
-                &k.topic,
-            );
-            for key in k.properties.keys() {
-                if is_fixed_kafka_property(key) {
-                    p.push(
-                        format!("spec.broker.kafka.properties.{key}"),
-                        "is fixed by the relay (delivery guarantees) or set through tls and sasl",
-                        "remove it; acks=all and idempotence are always on",
-                    );
-                }
-            }
-            if let Some(sasl) = &k.sasl {
-                secret_ref(
-                    &mut p,
-                    "spec.broker.kafka.sasl.usernameSecretRef",
-                    &sasl.username_secret_ref,
-                );
-                secret_ref(
-                    &mut p,
-                    "spec.broker.kafka.sasl.passwordSecretRef",
-                    &sasl.password_secret_ref,
-                );
-            }
-            if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-                secret_ref(&mut p, "spec.broker.kafka.tls.caSecretRef", ca);
-            }
+            crate::broker::kafka::check(k, &mut p);
             Some(ValidBroker::Kafka(k.clone()))
         }
         Some(Broker::Nats(n)) => {
-            if n.url.trim().is_empty() {
-                p.push(
-                    "spec.broker.nats.url",
-                    "is empty",
-                    "name the server, nats://host:4222",
-                );
-            } else if n
-                .url
-                .split(',')
-                .any(|u| !(u.trim().starts_with("nats://") || u.trim().starts_with("tls://")))
-            {
-                p.push(
-                    "spec.broker.nats.url",
-                    format!("`{}` is not a list of nats:// or tls:// URLs", n.url),
-                    "write nats://host:4222 (comma-separated for several servers)",
-                );
-            }
-            template(
-                &mut p,
-                BrokerKind::Nats,
-                "spec.broker.nats.subject",
-                &n.subject,
-            );
-            if let Some(creds) = &n.credentials_secret_ref {
-                secret_ref(&mut p, "spec.broker.nats.credentialsSecretRef", creds);
-            }
+            crate::broker::nats::check(n, &mut p);
             Some(ValidBroker::Nats(n.clone()))
         }
         Some(Broker::RabbitMq(r)) => {
-            if r.exchange.len() > 255 {
-                p.push(
-                    "spec.broker.rabbitmq.exchange",
-                    "is longer than 255 bytes",
-                    "use a shorter exchange name",
-                );
-            }
-            template(
-                &mut p,
-                BrokerKind::Amqp,
-                "spec.broker.rabbitmq.routingKey",
-                &r.routing_key,
-            );
-            secret_ref(
-                &mut p,
-                "spec.broker.rabbitmq.urlSecretRef",
-                &r.url_secret_ref,
-            );
+            crate::broker::amqp::check(r, &mut p);
             Some(ValidBroker::RabbitMq(r.clone()))
         }
     };
@@ -821,46 +648,6 @@ fn duration(p: &mut Problems, field: &str, value: &str, min: Duration) -> Option
             );
             None
         }
-    }
-}
-
-fn template(p: &mut Problems, kind: BrokerKind, field: &str, value: &str) {
-    if let Err(message) = check_template(kind, value) {
-        p.push(
-            field,
-            format!("`{value}` {message}"),
-            "fix the template; {aggregateType} is replaced by each row's aggregate type",
-        );
-    }
-}
-
-fn secret_ref(p: &mut Problems, field: &str, r: &SecretKeyRef) {
-    let dns_subdomain = |s: &str| {
-        !s.is_empty()
-            && s.len() <= 253
-            && s.bytes()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
-            && s.as_bytes()[0].is_ascii_alphanumeric()
-            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
-    };
-    if !dns_subdomain(&r.name) {
-        p.push(
-            format!("{field}.name"),
-            format!("`{}` is not a valid Secret name", r.name),
-            "name a Secret in the relay's namespace (lowercase letters, digits, - and .)",
-        );
-    }
-    let key_ok = !r.key.is_empty()
-        && r.key.len() <= 253
-        && r.key
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
-    if !key_ok {
-        p.push(
-            format!("{field}.key"),
-            format!("`{}` is not a valid Secret key", r.key),
-            "use letters, digits, -, _ and .",
-        );
     }
 }
 
