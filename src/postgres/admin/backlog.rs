@@ -1,0 +1,159 @@
+//! The backlog for status: rows waiting and the oldest one's age, measured with short
+//! statement timeouts, and that age written for people.
+
+use tokio_postgres::Client;
+
+use super::{Plan, quote_literal};
+use crate::postgres::{PgError, db, quote};
+
+/// Rows counted at most for `status.backlogRows`: a backlog this large is reported as
+/// this number (the count stays cheap however large the table grows).
+pub const BACKLOG_COUNT_LIMIT: i64 = 100_000;
+
+/// How long one status query (backlog, age) may run before it is abandoned.
+const STATUS_QUERY_TIMEOUT: &str = "2s";
+
+/// Rows waiting (capped at [`BACKLOG_COUNT_LIMIT`]) and the oldest one's age in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backlog {
+    /// Rows waiting to be published (at most the limit).
+    pub rows: i64,
+    /// Age of the oldest, when the table has the created-at column and rows wait.
+    pub oldest_age_seconds: Option<f64>,
+}
+
+/// The backlog SQL for a plan: `None` when the table does not show it (log tailing
+/// that keeps rows: every row stays in the table, published or not).
+pub fn backlog_sql(plan: &Plan, has_created_at: bool) -> Option<(String, Option<String>)> {
+    let filter = match (&plan.log_tailing, &plan.published_at) {
+        (Some(lt), _) if !lt.delete_after_publish => return None,
+        (_, Some(published_at)) => format!("WHERE {} IS NULL", quote(published_at)),
+        _ => String::new(),
+    };
+    let table = plan.qualified();
+    let count = format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {table} {filter} LIMIT {BACKLOG_COUNT_LIMIT}) b"
+    );
+    // Oldest by id: the id grows with insertion, and the primary key finds it without
+    // reading every waiting row.
+    let age = has_created_at.then(|| {
+        format!(
+            "SELECT extract(epoch FROM now() - {})::float8 FROM {table} {filter} ORDER BY {} LIMIT 1",
+            quote(&plan.created_at),
+            quote(&plan.id)
+        )
+    });
+    Some((count, age))
+}
+
+/// Measures the backlog with short statement timeouts; `None` when the mode does not
+/// show one in the table.
+pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, PgError> {
+    let has_created_at = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+             WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)",
+            &[&plan.schema, &plan.table, &plan.created_at],
+        )
+        .await
+        .map_err(db("looking up the created-at column"))?
+        .get(0);
+    let Some((count_sql, age_sql)) = backlog_sql(plan, has_created_at) else {
+        return Ok(None);
+    };
+    client
+        .batch_execute(&format!(
+            "SET statement_timeout = {}",
+            quote_literal(STATUS_QUERY_TIMEOUT)
+        ))
+        .await
+        .map_err(db("limiting the status queries"))?;
+    let result = async {
+        let rows: i64 = client
+            .query_one(&count_sql, &[])
+            .await
+            .map_err(db("counting the backlog"))?
+            .get(0);
+        let oldest_age_seconds = match (&age_sql, rows) {
+            (Some(sql), n) if n > 0 => client
+                .query_opt(sql, &[])
+                .await
+                .map_err(db("measuring the oldest unpublished row"))?
+                .and_then(|r| r.get::<_, Option<f64>>(0))
+                .map(|a| a.max(0.0)),
+            _ => None,
+        };
+        Ok(Some(Backlog {
+            rows,
+            oldest_age_seconds,
+        }))
+    }
+    .await;
+    let _ = client.batch_execute("RESET statement_timeout").await;
+    result
+}
+
+/// An age for people: `0s`, `42s`, `4m12s`, `3h5m`, `2d4h`.
+pub fn human_age(seconds: f64) -> String {
+    // Whole seconds are enough for people; negative clock skew reads as 0s.
+    let total = if seconds.is_finite() && seconds > 0.0 {
+        seconds as u64
+    } else {
+        0
+    };
+    let (d, h, m, s) = (
+        total / 86_400,
+        total % 86_400 / 3600,
+        total % 3600 / 60,
+        total % 60,
+    );
+    if d > 0 {
+        format!("{d}d{h}h")
+    } else if h > 0 {
+        format!("{h}h{m}m")
+    } else if m > 0 {
+        format!("{m}m{s}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{TAILING, relay};
+    use super::*;
+
+    #[test]
+    fn backlog_queries_follow_the_mode() {
+        let mark = relay(&TAILING.replace("{logTailing: {}}", "{polling: {}}"));
+        let (count, age) = backlog_sql(&Plan::for_relay(&mark), true).unwrap();
+        assert!(
+            count.contains("WHERE \"published_at\" IS NULL LIMIT 100000"),
+            "{count}"
+        );
+        assert!(age.unwrap().contains("ORDER BY \"id\" LIMIT 1"));
+        let (_, age) = backlog_sql(&Plan::for_relay(&mark), false).unwrap();
+        assert!(age.is_none());
+        let delete =
+            relay(&TAILING.replace("{logTailing: {}}", "{polling: {afterPublish: delete}}"));
+        let (count, _) = backlog_sql(&Plan::for_relay(&delete), true).unwrap();
+        assert!(!count.contains("WHERE"), "{count}");
+        // Log tailing that deletes rows: the table is the backlog.
+        assert!(backlog_sql(&Plan::for_relay(&relay(TAILING)), true).is_some());
+        let keep = relay(&TAILING.replace(
+            "{logTailing: {}}",
+            "{logTailing: {deleteAfterPublish: false}}",
+        ));
+        assert!(backlog_sql(&Plan::for_relay(&keep), true).is_none());
+    }
+
+    #[test]
+    fn ages_read_like_people_write_them() {
+        assert_eq!(human_age(0.4), "0s");
+        assert_eq!(human_age(-3.0), "0s");
+        assert_eq!(human_age(42.0), "42s");
+        assert_eq!(human_age(252.0), "4m12s");
+        assert_eq!(human_age(3.0 * 3600.0 + 300.0), "3h5m");
+        assert_eq!(human_age(2.0 * 86_400.0 + 4.0 * 3600.0), "2d4h");
+    }
+}

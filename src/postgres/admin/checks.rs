@@ -1,0 +1,413 @@
+//! The preflight checks: what the [`Facts`] mean for a [`Plan`], as [`Check`]s with a
+//! message naming what to change (pure: no client).
+
+use super::{Check, Facts, Plan, Scope};
+use crate::postgres::quote;
+
+/// The checks, in order, from the facts (pure). Database checks come first; slot
+/// checks only for log tailing.
+pub fn evaluate(plan: &Plan, facts: &Facts) -> Vec<Check> {
+    use Scope::{Database, Slot};
+    let s = &facts.server;
+    let t = &facts.table;
+    let table = format!("{}.{}", plan.schema, plan.table);
+    let mut checks = vec![Check::pass(
+        Database,
+        "connection",
+        "Connected",
+        format!("connected to database {} as {}", s.database, s.user),
+    )];
+    if !t.exists {
+        checks.push(Check::fail(
+            Database,
+            "table",
+            "TableNotFound",
+            format!(
+                "table {table} does not exist in database {} or role {} cannot see it; create it (see examples/schema.sql), grant USAGE on schema {} to {}, or fix spec.table",
+                s.database, s.user, plan.schema, s.user
+            ),
+        ));
+    } else {
+        checks.push(Check::pass(
+            Database,
+            "table",
+            "TableFound",
+            format!("table {table} exists"),
+        ));
+        let missing: Vec<String> = plan
+            .columns
+            .iter()
+            .filter(|(_, c)| !t.columns.contains(c))
+            .map(|(field, c)| format!("{c} ({field})"))
+            .collect();
+        if missing.is_empty() {
+            checks.push(Check::pass(
+                Database,
+                "columns",
+                "ColumnsFound",
+                format!("table {table} has every configured column"),
+            ));
+        } else {
+            checks.push(Check::fail(
+                Database,
+                "columns",
+                "ColumnMissing",
+                format!(
+                    "table {table} has no column {}; add the column or change the spec field named",
+                    missing.join(", no column ")
+                ),
+            ));
+        }
+        if t.missing_privileges.is_empty() {
+            let names: Vec<&str> = plan.privileges.iter().map(|(p, _)| *p).collect();
+            checks.push(Check::pass(
+                Database,
+                "privileges",
+                "PrivilegesGranted",
+                format!("role {} has {} on {table}", s.user, names.join(", ")),
+            ));
+        } else {
+            let names: Vec<&str> = t.missing_privileges.iter().map(|(p, _)| *p).collect();
+            let why: Vec<String> = t
+                .missing_privileges
+                .iter()
+                .map(|(p, w)| format!("{p}: {w}"))
+                .collect();
+            checks.push(Check::fail(
+                Database,
+                "privileges",
+                "PermissionDenied",
+                format!(
+                    "role {} lacks {} on {table} ({}); run GRANT {} ON {} TO {}",
+                    s.user,
+                    names.join(", "),
+                    why.join("; "),
+                    names.join(", "),
+                    plan.qualified(),
+                    quote(&s.user)
+                ),
+            ));
+        }
+    }
+    let Some(lt) = &plan.log_tailing else {
+        return checks;
+    };
+    if s.wal_level == "logical" {
+        checks.push(Check::pass(
+            Slot,
+            "wal_level",
+            "WalLevelLogical",
+            "wal_level is logical".to_owned(),
+        ));
+    } else {
+        checks.push(Check::fail(
+            Slot,
+            "wal_level",
+            "WalLevelNotLogical",
+            format!(
+                "wal_level is {}; set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
+                s.wal_level
+            ),
+        ));
+    }
+    if s.replication || s.superuser {
+        checks.push(Check::pass(
+            Slot,
+            "replication",
+            "ReplicationAllowed",
+            format!(
+                "role {} may replicate ({})",
+                s.user,
+                if s.superuser {
+                    "superuser"
+                } else {
+                    "REPLICATION"
+                }
+            ),
+        ));
+    } else {
+        checks.push(Check::fail(
+            Slot,
+            "replication",
+            "ReplicationNotAllowed",
+            format!(
+                "role {} has neither the REPLICATION attribute nor superuser; run ALTER ROLE {} REPLICATION (on managed services, grant the provider's replication role)",
+                s.user,
+                quote(&s.user)
+            ),
+        ));
+    }
+    if s.max_wal_senders < 1 {
+        checks.push(Check::fail(
+            Slot,
+            "max_wal_senders",
+            "NoWalSenders",
+            "max_wal_senders is 0; set max_wal_senders to at least 1 in postgresql.conf and restart PostgreSQL".to_owned(),
+        ));
+    }
+    match &facts.slot {
+        Some(slot) => {
+            let same_db = slot.database.as_deref() == Some(s.database.as_str());
+            if slot.slot_type != "logical" || slot.plugin.as_deref() != Some("pgoutput") || !same_db
+            {
+                checks.push(Check::fail(
+                    Slot,
+                    "slot",
+                    "SlotConflict",
+                    format!(
+                        "replication slot {} exists but is a {} slot{}{} and cannot be used; set another spec.mode.logTailing.slotName or drop that slot",
+                        lt.slot,
+                        slot.slot_type,
+                        slot.plugin
+                            .as_deref()
+                            .map_or_else(String::new, |p| format!(" with plugin {p}")),
+                        slot.database
+                            .as_deref()
+                            .map_or_else(String::new, |d| format!(" of database {d}")),
+                    ),
+                ));
+            } else {
+                checks.push(Check::pass(
+                    Slot,
+                    "slot",
+                    "SlotExists",
+                    format!("replication slot {} exists", lt.slot),
+                ));
+            }
+        }
+        None if s.slots_in_use >= s.max_replication_slots => checks.push(Check::fail(
+            Slot,
+            "slot",
+            "NoFreeSlots",
+            format!(
+                "max_replication_slots is {} and {} slots exist, so slot {} cannot be created; raise max_replication_slots in postgresql.conf and restart PostgreSQL, or drop a slot no longer used",
+                s.max_replication_slots, s.slots_in_use, lt.slot
+            ),
+        )),
+        None => checks.push(Check::pass(
+            Slot,
+            "slot",
+            "SlotCanBeCreated",
+            format!(
+                "slot {} will be created ({} of {} slots in use)",
+                lt.slot, s.slots_in_use, s.max_replication_slots
+            ),
+        )),
+    }
+    match &facts.publication {
+        Some(p) if !p.has_table || !p.publishes_insert => checks.push(Check::fail(
+            Slot,
+            "publication",
+            "PublicationConflict",
+            format!(
+                "publication {} exists but does not publish inserts into {table}; run ALTER PUBLICATION {} ADD TABLE {} (and publish = 'insert'), or set another spec.mode.logTailing.publicationName",
+                lt.publication,
+                quote(&lt.publication),
+                plan.qualified()
+            ),
+        )),
+        Some(_) => checks.push(Check::pass(
+            Slot,
+            "publication",
+            "PublicationExists",
+            format!("publication {} publishes inserts into {table}", lt.publication),
+        )),
+        None if t.exists && !(s.superuser || (t.owned && s.can_create)) => {
+            checks.push(Check::fail(
+                Slot,
+                "publication",
+                "PublicationNotPermitted",
+                format!(
+                    "role {} cannot create publication {} (it needs CREATE on database {} and ownership of {table}); run CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert') as the table's owner, or grant those",
+                    s.user,
+                    lt.publication,
+                    s.database,
+                    quote(&lt.publication),
+                    plan.qualified()
+                ),
+            ))
+        }
+        None => checks.push(Check::pass(
+            Slot,
+            "publication",
+            "PublicationCanBeCreated",
+            format!("publication {} will be created", lt.publication),
+        )),
+    }
+    checks
+}
+
+/// The first failed check of a scope, if any.
+pub fn first_failure(checks: &[Check], scope: Scope) -> Option<&Check> {
+    checks.iter().find(|c| c.scope == scope && !c.ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{TAILING, relay};
+    use super::super::{PublicationFacts, ServerFacts, SlotFacts, TableFacts};
+    use super::*;
+
+    fn facts() -> Facts {
+        Facts {
+            server: ServerFacts {
+                wal_level: "logical".to_owned(),
+                max_replication_slots: 10,
+                slots_in_use: 2,
+                max_wal_senders: 10,
+                replication: true,
+                superuser: false,
+                user: "app".to_owned(),
+                database: "shop".to_owned(),
+                can_create: true,
+            },
+            table: TableFacts {
+                exists: true,
+                columns: [
+                    "id",
+                    "aggregatetype",
+                    "aggregateid",
+                    "type",
+                    "payload",
+                    "traceparent",
+                    "created_at",
+                ]
+                .map(str::to_owned)
+                .to_vec(),
+                owned: true,
+                missing_privileges: Vec::new(),
+            },
+            slot: None,
+            publication: None,
+        }
+    }
+
+    #[test]
+    fn a_log_tailing_plan_names_slot_publication_and_header_columns() {
+        let plan = Plan::for_relay(&relay(TAILING));
+        let lt = plan.log_tailing.clone().unwrap();
+        assert_eq!(lt.slot, "outbox_shop_orders");
+        assert_eq!(lt.publication, "outbox_shop_orders");
+        assert!(
+            plan.columns
+                .contains(&("table.headers".to_owned(), "traceparent".to_owned()))
+        );
+        assert!(plan.privileges.iter().any(|(p, _)| *p == "DELETE"));
+        assert!(evaluate(&plan, &facts()).iter().all(|c| c.ok));
+    }
+
+    #[test]
+    fn replica_wal_level_names_the_setting_to_change() {
+        let plan = Plan::for_relay(&relay(TAILING));
+        let mut f = facts();
+        f.server.wal_level = "replica".to_owned();
+        let checks = evaluate(&plan, &f);
+        let failed = first_failure(&checks, Scope::Slot).unwrap();
+        assert_eq!(failed.reason, "WalLevelNotLogical");
+        assert!(
+            failed
+                .message
+                .contains("wal_level is replica; set wal_level = logical"),
+            "{}",
+            failed.message
+        );
+        assert!(first_failure(&checks, Scope::Database).is_none());
+    }
+
+    #[test]
+    fn missing_columns_privileges_and_replication_are_named() {
+        let plan = Plan::for_relay(&relay(TAILING));
+        let mut f = facts();
+        f.table.columns.retain(|c| c != "traceparent");
+        f.table.missing_privileges = vec![("DELETE", "log tailing with deleteAfterPublish")];
+        f.server.replication = false;
+        let checks = evaluate(&plan, &f);
+        let columns = checks.iter().find(|c| c.name == "columns").unwrap();
+        assert!(!columns.ok);
+        assert!(
+            columns
+                .message
+                .contains("has no column traceparent (table.headers)"),
+            "{}",
+            columns.message
+        );
+        let privileges = checks.iter().find(|c| c.name == "privileges").unwrap();
+        assert!(
+            privileges
+                .message
+                .contains("GRANT DELETE ON \"public\".\"outbox\" TO \"app\""),
+            "{}",
+            privileges.message
+        );
+        let replication = first_failure(&checks, Scope::Slot).unwrap();
+        assert_eq!(replication.reason, "ReplicationNotAllowed");
+        assert!(
+            replication
+                .message
+                .contains("ALTER ROLE \"app\" REPLICATION")
+        );
+    }
+
+    #[test]
+    fn full_slots_and_conflicting_objects_fail() {
+        let plan = Plan::for_relay(&relay(TAILING));
+        let mut f = facts();
+        f.server.slots_in_use = 10;
+        assert_eq!(
+            first_failure(&evaluate(&plan, &f), Scope::Slot)
+                .unwrap()
+                .reason,
+            "NoFreeSlots"
+        );
+        // An existing slot of ours needs no free one.
+        f.slot = Some(SlotFacts {
+            database: Some("shop".to_owned()),
+            plugin: Some("pgoutput".to_owned()),
+            slot_type: "logical".to_owned(),
+        });
+        assert!(first_failure(&evaluate(&plan, &f), Scope::Slot).is_none());
+        f.slot = Some(SlotFacts {
+            database: Some("other".to_owned()),
+            plugin: Some("test_decoding".to_owned()),
+            slot_type: "logical".to_owned(),
+        });
+        let failed = evaluate(&plan, &f);
+        let failed = first_failure(&failed, Scope::Slot).unwrap();
+        assert_eq!(failed.reason, "SlotConflict");
+        assert!(
+            failed.message.contains("test_decoding"),
+            "{}",
+            failed.message
+        );
+        f.slot = None;
+        f.server.slots_in_use = 2;
+        f.publication = Some(PublicationFacts {
+            publishes_insert: true,
+            has_table: false,
+            comment: None,
+        });
+        assert_eq!(
+            first_failure(&evaluate(&plan, &f), Scope::Slot)
+                .unwrap()
+                .reason,
+            "PublicationConflict"
+        );
+    }
+
+    #[test]
+    fn a_missing_table_is_one_clear_failure() {
+        let plan = Plan::for_relay(&relay(TAILING));
+        let mut f = facts();
+        f.table = TableFacts {
+            exists: false,
+            columns: Vec::new(),
+            owned: false,
+            missing_privileges: Vec::new(),
+        };
+        let checks = evaluate(&plan, &f);
+        let failed = first_failure(&checks, Scope::Database).unwrap();
+        assert_eq!(failed.reason, "TableNotFound");
+        assert!(failed.message.contains("public.outbox does not exist"));
+        assert!(!checks.iter().any(|c| c.name == "columns"));
+    }
+}

@@ -1,0 +1,132 @@
+//! Reads the preflight facts (server and role, the outbox table, an existing slot and
+//! publication) that [`evaluate`](super::evaluate) judges. Read-only.
+
+use tokio_postgres::Client;
+
+use super::{Facts, Plan, PublicationFacts, ServerFacts, SlotFacts, TableFacts};
+use crate::postgres::{PgError, db};
+
+/// Reads what the checks need (read-only).
+pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('wal_level'), \
+                    current_setting('max_replication_slots')::int4, \
+                    (SELECT count(*) FROM pg_replication_slots)::int4, \
+                    current_setting('max_wal_senders')::int4, \
+                    r.rolreplication, r.rolsuper, current_user::text, current_database()::text, \
+                    has_database_privilege(current_database(), 'CREATE') \
+             FROM pg_roles r WHERE r.rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(db("reading server settings"))?;
+    let server = ServerFacts {
+        wal_level: row.get(0),
+        max_replication_slots: row.get(1),
+        slots_in_use: row.get(2),
+        max_wal_senders: row.get(3),
+        replication: row.get(4),
+        superuser: row.get(5),
+        user: row.get(6),
+        database: row.get(7),
+        can_create: row.get(8),
+    };
+    let table_row = client
+        .query_opt(
+            "SELECT c.oid, pg_has_role(c.relowner, 'USAGE') FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p') \
+               AND has_schema_privilege(n.oid, 'USAGE')",
+            &[&plan.schema, &plan.table],
+        )
+        .await
+        .map_err(db("looking up the outbox table"))?;
+    let table = match table_row {
+        None => TableFacts {
+            exists: false,
+            columns: Vec::new(),
+            owned: false,
+            missing_privileges: Vec::new(),
+        },
+        Some(row) => {
+            let oid: u32 = row.get(0);
+            let columns = client
+                .query(
+                    "SELECT attname::text FROM pg_attribute \
+                     WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+                    &[&oid],
+                )
+                .await
+                .map_err(db("reading the outbox table's columns"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut missing_privileges = Vec::new();
+            for (privilege, why) in &plan.privileges {
+                let has: bool = client
+                    .query_one(
+                        "SELECT has_table_privilege($1::oid, $2::text)",
+                        &[&oid, privilege],
+                    )
+                    .await
+                    .map_err(db("checking table privileges"))?
+                    .get(0);
+                if !has {
+                    missing_privileges.push((*privilege, *why));
+                }
+            }
+            TableFacts {
+                exists: true,
+                columns,
+                owned: row.get(1),
+                missing_privileges,
+            }
+        }
+    };
+    let (mut slot, mut publication) = (None, None);
+    if let Some(lt) = &plan.log_tailing {
+        slot = client
+            .query_opt(
+                "SELECT database::text, plugin::text, slot_type::text \
+                 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&lt.slot],
+            )
+            .await
+            .map_err(db("looking up the replication slot"))?
+            .map(|r| SlotFacts {
+                database: r.get(0),
+                plugin: r.get(1),
+                slot_type: r.get(2),
+            });
+        publication = read_publication(client, &lt.publication, plan).await?;
+    }
+    Ok(Facts {
+        server,
+        table,
+        slot,
+        publication,
+    })
+}
+
+async fn read_publication(
+    client: &Client,
+    publication: &str,
+    plan: &Plan,
+) -> Result<Option<PublicationFacts>, PgError> {
+    Ok(client
+        .query_opt(
+            "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
+                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3), \
+                 obj_description(p.oid, 'pg_publication') \
+             FROM pg_publication p WHERE p.pubname = $1",
+            &[&publication, &plan.schema, &plan.table],
+        )
+        .await
+        .map_err(db("looking up the publication"))?
+        .map(|r| PublicationFacts {
+            publishes_insert: r.get(0),
+            has_table: r.get(1),
+            comment: r.get(2),
+        }))
+}

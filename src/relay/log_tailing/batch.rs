@@ -1,0 +1,295 @@
+//! Reading the stream into batches of whole transactions, publishing a batch until the
+//! broker acknowledged all of it, confirming its position, and handing the confirmed
+//! rows to the deleter.
+
+use std::collections::HashMap;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use futures::FutureExt;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use tokio_postgres::Client;
+
+use super::layout::Layout;
+use super::{
+    CONFIRM_EVERY, LogTailer, MAX_BATCH_ROWS, PG_EPOCH_UNIX_MICROS, SHUTDOWN_GRACE, SessionEnd,
+    stream_error,
+};
+use crate::broker::PublishError;
+use crate::postgres::replication::{self as repl, HEARTBEAT_PREFIX, PgOutput};
+use crate::postgres::{OutboxRow, PgError};
+use crate::relay::RelayError;
+use crate::relay::backoff::Backoff;
+use crate::relay::chains::{ChainResult, chains, publish_chains};
+use crate::relay::metrics::ErrorLabels;
+
+/// Transactions received but not yet published and confirmed.
+#[derive(Default)]
+struct Batch {
+    rows: Vec<OutboxRow>,
+    /// The position to confirm once every row is acknowledged: the last commit's end
+    /// LSN, or a heartbeat's LSN.
+    confirm: Option<Lsn>,
+}
+
+impl LogTailer {
+    /// Reads transactions, publishes them batch by batch and confirms each batch.
+    pub(super) async fn stream(
+        &mut self,
+        client: &Client,
+        stream: &mut ReplicationClient,
+    ) -> Result<(), SessionEnd> {
+        let t = self.settings.valid.table.clone();
+        let mut relations: HashMap<u32, Option<Layout>> = HashMap::new();
+        // The commit time (Unix seconds) of the transaction being received.
+        let mut open: Option<f64> = None;
+        let mut last_progress = Instant::now();
+        let mut stop = self.stop.clone();
+        loop {
+            let mut batch = Batch::default();
+            // Wait for the first event, writing heartbeats while idle.
+            let first = loop {
+                let heartbeat_due = last_progress + self.lt.heartbeat;
+                let deletes_pending = !self.pending_deletes.is_empty();
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => return Ok(()),
+                    event = stream.recv() => break event,
+                    () = tokio::time::sleep_until(heartbeat_due.into()) => {
+                        repl::emit_heartbeat(client).await?;
+                        last_progress = Instant::now();
+                    }
+                    () = tokio::time::sleep(CONFIRM_EVERY), if deletes_pending => {
+                        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
+                    }
+                }
+            };
+            let mut event = first;
+            loop {
+                let Some(ev) = event.map_err(stream_error)? else {
+                    return Err(SessionEnd::Stream("the server ended the stream".to_owned()));
+                };
+                self.receive(ev, &t, &mut relations, &mut open, &mut batch)?;
+                // Inside a transaction, read on to its commit; between transactions,
+                // take only what has already arrived.
+                event = if open.is_some() {
+                    stream.recv().await
+                } else if batch.rows.len() >= MAX_BATCH_ROWS {
+                    break;
+                } else {
+                    match stream.recv().now_or_never() {
+                        Some(next) => next,
+                        None => break,
+                    }
+                };
+            }
+            if let Some(lsn) = batch.confirm {
+                self.publish(batch.rows, stream, lsn).await?;
+                last_progress = Instant::now();
+            }
+        }
+    }
+
+    /// Applies one replication event to the open transaction and the batch.
+    fn receive(
+        &mut self,
+        event: ReplicationEvent,
+        t: &crate::spec::Table,
+        relations: &mut HashMap<u32, Option<Layout>>,
+        open: &mut Option<f64>,
+        batch: &mut Batch,
+    ) -> Result<(), SessionEnd> {
+        match event {
+            ReplicationEvent::Begin {
+                commit_time_micros, ..
+            } => {
+                let micros = commit_time_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
+                // Microseconds to seconds for the lag metric; precision loss is irrelevant.
+                #[allow(clippy::cast_precision_loss)]
+                let secs = micros as f64 / 1e6;
+                *open = Some(secs);
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                let message = repl::decode(&data)
+                    .map_err(|e| SessionEnd::Stream(format!("decoding the stream: {e}")))?;
+                match message {
+                    PgOutput::Relation(relation) => {
+                        let layout = Layout::of(&relation, &t.schema, &t.name, &self.columns)
+                            .map_err(|e| SessionEnd::Db(PgError::Schema(e)))?;
+                        relations.insert(relation.oid, layout);
+                    }
+                    PgOutput::Insert { relation, tuple } => {
+                        let layout = relations.get(&relation).ok_or_else(|| {
+                            SessionEnd::Stream(format!(
+                                "insert into relation {relation} before its description"
+                            ))
+                        })?;
+                        if let Some(layout) = layout {
+                            let commit = open.unwrap_or_else(unix_now);
+                            let row = layout.row(&tuple, commit).map_err(|e| {
+                                SessionEnd::Stream(format!("an outbox insert: {e}"))
+                            })?;
+                            batch.rows.push(row);
+                        }
+                    }
+                    // Updates, deletes (our own deleteAfterPublish deletes among them),
+                    // truncates, types and origins are not events.
+                    PgOutput::Other(_) => {}
+                }
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                *open = None;
+                batch.confirm = Some(end_lsn);
+            }
+            ReplicationEvent::Message { prefix, lsn, .. } => {
+                // Non-transactional messages are decoded in WAL order between whole
+                // transactions, so everything committed before the heartbeat is already
+                // in this or an earlier batch: its LSN is safe to confirm with them.
+                if prefix == HEARTBEAT_PREFIX && open.is_none() {
+                    batch.confirm = Some(batch.confirm.map_or(lsn, |c| c.max(lsn)));
+                }
+            }
+            ReplicationEvent::KeepAlive { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Publishes a batch until every message is acknowledged, then confirms `confirm`.
+    async fn publish(
+        &mut self,
+        rows: Vec<OutboxRow>,
+        stream: &ReplicationClient,
+        confirm: Lsn,
+    ) -> Result<(), SessionEnd> {
+        let started = Instant::now();
+        let per_aggregate = self.settings.valid.per_aggregate;
+        let mut pending = chains(rows, per_aggregate);
+        let mut ids = Vec::new();
+        let mut lags = Vec::new();
+        let mut backoff = Backoff::new();
+        let mut stop_seen: Option<Instant> = None;
+        while !pending.is_empty() {
+            let broker = self.broker.as_ref();
+            let (kind, template) = (self.kind, self.template.as_str());
+            let results: Vec<ChainResult> =
+                publish_chains(broker, kind, template, std::mem::take(&mut pending)).await;
+            let now_unix = unix_now();
+            for result in results {
+                for (id, created) in result.published {
+                    ids.push(id);
+                    if let Some(created) = created {
+                        lags.push((now_unix - created).max(0.0));
+                    }
+                }
+                if let Some((rest, err)) = result.failed {
+                    self.count_failure(&rest, &err);
+                    pending.push(rest);
+                }
+            }
+            if pending.is_empty() {
+                break;
+            }
+            if self.broker.is_broken() {
+                return Err(SessionEnd::Fatal(RelayError::Broker(
+                    "the broker client failed permanently; restarting".to_owned(),
+                )));
+            }
+            if self.stopping() {
+                let since = *stop_seen.get_or_insert_with(Instant::now);
+                if since.elapsed() >= SHUTDOWN_GRACE {
+                    return Err(SessionEnd::Abandoned);
+                }
+            }
+            tokio::time::sleep(backoff.step()).await;
+        }
+        // Every message of every transaction up to `confirm` is acknowledged.
+        stream.update_applied_lsn(confirm);
+        let m = &self.health.metrics;
+        m.published.inc_by(u64::try_from(ids.len()).unwrap_or(0));
+        for lag in lags {
+            m.end_to_end_lag.observe(lag);
+        }
+        m.batch_duration.observe(started.elapsed().as_secs_f64());
+        m.last_success.set(unix_now());
+        if !self.attempts.is_empty() {
+            for id in &ids {
+                self.attempts.remove(id);
+            }
+        }
+        if self.lt.delete_after_publish && !ids.is_empty() {
+            self.pending_deletes.push((confirm, ids));
+        }
+        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
+        Ok(())
+    }
+
+    fn count_failure(&mut self, rest: &[OutboxRow], err: &PublishError) {
+        let Some(row) = rest.first() else {
+            return;
+        };
+        let m = &self.health.metrics;
+        if err.row_fault {
+            m.publish_errors
+                .get_or_create(&ErrorLabels { kind: "row" })
+                .inc();
+            let attempts = self.attempts.entry(row.id).or_insert(0);
+            *attempts += 1;
+            // The stream cannot go past a row without losing it or breaking its
+            // aggregate's order: a refused row blocks, like `onExhausted: block`.
+            tracing::error!(
+                row = row.id,
+                attempts = *attempts,
+                error = %err,
+                "row refused by the broker; the stream waits until it can be published"
+            );
+        } else {
+            m.publish_errors
+                .get_or_create(&ErrorLabels {
+                    kind: "unavailable",
+                })
+                .inc();
+            tracing::warn!(row = row.id, error = %err, "broker unavailable; will retry");
+        }
+    }
+
+    /// Hands the published rows whose commits the server has been sent a confirmation
+    /// for (`confirmed`) to the deleter.
+    pub(super) fn hand_over_confirmed(&mut self, confirmed: Lsn) {
+        let ready = self
+            .pending_deletes
+            .iter()
+            .take_while(|(lsn, _)| *lsn <= confirmed)
+            .count();
+        for (_, ids) in self.pending_deletes.drain(..ready) {
+            if let Some(deleter) = &self.deleter {
+                // A closed channel means the deleter is gone (shutdown): the rows stay,
+                // already published.
+                let _ = deleter.send(ids);
+            }
+        }
+    }
+
+    /// After a reconnect: hands over rows whose commits the slot shows as confirmed; the
+    /// others will be streamed (and published) again, and queued again then.
+    pub(super) async fn hand_over_after_reconnect(
+        &mut self,
+        client: &Client,
+    ) -> Result<(), PgError> {
+        if self.pending_deletes.is_empty() {
+            return Ok(());
+        }
+        let confirmed = repl::slot_stats(client, &self.lt.slot)
+            .await?
+            .and_then(|s| s.confirmed_flush_lsn)
+            .and_then(|text| Lsn::parse(&text).ok())
+            .unwrap_or(Lsn(0));
+        self.hand_over_confirmed(confirmed);
+        self.pending_deletes.clear();
+        Ok(())
+    }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}

@@ -1,0 +1,192 @@
+//! Where the outbox columns sit in the table's tuples as `pgoutput` streams them, and
+//! the outbox row an inserted tuple becomes.
+
+use crate::postgres::replication::{self as repl, BYTEA_OID, Relation, TupleValue};
+use crate::postgres::{Columns, OutboxRow};
+
+/// Where the outbox columns sit in the table's tuples.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Layout {
+    id: usize,
+    aggregate_type: usize,
+    aggregate_id: usize,
+    event_type: usize,
+    payload: usize,
+    payload_bytea: bool,
+    headers: Vec<(String, usize)>,
+}
+
+impl Layout {
+    /// The layout of `relation` when it is the outbox table; `Ok(None)` for any other
+    /// table; an error when the outbox table lacks a configured column.
+    pub(super) fn of(
+        relation: &Relation,
+        schema: &str,
+        table: &str,
+        columns: &Columns,
+    ) -> Result<Option<Self>, String> {
+        if relation.namespace != schema || relation.name != table {
+            return Ok(None);
+        }
+        let find = |name: &str| {
+            relation
+                .columns
+                .iter()
+                .position(|c| c.name == name)
+                .ok_or_else(|| format!("{schema}.{table} has no column {name} (stream)"))
+        };
+        let payload = find(&columns.payload)?;
+        Ok(Some(Self {
+            id: find(&columns.id)?,
+            aggregate_type: find(&columns.aggregate_type)?,
+            aggregate_id: find(&columns.aggregate_id)?,
+            event_type: find(&columns.event_type)?,
+            payload,
+            payload_bytea: relation.columns[payload].type_oid == BYTEA_OID,
+            headers: columns
+                .headers
+                .iter()
+                .map(|h| Ok((h.clone(), find(h)?)))
+                .collect::<Result<_, String>>()?,
+        }))
+    }
+
+    /// The outbox row of an inserted tuple; `commit_unix` becomes its `created_at`
+    /// (the end-to-end lag then runs from the commit).
+    pub(super) fn row(&self, tuple: &[TupleValue], commit_unix: f64) -> Result<OutboxRow, String> {
+        let text = |i: usize| -> Result<Option<String>, String> {
+            match tuple.get(i) {
+                Some(TupleValue::Text(b)) => Ok(Some(String::from_utf8_lossy(b).into_owned())),
+                Some(TupleValue::Null) => Ok(None),
+                Some(other) => Err(format!("column {i}: unexpected value {other:?}")),
+                None => Err(format!("column {i} missing from the tuple")),
+            }
+        };
+        let id = text(self.id)?
+            .and_then(|s| s.parse::<i64>().ok())
+            .ok_or_else(|| "the id column is not a bigint".to_owned())?;
+        let payload = match tuple.get(self.payload) {
+            Some(TupleValue::Text(b)) if self.payload_bytea => {
+                repl::decode_bytea_hex(b).map_err(|e| format!("row {id}: payload: {e}"))?
+            }
+            Some(TupleValue::Text(b)) => b.clone(),
+            Some(TupleValue::Null) => Vec::new(),
+            _ => return Err(format!("row {id}: payload column missing")),
+        };
+        let mut headers = Vec::new();
+        for (name, i) in &self.headers {
+            if let Some(v) = text(*i)? {
+                headers.push((name.clone(), v));
+            }
+        }
+        Ok(OutboxRow {
+            id,
+            aggregate_type: text(self.aggregate_type)?.unwrap_or_default(),
+            aggregate_id: text(self.aggregate_id)?,
+            event_type: text(self.event_type)?,
+            payload,
+            headers,
+            partition: 0,
+            created_at: Some(commit_unix),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::postgres::replication::RelationColumn;
+
+    fn columns() -> Columns {
+        Columns {
+            id: "id".into(),
+            aggregate_type: "aggregatetype".into(),
+            aggregate_id: "aggregateid".into(),
+            event_type: "type".into(),
+            payload: "payload".into(),
+            created_at: None,
+            published_at: "published_at".into(),
+            headers: vec!["traceparent".into()],
+        }
+    }
+
+    fn relation(payload_oid: u32) -> Relation {
+        let col = |name: &str, type_oid| RelationColumn {
+            name: name.into(),
+            type_oid,
+        };
+        Relation {
+            oid: 7,
+            namespace: "public".into(),
+            name: "outbox".into(),
+            columns: vec![
+                col("id", 20),
+                col("aggregatetype", 25),
+                col("aggregateid", 25),
+                col("type", 25),
+                col("payload", payload_oid),
+                col("traceparent", 25),
+            ],
+        }
+    }
+
+    fn text(s: &str) -> TupleValue {
+        TupleValue::Text(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn an_inserted_tuple_becomes_the_row_polling_would_read() {
+        let layout = Layout::of(&relation(3802), "public", "outbox", &columns())
+            .unwrap()
+            .unwrap();
+        let tuple = [
+            text("42"),
+            text("Order"),
+            text("o-1"),
+            text("Created"),
+            text(r#"{"a": 1}"#),
+            text("00-abc-01"),
+        ];
+        let row = layout.row(&tuple, 5.0).unwrap();
+        assert_eq!(row.id, 42);
+        assert_eq!(row.aggregate_id.as_deref(), Some("o-1"));
+        assert_eq!(row.payload, br#"{"a": 1}"#);
+        assert_eq!(
+            row.headers,
+            vec![("traceparent".into(), "00-abc-01".into())]
+        );
+        let mut nulls = tuple.clone();
+        nulls[4] = TupleValue::Null;
+        nulls[5] = TupleValue::Null;
+        let row = layout.row(&nulls, 5.0).unwrap();
+        assert!(row.payload.is_empty() && row.headers.is_empty());
+    }
+
+    #[test]
+    fn bytea_payloads_are_published_as_bytes() {
+        let layout = Layout::of(&relation(BYTEA_OID), "public", "outbox", &columns())
+            .unwrap()
+            .unwrap();
+        let tuple = [
+            text("1"),
+            text("A"),
+            text("a"),
+            text("T"),
+            text("\\x00ff"),
+            TupleValue::Null,
+        ];
+        assert_eq!(layout.row(&tuple, 0.0).unwrap().payload, vec![0, 255]);
+    }
+
+    #[test]
+    fn other_tables_are_skipped_and_missing_columns_named() {
+        assert_eq!(
+            Layout::of(&relation(25), "public", "other", &columns()).unwrap(),
+            None
+        );
+        let mut r = relation(25);
+        r.columns.pop();
+        let err = Layout::of(&r, "public", "outbox", &columns()).unwrap_err();
+        assert!(err.contains("traceparent"), "{err}");
+    }
+}

@@ -1,0 +1,343 @@
+//! The log-tailing publisher (`mode: logTailing`): streams the outbox table's inserts
+//! from a `pgoutput` logical replication slot, publishes them in commit order and
+//! confirms a commit to PostgreSQL only once the broker acknowledged all of it.
+//!
+//! # Confirm after acknowledgement
+//!
+//! The replication client reports to the server exactly the position handed to
+//! `update_applied_lsn` (as write, flush and apply LSN), and nothing before the first
+//! call, so the slot's `confirmed_flush_lsn` never passes a commit whose messages are
+//! not all acknowledged. A crash anywhere before that makes the server stream the
+//! unconfirmed transactions again on reconnect: at-least-once, duplicates possible,
+//! nothing lost.
+//!
+//! # Order
+//!
+//! Transactions arrive in commit order. Whole transactions are collected into a batch
+//! (the ones already received, up to [`MAX_BATCH_ROWS`] rows; a transaction is never
+//! split), the batch's rows form one chain per aggregate in commit order, chains run
+//! concurrently, and each chain publishes one message at a time, waiting for its
+//! acknowledgement. A failed message is retried, with the rest of its chain behind it,
+//! until it goes through; only then is the batch's last commit confirmed and the next
+//! batch read. So per-aggregate order holds across transactions and across restarts.
+//!
+//! # Heartbeats
+//!
+//! A slot only advances when its consumer confirms a position. When no commit was
+//! processed for `heartbeatInterval`, the relay writes a non-transactional logical
+//! message (`pg_logical_emit_message(false, 'outbox-heartbeat', '')`) on its normal
+//! connection; it arrives on the stream right away and its LSN is confirmed like a
+//! commit, so an idle database (or one busy only with other tables) does not make the
+//! slot retain WAL without bound.
+//!
+//! # deleteAfterPublish
+//!
+//! Published row ids are deleted (by id, in chunks) once the server has been sent the
+//! confirmation covering their commit. A task of their own does it, on a connection of
+//! its own, so a `DELETE` never holds up the path from stream to broker (inline, it
+//! added 50–60 ms to the p99 latency at 5,000 events/s). The deletes go through the slot
+//! as well and are ignored there. Ids waiting for deletion live in memory: a crash
+//! between confirmation and delete leaves those rows in the table (already published,
+//! never republished).
+//!
+//! # Slot and publication
+//!
+//! The controller owns the publication and the slot: it creates them once its checks
+//! pass and drops them through its finalizer, after the relay has stopped. The relay
+//! only checks they exist; when they do not, it reports not ready and retries with
+//! backoff, so a relay still running during a delete cannot re-create a dropped slot.
+//!
+//! # Submodules
+//!
+//! This module holds the relay loop (sessions, reconnects, the tasks beside the stream)
+//! and what its parts share; below it: where the outbox columns sit in the stream
+//! (`layout`), reading transactions into batches, publishing and confirming them
+//! (`batch`), the delete task (`deleter`) and the slot statistics task (`stats`).
+
+mod batch;
+mod deleter;
+mod layout;
+mod stats;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use pgwire_replication::{Lsn, ReplicationClient};
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::Client;
+
+use super::RelayError;
+use super::backoff::Backoff;
+use super::config::Settings;
+use super::http::Health;
+use crate::api::AfterPublish;
+use crate::broker::{Broker, BrokerKind};
+use crate::postgres::replication as repl;
+use crate::postgres::{self, Columns, OutboxTable, PgError, admin};
+use crate::spec::LogTailing as LogTailingSettings;
+use deleter::{DeleteTarget, delete_loop};
+use stats::slot_stats_loop;
+
+/// How often a newly confirmed position is sent to the server (standby status update).
+/// Short, because a crash re-publishes whatever was acknowledged but not yet reported.
+const CONFIRM_EVERY: Duration = Duration::from_secs(1);
+/// A batch stops taking further (already received) transactions at this many rows.
+const MAX_BATCH_ROWS: usize = 1000;
+/// How often the slot's statistics are read.
+const STATS_EVERY: Duration = Duration::from_secs(3);
+/// How long the replication connection may take to start streaming.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an unfinished batch may keep retrying after SIGTERM before it is abandoned
+/// (unconfirmed, so it is streamed again by the next relay).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
+/// Ids per delete statement: short statements, short locks.
+const DELETE_CHUNK: usize = 1000;
+/// How long shutdown waits for the deleter to finish the deletes it was handed.
+const DELETER_DRAIN: Duration = Duration::from_secs(10);
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// How a session ended.
+enum SessionEnd {
+    /// The normal connection failed; reconnect.
+    Db(PgError),
+    /// The replication stream failed or ended; reconnect.
+    Stream(String),
+    /// Shutdown while a batch could not be published: it stays unconfirmed.
+    Abandoned,
+    /// Cannot go on.
+    Fatal(RelayError),
+}
+
+impl From<PgError> for SessionEnd {
+    fn from(err: PgError) -> Self {
+        SessionEnd::Db(err)
+    }
+}
+
+fn stream_error(err: pgwire_replication::PgWireError) -> SessionEnd {
+    SessionEnd::Stream(err.to_string())
+}
+
+/// The log-tailing publisher of one process.
+pub(super) struct LogTailer {
+    settings: Settings,
+    lt: LogTailingSettings,
+    broker: Arc<dyn Broker>,
+    kind: BrokerKind,
+    template: String,
+    health: Arc<Health>,
+    stop: watch::Receiver<bool>,
+    columns: Columns,
+    /// Published ids to delete once the server has the confirmation of `Lsn`.
+    pending_deletes: Vec<(Lsn, Vec<i64>)>,
+    /// Confirmed ids go here, to the deleter task (with `deleteAfterPublish`).
+    deleter: Option<mpsc::UnboundedSender<Vec<i64>>>,
+    /// Failed attempts per row id (for logs; rows are retried until they go through).
+    attempts: HashMap<i64, u32>,
+}
+
+impl LogTailer {
+    pub(super) fn new(
+        settings: Settings,
+        lt: LogTailingSettings,
+        broker: Arc<dyn Broker>,
+        kind: BrokerKind,
+        template: String,
+        health: Arc<Health>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        let t = &settings.valid.table;
+        let columns = Columns {
+            id: t.columns.id.clone(),
+            aggregate_type: t.columns.aggregate_type.clone(),
+            aggregate_id: t.columns.aggregate_id.clone(),
+            event_type: t.columns.event_type.clone(),
+            payload: t.columns.payload.clone(),
+            created_at: None,
+            published_at: t.columns.published_at.clone(),
+            headers: t.headers.clone(),
+        };
+        Self {
+            settings,
+            lt,
+            broker,
+            kind,
+            template,
+            health,
+            stop,
+            columns,
+            pending_deletes: Vec::new(),
+            deleter: None,
+            attempts: HashMap::new(),
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Sleeps for `pause`, waking early on shutdown.
+    async fn nap(&self, pause: Duration) {
+        let mut stop = self.stop.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => {}
+        }
+    }
+
+    async fn connect(&self) -> Result<Client, PgError> {
+        postgres::connect(
+            &self.settings.database_url,
+            &self.settings.url_env,
+            self.settings.valid.ssl_mode,
+        )
+        .await
+    }
+
+    /// Runs sessions and reconnects with backoff until shutdown.
+    pub(super) async fn run(mut self) -> Result<(), RelayError> {
+        let stats = tokio::spawn(slot_stats_loop(
+            self.settings.database_url.clone(),
+            self.settings.url_env.clone(),
+            self.settings.valid.ssl_mode,
+            self.lt.slot.clone(),
+            self.health.clone(),
+            self.stop.clone(),
+        ));
+        let deleter = self.lt.delete_after_publish.then(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            self.deleter = Some(tx);
+            let t = &self.settings.valid.table;
+            tokio::spawn(delete_loop(
+                DeleteTarget {
+                    url: self.settings.database_url.clone(),
+                    env: self.settings.url_env.clone(),
+                    ssl_mode: self.settings.valid.ssl_mode,
+                    schema: t.schema.clone(),
+                    table: t.name.clone(),
+                    id_column: self.columns.id.clone(),
+                },
+                rx,
+                self.stop.clone(),
+            ))
+        });
+        let mut backoff = Backoff::new();
+        let result = loop {
+            if self.stopping() {
+                break Ok(());
+            }
+            let ended = self.session(&mut backoff).await;
+            self.health.ready.store(false, Ordering::Relaxed);
+            match ended {
+                Ok(()) => break Ok(()),
+                Err(SessionEnd::Abandoned) => {
+                    tracing::warn!(
+                        "shutdown with an unpublished batch: it stays unconfirmed and is streamed again"
+                    );
+                    break Ok(());
+                }
+                Err(SessionEnd::Fatal(err)) => break Err(err),
+                Err(SessionEnd::Db(err)) => {
+                    tracing::warn!(error = %err, "database session lost; reconnecting");
+                }
+                Err(SessionEnd::Stream(err)) => {
+                    tracing::warn!(error = %err, "replication stream lost; reconnecting");
+                }
+            }
+            self.nap(backoff.step()).await;
+        };
+        stats.abort();
+        // Closing the channel lets the deleter finish what it was handed, and stop.
+        self.deleter = None;
+        if let Some(task) = deleter
+            && tokio::time::timeout(DELETER_DRAIN, task).await.is_err()
+        {
+            tracing::warn!(
+                "published rows not deleted within {DELETER_DRAIN:?} of shutdown; they stay in the table (already published)"
+            );
+        }
+        result
+    }
+
+    /// One session: a normal connection (table check, slot and publication present, heartbeats,
+    /// deletes) and a replication connection streaming from the slot's confirmed
+    /// position.
+    async fn session(&mut self, backoff: &mut Backoff) -> Result<(), SessionEnd> {
+        let client = self.connect().await?;
+        let t = &self.settings.valid.table;
+        // Fails with one line naming a missing table or column.
+        OutboxTable::inspect(
+            &client,
+            &t.schema,
+            &t.name,
+            &self.settings.dead_letter_table,
+            self.columns.clone(),
+            AfterPublish::Delete,
+            1,
+        )
+        .await?;
+        // The operator creates slot and publication once its checks pass (and drops them
+        // when the OutboxRelay goes); the relay never does, so a relay still running
+        // after a delete cannot bring a dropped slot back.
+        let (slot, publication) =
+            admin::replication_objects_exist(&client, &self.lt.slot, &self.lt.publication).await?;
+        if !slot || !publication {
+            let missing = match (slot, publication) {
+                (false, false) => format!(
+                    "replication slot {} and publication {} do not exist",
+                    self.lt.slot, self.lt.publication
+                ),
+                (false, true) => format!(
+                    "replication slot {} does not exist in this database",
+                    self.lt.slot
+                ),
+                _ => format!("publication {} does not exist", self.lt.publication),
+            };
+            return Err(SessionEnd::Db(PgError::Replication(format!(
+                "{missing}; the operator creates them once its database checks pass (see the OutboxRelay's SlotReady condition)"
+            ))));
+        }
+        self.hand_over_after_reconnect(&client).await?;
+        let config = repl::replication_config(
+            &self.settings.database_url,
+            &self.settings.url_env,
+            &self.lt.slot,
+            &self.lt.publication,
+            CONFIRM_EVERY,
+        )?;
+        let mut stream = ReplicationClient::connect(config)
+            .await
+            .map_err(stream_error)?;
+        match tokio::time::timeout(START_TIMEOUT, stream.wait_started()).await {
+            Ok(started) => started.map_err(stream_error)?,
+            Err(_) => {
+                return Err(SessionEnd::Stream(format!(
+                    "START_REPLICATION not accepted within {START_TIMEOUT:?}"
+                )));
+            }
+        }
+        self.health.ready.store(true, Ordering::Relaxed);
+        backoff.reset();
+        tracing::info!(slot = %self.lt.slot, publication = %self.lt.publication, "streaming the replication slot");
+        let result = self.stream(&client, &mut stream).await;
+        if result.is_ok() {
+            // Clean shutdown: make sure the last confirmation reached the server before
+            // the stream closes (the client sends it at most every CONFIRM_EVERY), and
+            // delete what it covers.
+            let deadline = Instant::now() + CONFIRM_EVERY * 3;
+            let wanted = self.pending_deletes.last().map(|(lsn, _)| *lsn);
+            while let Some(wanted) = wanted {
+                if stream.metrics().last_applied_lsn() >= wanted || Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            self.hand_over_confirmed(stream.metrics().last_applied_lsn());
+            let _ = tokio::time::timeout(Duration::from_secs(5), stream.shutdown()).await;
+        }
+        result
+    }
+}
