@@ -1,0 +1,174 @@
+//! Where a relay's messages go: `spec.broker`, exactly one of Kafka, NATS JetStream and
+//! RabbitMQ, with the schema rules the API server enforces for each.
+
+use std::collections::BTreeMap;
+
+use kube::KubeSchema;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::SecretKeyRef;
+
+/// Where messages go. Exactly one field is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.kafka), has(self.nats), has(self.rabbitmq)].filter(x, x).size() == 1").message("set exactly one of broker.kafka, broker.nats and broker.rabbitmq"))]
+pub struct BrokerSpec {
+    /// Apache Kafka (or a Kafka-compatible broker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSpec>,
+    /// NATS with JetStream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats: Option<NatsSpec>,
+    /// RabbitMQ (AMQP 0-9-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rabbitmq: Option<RabbitMqSpec>,
+}
+
+/// The broker, as one value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Broker<'a> {
+    /// Kafka.
+    Kafka(&'a KafkaSpec),
+    /// NATS JetStream.
+    Nats(&'a NatsSpec),
+    /// RabbitMQ.
+    RabbitMq(&'a RabbitMqSpec),
+}
+
+impl BrokerSpec {
+    /// The one broker that is set, if exactly one is.
+    pub fn get(&self) -> Option<Broker<'_>> {
+        match (&self.kafka, &self.nats, &self.rabbitmq) {
+            (Some(k), None, None) => Some(Broker::Kafka(k)),
+            (None, Some(n), None) => Some(Broker::Nats(n)),
+            (None, None, Some(r)) => Some(Broker::RabbitMq(r)),
+            _ => None,
+        }
+    }
+}
+
+impl Broker<'_> {
+    /// The broker's name as the spec spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Broker::Kafka(_) => "kafka",
+            Broker::Nats(_) => "nats",
+            Broker::RabbitMq(_) => "rabbitmq",
+        }
+    }
+}
+
+/// Apache Kafka. The producer is idempotent with `acks=all`; those cannot be overridden.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSpec {
+    /// Comma-separated `host:port` list.
+    #[schemars(length(min = 1, max = 2048), regex(pattern = "\\S"))]
+    pub bootstrap_servers: String,
+    /// Topic template; `{aggregateType}` is replaced by the row's aggregate type
+    /// (Debezium's default routing).
+    #[serde(default = "default_kafka_topic")]
+    #[schemars(length(min = 1, max = 249))]
+    #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[A-Za-z0-9._-]{1,249}$')").message("spec.broker.kafka.topic must yield a valid Kafka topic (letters, digits, '.', '_', '-'; {aggregateType} is replaced by each row's aggregate type)"))]
+    pub topic: String,
+    /// TLS to the brokers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+    /// SASL authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sasl: Option<SaslSpec>,
+    /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`).
+    /// Settings that would weaken delivery (`acks`, `enable.idempotence`) and security
+    /// settings (use `tls` and `sasl`) are rejected.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'security.protocol', 'bootstrap.servers'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight.requests.per.connection, security.protocol, bootstrap.servers, sasl.* or ssl.*: delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
+    pub properties: BTreeMap<String, String>,
+}
+
+fn default_kafka_topic() -> String {
+    "outbox.event.{aggregateType}".to_owned()
+}
+
+/// TLS settings for a broker connection.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsSpec {
+    /// A Secret key holding the CA certificate (PEM); default the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+}
+
+/// SASL credentials for Kafka.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SaslSpec {
+    /// SASL mechanism.
+    pub mechanism: SaslMechanism,
+    /// Secret key holding the user name.
+    pub username_secret_ref: SecretKeyRef,
+    /// Secret key holding the password.
+    pub password_secret_ref: SecretKeyRef,
+}
+
+/// SASL mechanisms librdkafka supports with user name and password.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaslMechanism {
+    /// PLAIN (use with TLS).
+    #[serde(rename = "PLAIN")]
+    Plain,
+    /// SCRAM-SHA-256.
+    #[serde(rename = "SCRAM-SHA-256")]
+    ScramSha256,
+    /// SCRAM-SHA-512.
+    #[serde(rename = "SCRAM-SHA-512")]
+    ScramSha512,
+}
+
+/// NATS with JetStream. Core NATS has no acknowledgements, so publishing always goes
+/// through JetStream: a stream must capture the subjects.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NatsSpec {
+    /// Server URL(s), comma-separated (`nats://host:4222`).
+    #[schemars(
+        length(min = 1, max = 2048),
+        regex(pattern = "^\\s*(nats|tls)://[^,]+(,\\s*(nats|tls)://[^,]+)*$")
+    )]
+    pub url: String,
+    /// Subject template; `{aggregateType}` is replaced by the row's aggregate type.
+    #[serde(default = "default_nats_subject")]
+    #[schemars(length(min = 1, max = 255))]
+    #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[^\\\\s*>.]+([.][^\\\\s*>.]+)*$')").message("spec.broker.nats.subject must yield a valid NATS subject (no spaces, wildcards or empty tokens; {aggregateType} is replaced by each row's aggregate type)"))]
+    pub subject: String,
+    /// A Secret key holding a NATS credentials file (`.creds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretKeyRef>,
+}
+
+fn default_nats_subject() -> String {
+    "outbox.{aggregateType}".to_owned()
+}
+
+/// RabbitMQ. Messages are persistent and published with publisher confirms.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RabbitMqSpec {
+    /// A Secret key holding the AMQP URI (`amqp://user:password@host:5672/vhost`).
+    pub url_secret_ref: SecretKeyRef,
+    /// Exchange to publish to; it must exist.
+    #[serde(default = "default_exchange")]
+    #[schemars(length(max = 255))]
+    pub exchange: String,
+    /// Routing-key template; `{aggregateType}` is replaced by the row's aggregate type.
+    #[serde(default = "default_routing_key")]
+    #[schemars(length(max = 255))]
+    pub routing_key: String,
+}
+
+fn default_exchange() -> String {
+    "outbox".to_owned()
+}
+fn default_routing_key() -> String {
+    "{aggregateType}".to_owned()
+}

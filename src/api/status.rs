@@ -1,0 +1,75 @@
+//! What the operator observed: `status`, written by the controller (conditions, mode,
+//! broker, slot names) and by its figures task (backlog, oldest age, slot lag).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Observed state, written by the controller only.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OutboxRelayStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `DatabaseReady`, `BrokerReady`, `SlotReady`, `Degraded`, with reasons and
+    /// messages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// `polling` or `logTailing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// `kafka`, `nats` or `rabbitmq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broker: Option<String>,
+    /// Rows waiting to be published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backlog_rows: Option<i64>,
+    /// Age of the oldest unpublished row, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_unpublished_age_seconds: Option<f64>,
+    /// Age of the oldest unpublished row, for people (`0s`, `4m12s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_unpublished_age: Option<String>,
+    /// The replication slot (log tailing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<SlotStatus>,
+    /// Partition ownership.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<PartitionsStatus>,
+}
+
+/// The replication slot and publication the operator created.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotStatus {
+    /// Slot name.
+    #[serde(default)]
+    pub name: String,
+    /// Publication name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publication: Option<String>,
+    /// Position up to which the relay confirmed delivery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_flush_lsn: Option<String>,
+    /// WAL the slot keeps on the database server's disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retained_wal_bytes: Option<i64>,
+    /// PostgreSQL's `wal_status` (`reserved`, `extended`, `unreserved`, `lost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wal_status: Option<String>,
+    /// Whether a relay is streaming from the slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active: Option<bool>,
+}
+
+/// How many partitions exist and how many are owned by a live relay.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionsStatus {
+    /// Partitions the spec asks for.
+    pub desired: i32,
+    /// Partitions currently held by a relay process.
+    pub owned: i32,
+}

@@ -1,0 +1,383 @@
+//! [`parse`]: every rule of the OutboxRelay spec, checked in one pass that reports all
+//! problems, each with its field and its fix, before anything uses the spec.
+
+use std::time::Duration;
+
+use super::{
+    Alerting, Columns, Failure, LogTailing, Polling, Problems, Table, ValidBroker, ValidMode,
+    ValidRelay,
+};
+use crate::api::{
+    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, SslMode, parse_bytes,
+    parse_duration,
+};
+use crate::rules::{
+    MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_secret_ref, check_slot_name,
+    default_slot_name,
+};
+
+/// Parses an OutboxRelay: every rule of the spec, all problems at once.
+pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
+    let mut p = Problems(Vec::new());
+    let spec = &relay.spec;
+    let namespace = relay
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".to_owned());
+    let name = relay.metadata.name.clone().unwrap_or_default();
+    let dns_label = |s: &str| {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= 50
+            && b[0].is_ascii_lowercase()
+            && b.iter()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            && !s.ends_with('-')
+    };
+    if !dns_label(&name) {
+        p.push(
+            "metadata.name",
+            format!("`{name}` is not a DNS label of at most 50 characters starting with a letter"),
+            "it names the relay's Deployment and Service: choose a name like orders-relay",
+        );
+    }
+
+    // Database.
+    let ssl_mode = spec.database.postgres.ssl_mode;
+    if matches!(ssl_mode, SslMode::Require | SslMode::VerifyFull) {
+        p.push(
+            "spec.database.postgres.sslMode",
+            format!("{ssl_mode:?} is not supported yet: connections to PostgreSQL are plain TCP"),
+            "use disable or prefer until TLS to PostgreSQL is released",
+        );
+    }
+    let db = &spec.database.postgres.connection_secret_ref;
+    check_secret_ref(
+        &mut p,
+        "spec.database.postgres.connectionSecretRef",
+        &db.name,
+        &db.key,
+    );
+
+    // Table.
+    let t = &spec.table;
+    let c = &t.columns;
+    let columns = Columns {
+        id: c.id.clone(),
+        aggregate_type: c.aggregate_type.clone(),
+        aggregate_id: c.aggregate_id.clone(),
+        event_type: c.r#type.clone(),
+        payload: c.payload.clone(),
+        created_at: c.created_at.clone(),
+        published_at: c.published_at.clone(),
+    };
+    for (field, value) in [
+        ("spec.table.schema", &t.schema),
+        ("spec.table.name", &t.name),
+    ] {
+        identifier(&mut p, field, value);
+    }
+    for (field, value, _) in columns.catalogue() {
+        identifier(&mut p, field, value);
+    }
+    for (i, header) in t.headers.iter().enumerate() {
+        let field = format!("spec.table.headers[{i}]");
+        identifier(&mut p, &field, header);
+        if RESERVED_HEADERS.contains(&header.as_str()) {
+            p.push(
+                &field,
+                format!("`{header}` is a header the relay sets itself"),
+                "remove it from spec.table.headers",
+            );
+        }
+    }
+    if t.headers.len() > 32 {
+        p.push(
+            "spec.table.headers",
+            format!("{} header columns; at most 32", t.headers.len()),
+            "copy fewer columns into headers",
+        );
+    }
+
+    // Mode.
+    let mode = match (&spec.mode.polling, &spec.mode.log_tailing) {
+        (Some(_), Some(_)) | (None, None) => {
+            p.push(
+                "spec.mode",
+                "set exactly one of polling and logTailing",
+                "keep the one mode the relay should run",
+            );
+            None
+        }
+        _ => match spec.mode.get() {
+            Some(Mode::Polling(poll)) => {
+                let interval = duration(
+                    &mut p,
+                    "spec.mode.polling.interval",
+                    &poll.interval,
+                    Duration::from_millis(1),
+                );
+                if !(1..=10_000).contains(&poll.batch_size) {
+                    p.push(
+                        "spec.mode.polling.batchSize",
+                        format!("{} is not between 1 and 10000", poll.batch_size),
+                        "choose a batch size from 1 to 10000",
+                    );
+                }
+                Some(ValidMode::Polling(Polling {
+                    interval: interval.unwrap_or_default(),
+                    batch_size: i64::from(poll.batch_size),
+                    after_publish: poll.after_publish,
+                }))
+            }
+            Some(Mode::LogTailing(l)) => {
+                let slot = l
+                    .slot_name
+                    .clone()
+                    .unwrap_or_else(|| default_slot_name(&namespace, &name));
+                let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
+                if let Err(message) = check_slot_name(&slot) {
+                    p.push(
+                        "spec.mode.logTailing.slotName",
+                        message,
+                        "use lowercase letters, digits and _ (PostgreSQL's rule for slot names)",
+                    );
+                }
+                if let Err(message) = check_slot_name(&publication) {
+                    p.push(
+                        "spec.mode.logTailing.publicationName",
+                        message,
+                        "use lowercase letters, digits and _ (pgoutput folds unquoted publication names to lower case)",
+                    );
+                }
+                let heartbeat = duration(
+                    &mut p,
+                    "spec.mode.logTailing.heartbeatInterval",
+                    &l.heartbeat_interval,
+                    MIN_HEARTBEAT,
+                );
+                if spec.failure.on_exhausted == OnExhausted::DeadLetter {
+                    p.push(
+                        "spec.failure.onExhausted",
+                        "deadLetter is not supported with logTailing yet: a refused row would block the stream",
+                        "use block with logTailing, or polling for a dead-letter table",
+                    );
+                }
+                Some(ValidMode::LogTailing(LogTailing {
+                    slot,
+                    publication,
+                    heartbeat: heartbeat.unwrap_or_default(),
+                    delete_after_publish: l.delete_after_publish,
+                }))
+            }
+            None => None,
+        },
+    };
+
+    // Broker.
+    let broker = match spec.broker.get() {
+        None => {
+            p.push(
+                "spec.broker",
+                "set exactly one of kafka, nats and rabbitmq",
+                "keep the one broker the relay publishes to",
+            );
+            None
+        }
+        Some(Broker::Kafka(k)) => {
+            crate::broker::kafka::check(k, &mut p);
+            Some(ValidBroker::Kafka(k.clone()))
+        }
+        Some(Broker::Nats(n)) => {
+            crate::broker::nats::check(n, &mut p);
+            Some(ValidBroker::Nats(n.clone()))
+        }
+        Some(Broker::RabbitMq(r)) => {
+            crate::broker::amqp::check(r, &mut p);
+            Some(ValidBroker::RabbitMq(r.clone()))
+        }
+    };
+
+    // Ordering, retention, failure, alerting, replicas.
+    let partitions = spec.ordering.partitions;
+    if !(1..=1024).contains(&partitions) {
+        p.push(
+            "spec.ordering.partitions",
+            format!("{partitions} is not between 1 and 1024"),
+            "choose 1 to 1024 partitions",
+        );
+    }
+    if !(0..=64).contains(&spec.replicas) {
+        p.push(
+            "spec.replicas",
+            format!("{} is not between 0 and 64", spec.replicas),
+            "choose 0 to 64 replicas",
+        );
+    }
+    let retention = duration(
+        &mut p,
+        "spec.retention.publishedRows",
+        &spec.retention.published_rows,
+        Duration::from_secs(1),
+    );
+    if let (Some(retention), Some(ValidMode::Polling(poll))) = (retention, &mode)
+        && poll.after_publish == AfterPublish::Mark
+        && retention < poll.interval
+    {
+        p.push(
+            "spec.retention.publishedRows",
+            format!(
+                "{} is shorter than the poll interval {}",
+                spec.retention.published_rows,
+                spec.mode
+                    .polling
+                    .as_ref()
+                    .map_or("", |poll| poll.interval.as_str())
+            ),
+            "keep published rows at least one poll interval",
+        );
+    }
+    let max_attempts = match u32::try_from(spec.failure.max_attempts) {
+        Ok(n) if (1..=1000).contains(&n) => n,
+        _ => {
+            p.push(
+                "spec.failure.maxAttempts",
+                format!("{} is not between 1 and 1000", spec.failure.max_attempts),
+                "choose 1 to 1000 attempts",
+            );
+            1
+        }
+    };
+    let dead_letter_table = (spec.failure.on_exhausted == OnExhausted::DeadLetter).then(|| {
+        spec.failure
+            .dead_letter_table
+            .clone()
+            .unwrap_or_else(|| format!("{}_dead_letter", t.name))
+    });
+    if let Some(table) = &dead_letter_table {
+        if let Err(message) = check_identifier(table) {
+            let fix = if spec.failure.dead_letter_table.is_some() {
+                "name a valid table in spec.failure.deadLetterTable"
+            } else {
+                "the default <table>_dead_letter is too long: set spec.failure.deadLetterTable"
+            };
+            p.push("spec.failure.deadLetterTable", message, fix);
+        } else if *table == t.name {
+            p.push(
+                "spec.failure.deadLetterTable",
+                format!("`{table}` is the outbox table itself"),
+                "name another table for exhausted rows",
+            );
+        }
+    }
+    let oldest = duration(
+        &mut p,
+        "spec.alerting.oldestUnpublishedAge",
+        &spec.alerting.oldest_unpublished_age,
+        Duration::from_secs(1),
+    );
+    if spec.alerting.backlog_rows < 1 {
+        p.push(
+            "spec.alerting.backlogRows",
+            format!("{} is not positive", spec.alerting.backlog_rows),
+            "choose a threshold of at least 1 row",
+        );
+    }
+    let wal = match parse_bytes(&spec.alerting.slot_retained_wal) {
+        Ok(0) => {
+            p.push(
+                "spec.alerting.slotRetainedWal",
+                "is zero",
+                "choose a positive size such as 1Gi",
+            );
+            None
+        }
+        Ok(bytes) => Some(bytes),
+        Err(e) => {
+            p.push(
+                "spec.alerting.slotRetainedWal",
+                e.to_string(),
+                "write a quantity such as 512Mi or 1Gi",
+            );
+            None
+        }
+    };
+
+    match (mode, broker) {
+        (Some(mode), Some(broker)) if p.is_empty() => {
+            let mut relay = relay.clone();
+            relay.metadata.namespace = Some(namespace.clone());
+            if let (ValidMode::LogTailing(l), Some(spec_l)) =
+                (&mode, relay.spec.mode.log_tailing.as_mut())
+            {
+                spec_l.slot_name = Some(l.slot.clone());
+                spec_l.publication_name = Some(l.publication.clone());
+            }
+            Ok(ValidRelay {
+                relay,
+                namespace,
+                name,
+                connection: spec.database.postgres.connection_secret_ref.clone(),
+                ssl_mode,
+                table: Table {
+                    schema: t.schema.clone(),
+                    name: t.name.clone(),
+                    columns,
+                    headers: t.headers.clone(),
+                },
+                mode,
+                broker,
+                per_aggregate: spec.ordering.mode == OrderingMode::PerAggregate,
+                partitions,
+                retention: retention.unwrap_or_default(),
+                failure: Failure {
+                    max_attempts,
+                    dead_letter_table,
+                },
+                alerting: Alerting {
+                    enabled: spec.alerting.enabled,
+                    oldest_unpublished_age: oldest.unwrap_or_default(),
+                    backlog_rows: spec.alerting.backlog_rows,
+                    slot_retained_wal_bytes: wal.unwrap_or_default(),
+                },
+            })
+        }
+        _ => Err(p),
+    }
+}
+
+fn identifier(p: &mut Problems, field: &str, value: &str) {
+    if let Err(message) = check_identifier(value) {
+        p.push(
+            field,
+            message,
+            "use letters, digits and _ (the name is quoted in SQL exactly as written)",
+        );
+    }
+}
+
+fn duration(p: &mut Problems, field: &str, value: &str, min: Duration) -> Option<Duration> {
+    match parse_duration(value) {
+        Ok(d) if d >= min => Some(d),
+        Ok(_) => {
+            p.push(
+                field,
+                format!(
+                    "`{value}` is shorter than {}",
+                    humantime::format_duration(min)
+                ),
+                "choose a longer duration",
+            );
+            None
+        }
+        Err(e) => {
+            p.push(
+                field,
+                e.to_string(),
+                "write a duration such as 500ms, 30s, 5m or 24h",
+            );
+            None
+        }
+    }
+}
