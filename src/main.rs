@@ -50,6 +50,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    outbox_operator::install_crypto_provider();
     let result = match cli.command {
         Command::Controller(args) => run_controller(args),
         Command::Relay { config } => runtime()

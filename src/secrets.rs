@@ -20,6 +20,10 @@ pub const ENV_KAFKA_SASL_PASSWORD: &str = "OUTBOX_KAFKA_SASL_PASSWORD";
 pub const KAFKA_CA_PATH: &str = "/etc/outbox-relay/kafka-ca/ca.crt";
 /// Where the NATS credentials file is mounted in a relay pod.
 pub const NATS_CREDENTIALS_PATH: &str = "/etc/outbox-relay/nats/nats.creds";
+/// Where the PostgreSQL CA certificate is mounted in a relay pod.
+pub const POSTGRES_CA_PATH: &str = "/etc/outbox-relay/postgres-ca/ca.crt";
+/// Outside a pod, the variable naming a local copy of the PostgreSQL CA.
+pub const ENV_POSTGRES_CA_FILE: &str = "OUTBOX_POSTGRES_CA_FILE";
 /// Outside a pod (`check`, tests), the variable naming a local copy of the Kafka CA.
 pub const ENV_KAFKA_CA_FILE: &str = "OUTBOX_KAFKA_CA_FILE";
 /// Outside a pod, the variable naming a local copy of the NATS credentials file.
@@ -55,8 +59,10 @@ pub enum Content {
     PostgresUrl,
     /// An `amqp://` or `amqps://` URI.
     AmqpUrl,
-    /// Any non-empty text (a user name, a password, a PEM file, a creds file).
+    /// Any non-empty text (a user name, a password, a creds file).
     Text,
+    /// PEM certificates.
+    Certificates,
 }
 
 /// One Secret reference of a relay.
@@ -88,6 +94,7 @@ impl SecretSlot {
             Content::PostgresUrl => value.parse::<tokio_postgres::Config>().is_ok(),
             Content::AmqpUrl => value.starts_with("amqp://") || value.starts_with("amqps://"),
             Content::Text => true,
+            Content::Certificates => value.contains("-----BEGIN CERTIFICATE-----"),
         };
         if ok {
             return Ok(());
@@ -98,6 +105,7 @@ impl SecretSlot {
             }
             Content::AmqpUrl => "an amqp:// or amqps:// URI",
             Content::Text => "text",
+            Content::Certificates => "PEM certificates (-----BEGIN CERTIFICATE-----)",
         };
         Err(format!(
             "Secret {} key {} does not hold {wanted}",

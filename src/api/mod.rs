@@ -101,15 +101,22 @@ pub struct DatabaseSpec {
 /// How to reach PostgreSQL.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!has(self.sslMode) || self.sslMode in ['disable', 'prefer']").message("spec.database.postgres.sslMode: require and verify-full are not supported yet: connections to PostgreSQL are plain TCP (use disable or prefer until TLS to PostgreSQL is released)"))]
 pub struct PostgresSpec {
     /// The Secret key holding a connection URI (`postgres://user:password@host:5432/db`).
     /// The relay reads it from its environment; it never appears in a ConfigMap, log,
     /// event or status.
     pub connection_secret_ref: SecretKeyRef,
-    /// TLS to the database.
+    /// TLS to the database, with libpq's meanings: `disable`, `prefer` (TLS when the
+    /// server offers it, not verified), `require` (TLS, not verified), `verify-ca` (TLS,
+    /// chain verified) or `verify-full` (TLS, chain and host name verified; recommended).
+    /// Applies to every connection: the operator's, the relay's and its replication
+    /// stream. It overrides an `sslmode` in the URL.
     #[serde(default)]
     pub ssl_mode: SslMode,
+    /// A Secret key holding the CA certificate(s), PEM, that verify the server
+    /// (`verify-ca`, `verify-full`); default the system's roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
 }
 
 /// A key in a Secret in the relay's namespace.
@@ -133,7 +140,7 @@ fn default_secret_key() -> String {
 }
 
 /// TLS mode for the database connection, as libpq names them.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[serde(rename_all = "kebab-case")]
 pub enum SslMode {
     /// Plain TCP.
@@ -143,7 +150,9 @@ pub enum SslMode {
     Prefer,
     /// TLS, without verifying the server certificate.
     Require,
-    /// TLS, verifying the certificate and the host name.
+    /// TLS, verifying the certificate chain but not the host name.
+    VerifyCa,
+    /// TLS, verifying the certificate chain and the host name.
     VerifyFull,
 }
 

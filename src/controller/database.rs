@@ -22,6 +22,7 @@ use super::status::Cond;
 use crate::api::OutboxRelay;
 use crate::postgres::admin::SlotPlan;
 use crate::postgres::admin::{self, Backlog, Check, Facts, Origin, Owner, Plan};
+use crate::postgres::tls::PgTls;
 use crate::postgres::{self, PgError};
 use crate::spec::ValidRelay;
 
@@ -47,9 +48,22 @@ fn secret_name(relay: &OutboxRelay) -> String {
     format!("Secret {} key {}", r.name, r.key)
 }
 
-/// The connection URL from the Secret: `Ok(None)` when the Secret or key is missing.
-async fn read_url(relay: &OutboxRelay, ctx: &Context) -> Result<Option<String>, kube::Error> {
-    let r = &relay.spec.database.postgres.connection_secret_ref;
+/// How the operator connects to a relay's database: the URL (secret, so no `Debug`)
+/// and TLS as the spec says.
+pub(super) struct Conn {
+    /// The connection URL.
+    pub url: String,
+    /// TLS mode and CA.
+    pub tls: PgTls,
+}
+
+/// A key's value in a Secret, trimmed; `Ok(None)` when the Secret or key is missing or
+/// the value empty.
+async fn read_key(
+    relay: &OutboxRelay,
+    r: &crate::api::SecretKeyRef,
+    ctx: &Context,
+) -> Result<Option<String>, kube::Error> {
     let secrets: Api<Secret> =
         Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
     let Some(secret) = secrets.get_opt(&r.name).await? else {
@@ -68,15 +82,35 @@ async fn read_url(relay: &OutboxRelay, ctx: &Context) -> Result<Option<String>, 
     Ok(from_data.or(from_string).filter(|u| !u.is_empty()))
 }
 
-/// Connects like the relay does (same driver settings, same sslMode handling).
-async fn connect(relay: &OutboxRelay, url: &str) -> Result<Client, PgError> {
-    postgres::connect_as(
+/// The connection URL and TLS from the Secrets the raw spec names (cleanup reads them
+/// without a parse): `Ok(None)` when the URL or a named CA is missing.
+pub(super) async fn read_connection(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> Result<Option<Conn>, kube::Error> {
+    let pg = &relay.spec.database.postgres;
+    let Some(url) = read_key(relay, &pg.connection_secret_ref, ctx).await? else {
+        return Ok(None);
+    };
+    let ca_pem = match &pg.ca_secret_ref {
+        Some(r) => match read_key(relay, r, ctx).await? {
+            Some(pem) => Some(pem),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    Ok(Some(Conn {
         url,
-        &secret_name(relay),
-        relay.spec.database.postgres.ssl_mode,
-        "outbox-operator",
-    )
-    .await
+        tls: PgTls {
+            mode: pg.ssl_mode,
+            ca_pem,
+        },
+    }))
+}
+
+/// Connects like the relay does (same driver settings, same TLS).
+async fn connect(relay: &OutboxRelay, conn: &Conn) -> Result<Client, PgError> {
+    postgres::connect_as(&conn.url, &secret_name(relay), &conn.tls, "outbox-operator").await
 }
 
 /// Orphan scans of one database are this many status intervals apart (a minute by
@@ -107,10 +141,15 @@ impl Pools {
     pub(super) async fn get(
         &self,
         relay: &OutboxRelay,
-        url: &str,
+        conn: &Conn,
     ) -> Result<deadpool_postgres::Object, PgError> {
-        let ssl_mode = relay.spec.database.postgres.ssl_mode;
-        let key = format!("{ssl_mode:?} {url}");
+        let url = &conn.url;
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            conn.tls.hash(&mut hasher);
+            format!("{:x} {url}", hasher.finish())
+        };
         let pool = {
             let mut pools = self
                 .by_url
@@ -124,11 +163,15 @@ impl Pools {
                 *used = Instant::now();
                 pool.clone()
             } else {
-                let config =
-                    postgres::client_config(url, &secret_name(relay), ssl_mode, "outbox-operator")?;
+                let config = postgres::client_config(
+                    url,
+                    &secret_name(relay),
+                    &conn.tls,
+                    "outbox-operator",
+                )?;
                 let manager = Manager::from_config(
                     config,
-                    tokio_postgres::NoTls,
+                    postgres::tls::connector(&conn.tls)?,
                     ManagerConfig {
                         recycling_method: RecyclingMethod::Clean,
                     },
@@ -198,11 +241,11 @@ pub(super) fn cond_of(type_: &'static str, check: &Check) -> Cond {
 pub(super) async fn observe(
     relay: &OutboxRelay,
     valid: &ValidRelay,
-    url: &str,
+    conn: &Conn,
     ctx: &Context,
 ) -> DatabaseSeen {
     let plan = Plan::for_relay(valid);
-    let client = match ctx.pools.get(relay, url).await {
+    let client = match ctx.pools.get(relay, conn).await {
         Ok(client) => client,
         Err(PgError::Url { .. }) => {
             return DatabaseSeen::Unusable {
@@ -242,26 +285,18 @@ pub(super) async fn provision(
     if actions.is_empty() {
         return Ok(());
     }
-    let url = read_url(relay, ctx)
+    let conn = read_connection(relay, ctx)
         .await
         .map_err(|e| format!("reading {}: {e}", secret_name(relay)))?
         .ok_or_else(|| format!("{} is missing or empty", secret_name(relay)))?;
     let client = ctx
         .pools
-        .get(relay, &url)
+        .get(relay, &conn)
         .await
         .map_err(|e| e.to_string())?;
     crate::postgres::provision::execute(&client, actions)
         .await
         .map_err(|e| e.to_string())
-}
-
-/// The connection URL from the Secret, for the figures task.
-pub(super) async fn url_of(
-    relay: &OutboxRelay,
-    ctx: &Context,
-) -> Result<Option<String>, kube::Error> {
-    read_url(relay, ctx).await
 }
 
 /// The backlog, or `None` when it cannot be measured cheaply right now (a statement
@@ -430,7 +465,7 @@ pub(super) async fn drop_external(
     lt: &SlotPlan,
     ctx: &Context,
 ) -> Result<Cleanup, kube::Error> {
-    let Some(url) = read_url(relay, ctx).await? else {
+    let Some(conn) = read_connection(relay, ctx).await? else {
         if relay.status.as_ref().is_none_or(|s| s.slot.is_none()) {
             // Status never showed a slot: the checks never passed, nothing was created.
             return Ok(Cleanup::Done(
@@ -453,7 +488,7 @@ pub(super) async fn drop_external(
             ),
         ));
     };
-    let client = match connect(relay, &url).await {
+    let client = match connect(relay, &conn).await {
         Ok(c) => c,
         Err(err) if admin::database_is_gone(&err) => {
             return Ok(Cleanup::Done(

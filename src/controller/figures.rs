@@ -73,10 +73,10 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
     if !checked {
         return;
     }
-    let Ok(Some(url)) = database::url_of(relay, ctx).await else {
+    let Ok(Some(conn)) = database::read_connection(relay, ctx).await else {
         return;
     };
-    let client = match ctx.pools.get(relay, &url).await {
+    let client = match ctx.pools.get(relay, &conn).await {
         Ok(client) => client,
         Err(err) => {
             debug!(relay = %relay.name_any(), error = %err, "cannot connect to sample status figures");
@@ -95,7 +95,7 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         Some(name) => admin::slot_state(&client, &name).await.ok().flatten(),
         None => None,
     };
-    database::scan_orphans(relay, ctx, &client, &url).await;
+    database::scan_orphans(relay, ctx, &client, &conn.url).await;
     let figures = Figures { backlog, slot };
     let patch = status_patch(&figures);
     if patch == current_patch(relay.status.as_ref()) {

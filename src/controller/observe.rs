@@ -14,10 +14,11 @@ use super::database::{self, DatabaseSeen};
 use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
 use super::{Context, Error};
 use crate::api::OutboxRelay;
+use crate::postgres::tls::PgTls;
 use crate::resources::{
     Desired, MONITORING_API_VERSION, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_PLURAL,
 };
-use crate::secrets::SecretUse;
+use crate::secrets::{Content, SecretUse};
 use crate::spec::{Problem, ValidRelay};
 
 /// How long the answer to "are the Prometheus Operator's CRDs served?" is reused.
@@ -65,10 +66,10 @@ pub(super) async fn observe(
     desired: &Desired,
     ctx: &Context,
 ) -> Result<Observed, Error> {
-    let (secrets, url) = secrets(valid, ctx).await?;
-    let database = match url {
-        Some(url) if secrets.problems.is_empty() => {
-            database::observe(relay, valid, &url, ctx).await
+    let (secrets, conn) = secrets(valid, ctx).await?;
+    let database = match conn {
+        Some(conn) if secrets.problems.is_empty() => {
+            database::observe(relay, valid, &conn, ctx).await
         }
         _ => DatabaseSeen::NotLooked,
     };
@@ -89,7 +90,7 @@ pub(super) async fn observe(
 async fn secrets(
     valid: &ValidRelay,
     ctx: &Context,
-) -> Result<(SecretsSeen, Option<String>), Error> {
+) -> Result<(SecretsSeen, Option<database::Conn>), Error> {
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &valid.namespace);
     let mut seen = SecretsSeen {
         database: Cond::yes(
@@ -108,6 +109,7 @@ async fn secrets(
         problems: Vec::new(),
     };
     let mut url = None;
+    let mut ca_pem = None;
     for slot in valid.secrets() {
         let reference = &slot.reference;
         let Some(secret) = api.get_opt(&reference.name).await? else {
@@ -147,11 +149,13 @@ async fn secrets(
             Some(value) => slot.check_value(&value).map(|()| value),
         };
         match checked {
-            Ok(value) => {
-                if slot.purpose == SecretUse::Database {
-                    url = Some(value.trim().to_owned());
+            Ok(value) => match slot.content {
+                Content::PostgresUrl => url = Some(value.trim().to_owned()),
+                Content::Certificates if slot.purpose == SecretUse::Database => {
+                    ca_pem = Some(value);
                 }
-            }
+                _ => {}
+            },
             Err(message) => seen.problems.push(Problem {
                 field: slot.field.to_owned(),
                 message,
@@ -162,7 +166,14 @@ async fn secrets(
             }),
         }
     }
-    Ok((seen, url))
+    let conn = url.map(|url| database::Conn {
+        url,
+        tls: PgTls {
+            mode: valid.ssl_mode,
+            ca_pem,
+        },
+    });
+    Ok((seen, conn))
 }
 
 /// The Deployment (with its status) and the ConfigMap's and Service's versions.

@@ -28,19 +28,22 @@
 pub mod admin;
 pub mod provision;
 pub mod replication;
+pub mod tls;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use crate::api::{AfterPublish, SslMode};
+use crate::api::AfterPublish;
+use tls::PgTls;
 
 /// The PostgreSQL problems the relay reports.
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
-    /// A statement or the connection failed; the text never contains the URL.
-    #[error("PostgreSQL: {what}: {source}")]
+    /// A statement or the connection failed; the text never contains the URL. The causes
+    /// are spelled out (a TLS handshake error names the certificate problem).
+    #[error("PostgreSQL: {what}: {}", with_causes(source))]
     Db {
         /// What the relay was doing.
         what: &'static str,
@@ -53,6 +56,9 @@ pub enum PgError {
     /// The replication slot or publication is missing, in use or in conflict.
     #[error("{0}")]
     Replication(String),
+    /// TLS cannot be set up as the spec asks (the CA is unusable).
+    #[error("PostgreSQL TLS: {0}")]
+    Tls(String),
     /// No pooled connection could be had (the pool's wait or create timeout).
     #[error("PostgreSQL connection pool: {0}")]
     Pool(String),
@@ -64,6 +70,22 @@ pub enum PgError {
         /// Why, without the URL itself.
         message: String,
     },
+}
+
+/// An error and its causes on one line, without repeating a cause its parent already
+/// printed (tokio-postgres repeats "db error" and TLS messages).
+fn with_causes(error: &tokio_postgres::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn db(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> PgError {
@@ -128,10 +150,9 @@ pub fn partition_index_ddl(
     )
 }
 
-/// Connects with a short timeout and spawns the connection task. TLS is refused at
-/// validation (see `RelayConfig::validate`), so plain TCP is all that is needed here.
-pub async fn connect(url: &str, env: &str, ssl_mode: SslMode) -> Result<Client, PgError> {
-    connect_as(url, env, ssl_mode, "outbox-relay").await
+/// Connects with a short timeout and TLS as `tls` says, and spawns the connection task.
+pub async fn connect(url: &str, env: &str, tls: &PgTls) -> Result<Client, PgError> {
+    connect_as(url, env, tls, "outbox-relay").await
 }
 
 /// [`connect`] under another `application_name` (the operator's own sessions show as
@@ -139,12 +160,12 @@ pub async fn connect(url: &str, env: &str, ssl_mode: SslMode) -> Result<Client, 
 pub async fn connect_as(
     url: &str,
     env: &str,
-    ssl_mode: SslMode,
+    tls: &PgTls,
     application_name: &str,
 ) -> Result<Client, PgError> {
-    let config = client_config(url, env, ssl_mode, application_name)?;
+    let config = client_config(url, env, tls, application_name)?;
     let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
+        .connect(tls::connector(tls)?)
         .await
         .map_err(db("connect"))?;
     tokio::spawn(async move {
@@ -155,12 +176,13 @@ pub async fn connect_as(
     Ok(client)
 }
 
-/// The driver settings [`connect_as`] uses (short connect timeout, keepalives, plain
-/// TCP, `application_name`), for callers that keep connections in a pool.
+/// The driver settings [`connect_as`] uses (short connect timeout, keepalives, the TLS
+/// mode of `tls` whatever the URL says, `application_name`), for callers that keep
+/// connections in a pool (they connect with [`tls::connector`]).
 pub fn client_config(
     url: &str,
     env: &str,
-    ssl_mode: SslMode,
+    tls: &PgTls,
     application_name: &str,
 ) -> Result<tokio_postgres::Config, PgError> {
     let mut config: tokio_postgres::Config = url.parse().map_err(|_| PgError::Url {
@@ -168,9 +190,8 @@ pub fn client_config(
         // The parser's message can quote the input, which may hold the password.
         message: "not a valid postgres:// URL or key=value connection string".to_owned(),
     })?;
-    let _ = ssl_mode;
     config
-        .ssl_mode(tokio_postgres::config::SslMode::Disable)
+        .ssl_mode(tls::driver_mode(tls.mode))
         .connect_timeout(Duration::from_secs(5))
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(10))

@@ -219,6 +219,7 @@ pub fn decode_bytea_hex(text: &[u8]) -> Result<Vec<u8>, DecodeError> {
 pub fn replication_config(
     url: &str,
     env: &str,
+    tls: pgwire_replication::config::TlsConfig,
     slot: &str,
     publication: &str,
     status_interval: std::time::Duration,
@@ -251,7 +252,8 @@ pub fn replication_config(
     .with_port(port)
     .with_status_interval(status_interval)
     .with_wakeup_interval(status_interval.max(std::time::Duration::from_secs(1)))
-    .with_application_name("outbox-relay-log-tailing"))
+    .with_application_name("outbox-relay-log-tailing")
+    .with_tls(tls))
 }
 
 // ---------------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ pub struct Settings {
     pub database_url: String,
     /// Where the URL came from, for messages (never the URL itself).
     pub url_env: String,
+    /// TLS to PostgreSQL: the spec's mode and the CA from its mounted file.
+    pub pg_tls: crate::postgres::tls::PgTls,
+    /// The mounted CA file, for the replication connection.
+    pub pg_ca_file: Option<String>,
     /// The broker.
     pub broker: BrokerSettings,
     /// Log tailing's settings; `None` for a polling relay.
@@ -80,6 +84,22 @@ impl Settings {
             })
         };
         let resolved = Resolved::read(&valid, &env_or_file);
+        let ca_slot = slots
+            .iter()
+            .find(|s| s.field == "spec.database.postgres.caSecretRef");
+        let pg_ca_file = ca_slot.and_then(|s| s.file_path(&env_or_file));
+        let pg_ca = match ca_slot {
+            Some(slot) => {
+                Some(
+                    slot.read(&env_or_file)
+                        .map_err(|message| ConfigError::Setting {
+                            field: slot.field.to_owned(),
+                            message,
+                        })?,
+                )
+            }
+            None => None,
+        };
         let (listen, resolved) = match (listen, resolved) {
             (Ok(l), Ok(r)) => (l, r),
             (Err(a), Err(b)) => return Err(ConfigError::Many(vec![a, b])),
@@ -102,6 +122,11 @@ impl Settings {
             listen,
             database_url: resolved.database_url,
             url_env: ENV_DATABASE_URL.to_owned(),
+            pg_tls: crate::postgres::tls::PgTls {
+                mode: valid.ssl_mode,
+                ca_pem: pg_ca,
+            },
+            pg_ca_file,
             broker: resolved.broker,
             log_tailing: valid.mode.log_tailing().cloned(),
             valid,

@@ -152,12 +152,8 @@ impl Publisher {
         let mut backoff = Backoff::new();
         let env = self.settings.url_env.clone();
         while !self.stopping() {
-            let connected = postgres::connect(
-                &self.settings.database_url,
-                &env,
-                self.settings.valid.ssl_mode,
-            )
-            .await;
+            let connected =
+                postgres::connect(&self.settings.database_url, &env, &self.settings.pg_tls).await;
             let mut client = match connected {
                 Ok(client) => client,
                 Err(err) => {

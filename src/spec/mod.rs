@@ -275,6 +275,18 @@ impl ValidRelay {
             delivery: Delivery::Env(ENV_DATABASE_URL),
             content: Content::PostgresUrl,
         }];
+        if let Some(ca) = &self.relay.spec.database.postgres.ca_secret_ref {
+            all.push(SecretSlot {
+                field: "spec.database.postgres.caSecretRef",
+                purpose: SecretUse::Database,
+                reference: ca.clone(),
+                delivery: Delivery::File {
+                    path: crate::secrets::POSTGRES_CA_PATH,
+                    local_env: crate::secrets::ENV_POSTGRES_CA_FILE,
+                },
+                content: Content::Certificates,
+            });
+        }
         all.extend(match &self.broker {
             ValidBroker::Kafka(k) => crate::broker::kafka::secrets(k),
             ValidBroker::Nats(n) => crate::broker::nats::secrets(n),

@@ -8,8 +8,7 @@ use super::{
     ValidRelay,
 };
 use crate::api::{
-    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, SslMode, parse_bytes,
-    parse_duration,
+    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, parse_bytes, parse_duration,
 };
 use crate::rules::{
     MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_secret_ref, check_slot_name,
@@ -45,13 +44,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
 
     // Database.
     let ssl_mode = spec.database.postgres.ssl_mode;
-    if matches!(ssl_mode, SslMode::Require | SslMode::VerifyFull) {
-        p.push(
-            "spec.database.postgres.sslMode",
-            format!("{ssl_mode:?} is not supported yet: connections to PostgreSQL are plain TCP"),
-            "use disable or prefer until TLS to PostgreSQL is released",
-        );
-    }
     let db = &spec.database.postgres.connection_secret_ref;
     check_secret_ref(
         &mut p,
@@ -59,6 +51,14 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         &db.name,
         &db.key,
     );
+    if let Some(ca) = &spec.database.postgres.ca_secret_ref {
+        check_secret_ref(
+            &mut p,
+            "spec.database.postgres.caSecretRef",
+            &ca.name,
+            &ca.key,
+        );
+    }
 
     // Table.
     let t = &spec.table;

@@ -60,9 +60,9 @@ fn log_tailing_names_its_slot_and_the_resource_carries_it() {
 /// rule for render, check, the controller and the relay.
 const INVALID: &[(&str, &str, &[&str])] = &[
     (
-        "sslMode require is not supported yet",
-        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: require}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
-        &["spec.database.postgres.sslMode"],
+        "a CA Secret that cannot exist",
+        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: verify-full, caSecretRef: {name: Pg_CA}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.postgres.caSecretRef.name"],
     ),
     (
         "upper-case publication name",

@@ -574,6 +574,7 @@ pub async fn fresh_queue() -> TestQueue {
 /// Built per test: a `kube::Client` belongs to the tokio runtime it was made on, and
 /// every `#[tokio::test]` has its own.
 pub async fn kube_client() -> kube::Client {
+    outbox_operator::install_crypto_provider();
     use kube::config::{KubeConfigOptions, Kubeconfig};
 
     let rig = Rig::load();

@@ -51,14 +51,14 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
-        what: "sslMode require (unsupported until TLS to PostgreSQL lands)",
-        edit: |s| s["database"]["postgres"]["sslMode"] = json!("require"),
+        what: "an sslMode libpq does not know",
+        edit: |s| s["database"]["postgres"]["sslMode"] = json!("verify-host"),
         expect: &["sslMode"],
     },
     Case {
-        what: "sslMode verify-full",
-        edit: |s| s["database"]["postgres"]["sslMode"] = json!("verify-full"),
-        expect: &["sslMode"],
+        what: "a CA Secret name that cannot exist",
+        edit: |s| s["database"]["postgres"]["caSecretRef"] = json!({"name": "Pg_CA"}),
+        expect: &["caSecretRef"],
     },
     Case {
         what: "upper-case publicationName",
@@ -233,6 +233,16 @@ const CASES: &[Case] = &[
         what: "the Secret exists but has no such key",
         edit: |s| s["database"]["postgres"]["connectionSecretRef"]["key"] = json!("url"),
         expect: &["spec.database.postgres.connectionSecretRef: Secret db has no key url"],
+    },
+    Case {
+        what: "the CA Secret holds no PEM certificate",
+        edit: |s| {
+            s["database"]["postgres"]["sslMode"] = json!("verify-full");
+            s["database"]["postgres"]["caSecretRef"] = json!({"name": "db", "key": "mysql"});
+        },
+        expect: &[
+            "spec.database.postgres.caSecretRef: Secret db key mysql does not hold PEM certificates",
+        ],
     },
     Case {
         what: "the Secret holds no PostgreSQL URL (log tailing: no slot for it)",

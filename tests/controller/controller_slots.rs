@@ -302,6 +302,7 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
         let config = outbox_operator::postgres::replication::replication_config(
             &db.url,
             "test",
+            pgwire_replication::config::TlsConfig::disabled(),
             &slot,
             &slot,
             Duration::from_secs(1),

@@ -13,4 +13,5 @@ mod controller_binary;
 mod controller_invalid_specs;
 mod controller_reconcile;
 mod controller_slots;
+mod controller_tls;
 mod postgres_admin;

@@ -150,6 +150,7 @@ async fn provision_checks_adopt_drop_and_measure_against_a_real_server() {
     let config = outbox_operator::postgres::replication::replication_config(
         &pg.url(),
         "test",
+        pgwire_replication::config::TlsConfig::disabled(),
         "orders",
         "orders",
         Duration::from_secs(1),

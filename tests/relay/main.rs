@@ -15,3 +15,4 @@ mod relay_log_tailing;
 mod relay_maintenance;
 mod relay_outage;
 mod relay_ownership;
+mod relay_tls;

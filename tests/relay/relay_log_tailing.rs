@@ -816,7 +816,7 @@ async fn log_tailing_logs_in_with_md5_and_scram_passwords() {
         let password = "s3cret-Pw_1";
         db.client
             .batch_execute(&format!(
-                "DO $$ BEGIN CREATE ROLE {group} NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+                "DO $$ BEGIN CREATE ROLE {group} NOLOGIN; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
                  SET password_encryption = '{encryption}';
                  CREATE ROLE {user} LOGIN REPLICATION PASSWORD '{password}' IN ROLE {group};
                  GRANT SELECT, DELETE ON public.outbox TO {user};"

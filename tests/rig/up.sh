@@ -99,17 +99,38 @@ chown postgres:postgres "$RIG_DIR/postgres"
 runuser -u postgres -- "$PG/initdb" -D "$RIG_DIR/postgres/data" -U postgres --auth=trust \
   -E UTF8 --no-sync >"$RIG_DIR/logs/postgres-initdb.log" 2>&1
 # Members of these groups must log in with a password, md5 or SCRAM (the first matching
-# line wins); everyone else is trusted. Tests prove the relays authenticate both ways.
-sed -i '1i host all +outbox_md5_users 127.0.0.1/32 md5\
+# line wins), and members of outbox_tls_users only over TLS; everyone else is trusted.
+# Tests prove the relays authenticate both ways and encrypt every session.
+sed -i '1i hostnossl all +outbox_tls_users 127.0.0.1/32 reject\
+hostnossl replication +outbox_tls_users 127.0.0.1/32 reject\
+hostssl all +outbox_tls_users 127.0.0.1/32 scram-sha-256\
+hostssl replication +outbox_tls_users 127.0.0.1/32 scram-sha-256\
+host all +outbox_md5_users 127.0.0.1/32 md5\
 host replication +outbox_md5_users 127.0.0.1/32 md5\
 host all +outbox_scram_users 127.0.0.1/32 scram-sha-256\
 host replication +outbox_scram_users 127.0.0.1/32 scram-sha-256' "$RIG_DIR/postgres/data/pg_hba.conf"
+# A CA made for this run, and a server certificate for the name localhost only (not
+# 127.0.0.1): verify-full through localhost passes, through 127.0.0.1 it must fail.
+PG_TLS="$RIG_DIR/postgres/tls"
+mkdir -p "$PG_TLS"
+openssl req -x509 -newkey rsa:2048 -nodes -days 3 -subj "/CN=outbox-rig-ca" \
+  -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+  -keyout "$PG_TLS/ca.key" -out "$PG_TLS/ca.crt" >/dev/null 2>&1
+openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
+  -keyout "$PG_TLS/server.key" -out "$PG_TLS/server.csr" >/dev/null 2>&1
+printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >"$PG_TLS/server.ext"
+openssl x509 -req -days 3 -in "$PG_TLS/server.csr" -CA "$PG_TLS/ca.crt" -CAkey "$PG_TLS/ca.key" \
+  -CAcreateserial -extfile "$PG_TLS/server.ext" -out "$PG_TLS/server.crt" >/dev/null 2>&1
+chown postgres:postgres "$PG_TLS/server.key" "$PG_TLS/server.crt"
+chmod 600 "$PG_TLS/server.key"
 runuser -u postgres -- "$PG/pg_ctl" -D "$RIG_DIR/postgres/data" -l "$RIG_DIR/postgres/postgres.log" -w -t 60 \
   -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -c unix_socket_directories=$RIG_DIR/postgres \
       -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32 -c max_connections=400 \
-      -c fsync=off -c full_page_writes=off -c shared_buffers=256MB" start >/dev/null
+      -c fsync=off -c full_page_writes=off -c shared_buffers=256MB \
+      -c ssl=on -c ssl_cert_file=$PG_TLS/server.crt -c ssl_key_file=$PG_TLS/server.key" start >/dev/null
 record_pid postgres "$(head -n 1 "$RIG_DIR/postgres/data/postmaster.pid")"
 env_set OUTBOX_RIG_PG_URL "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+env_set OUTBOX_RIG_PG_CA "$PG_TLS/ca.crt"
 log "postgres ready"
 
 # --- Apache Kafka, one KRaft broker+controller ----------------------------------------------

@@ -12,7 +12,7 @@ use crate::relay::backoff::Backoff;
 pub(super) struct DeleteTarget {
     pub(super) url: String,
     pub(super) env: String,
-    pub(super) ssl_mode: crate::api::SslMode,
+    pub(super) tls: crate::postgres::tls::PgTls,
     pub(super) schema: String,
     pub(super) table: String,
     pub(super) id_column: String,
@@ -46,7 +46,7 @@ pub(super) async fn delete_loop(
                     )
                     .await
                     .map(|_| ()),
-                    _ => match postgres::connect(&target.url, &target.env, target.ssl_mode).await {
+                    _ => match postgres::connect(&target.url, &target.env, &target.tls).await {
                         Ok(c) => {
                             client = Some(c);
                             continue;

@@ -192,7 +192,7 @@ impl LogTailer {
         postgres::connect(
             &self.settings.database_url,
             &self.settings.url_env,
-            self.settings.valid.ssl_mode,
+            &self.settings.pg_tls,
         )
         .await
     }
@@ -202,7 +202,7 @@ impl LogTailer {
         let stats = tokio::spawn(slot_stats_loop(
             self.settings.database_url.clone(),
             self.settings.url_env.clone(),
-            self.settings.valid.ssl_mode,
+            self.settings.pg_tls.clone(),
             self.lt.slot.clone(),
             self.health.clone(),
             self.stop.clone(),
@@ -215,7 +215,7 @@ impl LogTailer {
                 DeleteTarget {
                     url: self.settings.database_url.clone(),
                     env: self.settings.url_env.clone(),
-                    ssl_mode: self.settings.valid.ssl_mode,
+                    tls: self.settings.pg_tls.clone(),
                     schema: t.schema.clone(),
                     table: t.name.clone(),
                     id_column: self.columns.id.clone(),
@@ -304,6 +304,10 @@ impl LogTailer {
         let config = repl::replication_config(
             &self.settings.database_url,
             &self.settings.url_env,
+            crate::postgres::tls::replication_tls(
+                self.settings.pg_tls.mode,
+                self.settings.pg_ca_file.as_deref(),
+            ),
             &self.lt.slot,
             &self.lt.publication,
             CONFIRM_EVERY,

@@ -17,7 +17,7 @@ use crate::relay::metrics::{WAL_STATUSES, WalStatusLabels};
 pub(super) async fn slot_stats_loop(
     url: String,
     env: String,
-    ssl_mode: crate::api::SslMode,
+    tls: crate::postgres::tls::PgTls,
     slot: String,
     health: Arc<Health>,
     mut stop: watch::Receiver<bool>,
@@ -26,7 +26,7 @@ pub(super) async fn slot_stats_loop(
     let mut client: Option<Client> = None;
     loop {
         if client.as_ref().is_none_or(Client::is_closed) {
-            client = postgres::connect(&url, &env, ssl_mode).await.ok();
+            client = postgres::connect(&url, &env, &tls).await.ok();
         }
         if let Some(c) = &client {
             match repl::slot_stats(c, &slot).await {

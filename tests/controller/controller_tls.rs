@@ -1,0 +1,166 @@
+//! The operator's own connections to PostgreSQL over TLS: with `verify-full` and the CA
+//! from `caSecretRef` its checks pass for a role admitted over TLS only; with a CA that
+//! did not sign the server's certificate, `DatabaseReady` says why and nothing is
+//! created.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::common::{self, operator};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, Patch, PatchParams};
+use outbox_operator::api::OutboxRelay;
+use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use serde_json::json;
+use tokio::sync::oneshot;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn manifest(name: &str, ca_secret: &str) -> serde_json::Value {
+    json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": name},
+        "spec": {
+            "database": {"postgres": {
+                "connectionSecretRef": {"name": "db"},
+                "sslMode": "verify-full",
+                "caSecretRef": {"name": ca_secret, "key": "ca.crt"}
+            }},
+            "mode": {"polling": {}},
+            "broker": {"nats": {"url": "nats://nats:4222"}},
+            "replicas": 1
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_checks_the_database_over_verified_tls() {
+    let rig = common::Rig::load();
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let user = format!("operator_tls_{}", common::unique_suffix());
+    db.client
+        .batch_execute(&format!(
+            "DO $$ BEGIN CREATE ROLE outbox_tls_users NOLOGIN; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             SET password_encryption = 'scram-sha-256';
+             CREATE ROLE {user} LOGIN PASSWORD 'pw-Tls_9' IN ROLE outbox_tls_users;
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO {user};"
+        ))
+        .await
+        .unwrap();
+    let parsed: tokio_postgres::Config = db.url.parse().unwrap();
+    let url = format!(
+        "postgres://{user}:pw-Tls_9@localhost:{}/{}",
+        parsed.get_ports()[0],
+        parsed.get_dbname().unwrap()
+    );
+    let ca = std::fs::read_to_string(rig.get("OUTBOX_RIG_PG_CA")).unwrap();
+    let other_ca = {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new("openssl")
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=other",
+            ])
+            .arg("-keyout")
+            .arg(dir.path().join("k"))
+            .arg("-out")
+            .arg(dir.path().join("c"))
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        std::fs::read_to_string(dir.path().join("c")).unwrap()
+    };
+    operator::create_secret(&client, &ns, "db", &[("uri", url.as_str())]).await;
+    operator::create_secret(&client, &ns, "pg-ca", &[("ca.crt", ca.as_str())]).await;
+    operator::create_secret(&client, &ns, "other-ca", &[("ca.crt", other_ca.as_str())]).await;
+
+    let mut args = ControllerArgs::for_namespace(&ns);
+    args.identity = Some("tls-test".to_owned());
+    args.lease_name = "outbox-operator-tls-test".to_owned();
+    args.status_interval_seconds = 1;
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(controller::run(
+        client.clone(),
+        args,
+        Arc::new(Metrics::new()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let api: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    for (name, secret) in [("good", "pg-ca"), ("wrong-ca", "other-ca")] {
+        api.patch(
+            name,
+            &PatchParams::apply("tls-test"),
+            &Patch::Apply(&manifest(name, secret)),
+        )
+        .await
+        .unwrap();
+    }
+    let good = common::wait_for_some("DatabaseReady=True over verify-full", WAIT, || async {
+        let r = api.get_opt("good").await.ok().flatten()?;
+        operator::condition(&r, "DatabaseReady").filter(|c| c.status == "True")
+    })
+    .await;
+    assert!(good.message.contains(&user), "{}", good.message);
+    let wrong = common::wait_for_some("DatabaseReady=False with the wrong CA", WAIT, || async {
+        let r = api.get_opt("wrong-ca").await.ok().flatten()?;
+        operator::condition(&r, "DatabaseReady").filter(|c| c.status == "False")
+    })
+    .await;
+    assert_eq!(wrong.reason, "ConnectionFailed", "{wrong:?}");
+    assert!(
+        wrong.message.contains("UnknownIssuer") && !wrong.message.contains("pw-Tls_9"),
+        "{}",
+        wrong.message
+    );
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    assert!(deployments.get_opt("good-relay").await.unwrap().is_some());
+    assert!(
+        deployments
+            .get_opt("wrong-ca-relay")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // The operator's own session was encrypted.
+    let encrypted: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.usename = $1 AND s.ssl AND a.application_name = 'outbox-operator'",
+            &[&user],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted >= 1, "no encrypted operator session");
+
+    operator::delete_relays(&client, &ns, WAIT).await;
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(WAIT, task).await;
+    common::delete_namespace(&client, &ns).await;
+    db.client
+        .batch_execute(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{user}'"
+        ))
+        .await
+        .unwrap();
+    db.drop_database().await;
+    let _ = common::pg_admin()
+        .await
+        .batch_execute(&format!("DROP ROLE IF EXISTS {user}"))
+        .await;
+}
