@@ -102,6 +102,9 @@ pub enum Error {
     /// retried with the usual back-off, the OutboxRelay stays until it succeeds.
     #[error("cleanup blocked: {0}")]
     CleanupBlocked(String),
+    /// A child object could not be turned into its API form (a bug, not a user error).
+    #[error("cannot serialise a child object: {0}")]
+    Serialize(#[source] serde_json::Error),
     /// An object the API server returned lacks a field it always sets.
     #[error("the API server returned an object without {0}")]
     MissingField(&'static str),
@@ -123,6 +126,7 @@ impl Error {
             Error::Listen { .. } => "listen",
             Error::Lease(_) => "leader_election",
             Error::MissingField(_) => "api_response",
+            Error::Serialize(_) => "serialize",
             Error::CleanupPending(_) => "cleanup_pending",
             Error::CleanupBlocked(_) => "cleanup_blocked",
         }

@@ -6,12 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
-};
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
@@ -27,8 +24,7 @@ use super::{Context, Error, FINALIZER};
 use super::{decide, observe};
 use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::resources::{
-    Desired, FIELD_MANAGER, PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND,
-    SERVICE_MONITOR_PLURAL, build, children_selector, relay_object_name, selector_labels,
+    ChildKind, Desired, FIELD_MANAGER, build, children_selector, relay_object_name, selector_labels,
 };
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
@@ -128,13 +124,6 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     })
 }
 
-fn monitoring_resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("monitoring.coreos.com", "v1", kind),
-        plural,
-    )
-}
-
 /// What was last applied for one relay.
 pub(super) struct Applied {
     /// Hash of every desired child (and whether monitoring objects were included).
@@ -153,15 +142,10 @@ fn fingerprint(desired: &Desired, monitoring: bool) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     monitoring.hash(&mut hasher);
-    for part in [
-        serde_json::to_string(&desired.config_map),
-        serde_json::to_string(&desired.deployment),
-        serde_json::to_string(&desired.service),
-        serde_json::to_string(&desired.pod_disruption_budget),
-        serde_json::to_string(&desired.service_monitor),
-        serde_json::to_string(&desired.prometheus_rule),
-    ] {
-        part.unwrap_or_default().hash(&mut hasher);
+    for kind in ChildKind::ALL {
+        serde_json::to_string(&desired.child(kind).ok().flatten())
+            .unwrap_or_default()
+            .hash(&mut hasher);
     }
     hasher.finish()
 }
@@ -214,9 +198,10 @@ async fn apply_if_changed(
     Ok(())
 }
 
-/// Applies every desired child (whose hash is `fingerprint`), deletes the children no
-/// longer built, and returns the Deployment as the API server has it (with its status)
-/// and the versions it left.
+/// Applies every desired child (whose hash is `fingerprint`), kind by kind in the
+/// catalogue's order, deletes the children of each kind no longer built, and returns
+/// the versions the apply left. The Prometheus Operator's kinds are neither applied
+/// nor pruned where their CRDs are not served.
 async fn apply_children(
     relay: &OutboxRelay,
     ctx: &Context,
@@ -224,99 +209,43 @@ async fn apply_children(
     monitoring: bool,
     fingerprint: u64,
 ) -> Result<Applied, Error> {
-    let client = &ctx.client;
     let namespace = relay.namespace().unwrap_or_default();
     let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
     let selector = children_selector(relay);
-
-    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
-    let services: Api<Service> = Api::namespaced(client.clone(), &namespace);
-    let budgets: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &namespace);
-
-    // The ConfigMap first: pods of the new Deployment mount it.
-    let config_map = ssa(&config_maps, &desired.config_map, ctx).await?;
-    let deployment = ssa(&deployments, &desired.deployment, ctx).await?;
-    let service = ssa(&services, &desired.service, ctx).await?;
-    if let Some(pdb) = &desired.pod_disruption_budget {
-        ssa(&budgets, pdb, ctx).await?;
-    }
-
-    let keep = |o: Option<&kube::core::ObjectMeta>| -> Vec<String> {
-        o.and_then(|m| m.name.clone()).into_iter().collect()
-    };
-    prune(
-        &config_maps,
-        &selector,
-        &uid,
-        &keep(Some(&desired.config_map.metadata)),
-        ctx,
-    )
-    .await?;
-    prune(
-        &deployments,
-        &selector,
-        &uid,
-        &keep(Some(&desired.deployment.metadata)),
-        ctx,
-    )
-    .await?;
-    prune(
-        &services,
-        &selector,
-        &uid,
-        &keep(Some(&desired.service.metadata)),
-        ctx,
-    )
-    .await?;
-    prune(
-        &budgets,
-        &selector,
-        &uid,
-        &keep(desired.pod_disruption_budget.as_ref().map(|p| &p.metadata)),
-        ctx,
-    )
-    .await?;
-
-    if monitoring {
-        let monitors: Api<DynamicObject> = Api::namespaced_with(
-            client.clone(),
-            &namespace,
-            &monitoring_resource(SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL),
-        );
-        let rules: Api<DynamicObject> = Api::namespaced_with(
-            client.clone(),
-            &namespace,
-            &monitoring_resource(PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL),
-        );
-        ssa(&monitors, &desired.service_monitor, ctx).await?;
-        if let Some(rule) = &desired.prometheus_rule {
-            ssa(&rules, rule, ctx).await?;
-        }
-        prune(
-            &monitors,
-            &selector,
-            &uid,
-            &keep(Some(&desired.service_monitor.metadata)),
-            ctx,
-        )
-        .await?;
-        prune(
-            &rules,
-            &selector,
-            &uid,
-            &keep(desired.prometheus_rule.as_ref().map(|r| &r.metadata)),
-            ctx,
-        )
-        .await?;
-    }
-    Ok(Applied {
+    let mut applied = Applied {
         fingerprint,
-        deployment_generation: deployment.metadata.generation,
-        config_map_version: config_map.metadata.resource_version,
-        service_version: service.metadata.resource_version,
+        deployment_generation: None,
+        config_map_version: None,
+        service_version: None,
         at: Instant::now(),
-    })
+    };
+    for kind in ChildKind::ALL {
+        if kind.needs_monitoring_crds() && !monitoring {
+            continue;
+        }
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(ctx.client.clone(), &namespace, &kind.api_resource());
+        let wanted = desired.child(kind).map_err(Error::Serialize)?;
+        let keep: Vec<String> = wanted
+            .as_ref()
+            .and_then(|o| o.metadata.name.clone())
+            .into_iter()
+            .collect();
+        if let Some(object) = &wanted {
+            let result = ssa(&api, object, ctx).await?;
+            match kind {
+                ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
+                ChildKind::ConfigMap => {
+                    applied.config_map_version = result.metadata.resource_version
+                }
+                ChildKind::Service => applied.service_version = result.metadata.resource_version,
+                _ => {}
+            }
+        }
+        prune(&api, &selector, &uid, &keep, ctx).await?;
+    }
+    applied.at = Instant::now();
+    Ok(applied)
 }
 
 /// Server-side apply under the operator's one field manager. Forced: the operator owns

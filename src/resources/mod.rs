@@ -105,25 +105,127 @@ pub fn build(relay: &ValidRelay, options: &BuildOptions) -> Result<Desired, Buil
     })
 }
 
+/// The kinds of child object a relay has, in apply order: the one list the controller
+/// applies, prunes and fingerprints, and `render` prints. Adding a kind is a variant
+/// here, its arm in [`ChildKind::api_resource`] and [`Desired::child`], and a field of
+/// [`Desired`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChildKind {
+    /// The relay's config file.
+    ConfigMap,
+    /// The relay pods.
+    Deployment,
+    /// The metrics Service.
+    Service,
+    /// Voluntary-disruption budget (more than one pod).
+    PodDisruptionBudget,
+    /// Prometheus Operator scrape config.
+    ServiceMonitor,
+    /// Prometheus Operator alerting rules.
+    PrometheusRule,
+}
+
+impl ChildKind {
+    /// Every kind, in apply order (the ConfigMap first: the Deployment's pods mount it).
+    pub const ALL: [ChildKind; 6] = [
+        ChildKind::ConfigMap,
+        ChildKind::Deployment,
+        ChildKind::Service,
+        ChildKind::PodDisruptionBudget,
+        ChildKind::ServiceMonitor,
+        ChildKind::PrometheusRule,
+    ];
+
+    /// Group, version, kind and plural, for dynamic API access.
+    pub fn api_resource(self) -> kube::api::ApiResource {
+        let (group, version, kind, plural) = match self {
+            ChildKind::ConfigMap => ("", "v1", "ConfigMap", "configmaps"),
+            ChildKind::Deployment => ("apps", "v1", "Deployment", "deployments"),
+            ChildKind::Service => ("", "v1", "Service", "services"),
+            ChildKind::PodDisruptionBudget => (
+                "policy",
+                "v1",
+                "PodDisruptionBudget",
+                "poddisruptionbudgets",
+            ),
+            ChildKind::ServiceMonitor => (
+                "monitoring.coreos.com",
+                "v1",
+                SERVICE_MONITOR_KIND,
+                SERVICE_MONITOR_PLURAL,
+            ),
+            ChildKind::PrometheusRule => (
+                "monitoring.coreos.com",
+                "v1",
+                PROMETHEUS_RULE_KIND,
+                PROMETHEUS_RULE_PLURAL,
+            ),
+        };
+        kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(group, version, kind),
+            plural,
+        )
+    }
+
+    /// Served only where the Prometheus Operator's CRDs are installed.
+    pub fn needs_monitoring_crds(self) -> bool {
+        matches!(self, ChildKind::ServiceMonitor | ChildKind::PrometheusRule)
+    }
+}
+
 impl Desired {
+    /// The child of `kind` as a dynamic object; `None` when the relay has none of that
+    /// kind (it is pruned).
+    pub fn child(&self, kind: ChildKind) -> Result<Option<DynamicObject>, serde_json::Error> {
+        fn dynamic(object: &impl Serialize) -> Result<Option<DynamicObject>, serde_json::Error> {
+            serde_json::from_value(serde_json::to_value(object)?).map(Some)
+        }
+        match kind {
+            ChildKind::ConfigMap => dynamic(&self.config_map),
+            ChildKind::Deployment => dynamic(&self.deployment),
+            ChildKind::Service => dynamic(&self.service),
+            ChildKind::PodDisruptionBudget => self
+                .pod_disruption_budget
+                .as_ref()
+                .map_or(Ok(None), dynamic),
+            ChildKind::ServiceMonitor => dynamic(&self.service_monitor),
+            ChildKind::PrometheusRule => self.prometheus_rule.as_ref().map_or(Ok(None), dynamic),
+        }
+    }
+
+    /// Every child the relay has, in apply order.
+    pub fn children(&self) -> Result<Vec<(ChildKind, DynamicObject)>, serde_json::Error> {
+        let mut out = Vec::new();
+        for kind in ChildKind::ALL {
+            if let Some(object) = self.child(kind)? {
+                out.push((kind, object));
+            }
+        }
+        Ok(out)
+    }
+
     /// The objects as one multi-document YAML stream, in apply order.
     pub fn to_yaml(&self) -> Result<String, serde_yaml::Error> {
-        let mut docs = vec![
-            to_value(&self.config_map)?,
-            to_value(&self.deployment)?,
-            to_value(&self.service)?,
-        ];
-        if let Some(pdb) = &self.pod_disruption_budget {
-            docs.push(to_value(pdb)?);
-        }
-        docs.push(to_value(&self.service_monitor)?);
-        if let Some(rule) = &self.prometheus_rule {
-            docs.push(to_value(rule)?);
-        }
         let mut out = String::new();
-        for doc in docs {
-            out.push_str("---\n");
-            out.push_str(&serde_yaml::to_string(&doc)?);
+        for kind in ChildKind::ALL {
+            let doc = match kind {
+                ChildKind::ConfigMap => Some(to_value(&self.config_map)?),
+                ChildKind::Deployment => Some(to_value(&self.deployment)?),
+                ChildKind::Service => Some(to_value(&self.service)?),
+                ChildKind::PodDisruptionBudget => self
+                    .pod_disruption_budget
+                    .as_ref()
+                    .map(to_value)
+                    .transpose()?,
+                ChildKind::ServiceMonitor => Some(to_value(&self.service_monitor)?),
+                ChildKind::PrometheusRule => {
+                    self.prometheus_rule.as_ref().map(to_value).transpose()?
+                }
+            };
+            if let Some(doc) = doc {
+                out.push_str("---\n");
+                out.push_str(&serde_yaml::to_string(&doc)?);
+            }
         }
         Ok(out)
     }

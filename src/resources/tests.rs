@@ -297,3 +297,25 @@ fn thresholds_come_from_the_spec() {
     assert!(expr("OutboxRelayBacklogHigh").ends_with("> 42"));
     assert!(expr("OutboxRelayPartitionsUnowned").ends_with("< 16"));
 }
+
+#[test]
+fn every_child_kind_has_its_object_in_the_catalogues_order_and_api_form() {
+    let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
+    let children = desired.children().unwrap();
+    let kinds: Vec<ChildKind> = children.iter().map(|(k, _)| *k).collect();
+    assert_eq!(kinds, ChildKind::ALL.to_vec(), "replicas 3 and alerting on: all six");
+    for (kind, object) in &children {
+        let resource = kind.api_resource();
+        let types = object.types.as_ref().unwrap();
+        assert_eq!(types.api_version, resource.api_version, "{kind:?}");
+        assert_eq!(types.kind, resource.kind, "{kind:?}");
+        assert!(object.metadata.name.is_some(), "{kind:?}");
+    }
+    let mut one = relay(POLLING_RABBIT);
+    one.spec.replicas = 1;
+    one.spec.alerting.enabled = false;
+    let desired = build(&one, &BuildOptions::default()).unwrap();
+    let kinds: Vec<ChildKind> = desired.children().unwrap().iter().map(|(k, _)| *k).collect();
+    assert!(!kinds.contains(&ChildKind::PodDisruptionBudget));
+    assert!(!kinds.contains(&ChildKind::PrometheusRule));
+}
