@@ -303,7 +303,11 @@ fn every_child_kind_has_its_object_in_the_catalogues_order_and_api_form() {
     let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
     let children = desired.children().unwrap();
     let kinds: Vec<ChildKind> = children.iter().map(|(k, _)| *k).collect();
-    assert_eq!(kinds, ChildKind::ALL.to_vec(), "replicas 3 and alerting on: all six");
+    assert_eq!(
+        kinds,
+        ChildKind::ALL.to_vec(),
+        "replicas 3 and alerting on: all six"
+    );
     for (kind, object) in &children {
         let resource = kind.api_resource();
         let types = object.types.as_ref().unwrap();
@@ -315,7 +319,12 @@ fn every_child_kind_has_its_object_in_the_catalogues_order_and_api_form() {
     one.spec.replicas = 1;
     one.spec.alerting.enabled = false;
     let desired = build(&one, &BuildOptions::default()).unwrap();
-    let kinds: Vec<ChildKind> = desired.children().unwrap().iter().map(|(k, _)| *k).collect();
+    let kinds: Vec<ChildKind> = desired
+        .children()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| *k)
+        .collect();
     assert!(!kinds.contains(&ChildKind::PodDisruptionBudget));
     assert!(!kinds.contains(&ChildKind::PrometheusRule));
 }
