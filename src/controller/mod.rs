@@ -175,6 +175,15 @@ pub struct ControllerArgs {
     /// when many relays change at once.
     #[arg(long, env = "OUTBOX_MAX_CONCURRENT_RECONCILES", default_value_t = 32)]
     pub max_concurrent_reconciles: u16,
+    /// Let an OutboxRelay choose its relay image (`spec.relay.image`). Off by default:
+    /// whoever may create an OutboxRelay could otherwise run any image with the
+    /// Secrets it names.
+    #[arg(long, env = "OUTBOX_ALLOW_RELAY_IMAGE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_relay_image: bool,
+    /// Let an OutboxRelay choose its pods' ServiceAccount (`spec.relay.serviceAccountName`).
+    /// Off by default: a ServiceAccount may carry API rights its author does not have.
+    #[arg(long, env = "OUTBOX_ALLOW_RELAY_SERVICE_ACCOUNT", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_relay_service_account: bool,
 }
 
 impl ControllerArgs {
@@ -192,6 +201,8 @@ impl ControllerArgs {
             resync_seconds: 300,
             status_interval_seconds: 10,
             max_concurrent_reconciles: 32,
+            allow_relay_image: false,
+            allow_relay_service_account: false,
         }
     }
 
@@ -207,6 +218,8 @@ impl ControllerArgs {
 pub(crate) struct Context {
     client: Client,
     options: BuildOptions,
+    /// What this install lets an OutboxRelay choose for its pods.
+    policy: crate::spec::Policy,
     reporter: Reporter,
     metrics: Arc<Metrics>,
     leader: watch::Receiver<bool>,
@@ -328,6 +341,10 @@ pub async fn run(
         client: client.clone(),
         options: BuildOptions {
             relay_image: args.relay_image.clone(),
+        },
+        policy: crate::spec::Policy {
+            allow_image: args.allow_relay_image,
+            allow_service_account: args.allow_relay_service_account,
         },
         reporter: Reporter {
             controller: MANAGED_BY.to_owned(),

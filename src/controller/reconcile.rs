@@ -88,7 +88,15 @@ pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Con
 /// (the SQL the decision planned, then the children) → status.
 async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     let last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
-    let parsed = crate::spec::parse(relay);
+    // Parse, then hold the spec to what this install allows.
+    let parsed = crate::spec::parse(relay).and_then(|valid| {
+        let refused = ctx.policy.check(relay);
+        if refused.is_empty() {
+            Ok(valid)
+        } else {
+            Err(crate::spec::Problems(refused))
+        }
+    });
     let built = match &parsed {
         Ok(valid) => Some(build(valid, &ctx.options)?),
         Err(_) => None,

@@ -13,6 +13,41 @@ mod parse;
 
 pub use parse::parse;
 
+/// What an operator install lets an OutboxRelay choose for its pods (Helm values
+/// `relayPolicy.*`). Both off by default: whoever may create an OutboxRelay must not
+/// get a pod with another image, or another ServiceAccount's API rights, next to the
+/// Secrets the relay names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    /// `spec.relay.image` is honoured.
+    pub allow_image: bool,
+    /// `spec.relay.serviceAccountName` is honoured.
+    pub allow_service_account: bool,
+}
+
+impl Policy {
+    /// The problems of a relay that asks for more than this install allows.
+    pub fn check(&self, relay: &OutboxRelay) -> Vec<Problem> {
+        let pod = &relay.spec.relay;
+        let mut problems = Vec::new();
+        if !self.allow_image && pod.image.as_deref().is_some_and(|i| !i.is_empty()) {
+            problems.push(Problem {
+                field: "spec.relay.image".to_owned(),
+                message: "this operator's install does not let an OutboxRelay choose its image".to_owned(),
+                fix: "remove it (relays run the operator's own image), or have the operator installed with relayPolicy.allowImage=true".to_owned(),
+            });
+        }
+        if !self.allow_service_account && pod.service_account_name.is_some() {
+            problems.push(Problem {
+                field: "spec.relay.serviceAccountName".to_owned(),
+                message: "this operator's install does not let an OutboxRelay choose its pods' ServiceAccount".to_owned(),
+                fix: "remove it (relays need no Kubernetes API access), or have the operator installed with relayPolicy.allowServiceAccount=true".to_owned(),
+            });
+        }
+        problems
+    }
+}
+
 use std::time::Duration;
 
 use crate::api::{

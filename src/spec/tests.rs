@@ -193,3 +193,28 @@ fn a_bad_name_is_a_problem() {
     r.metadata.name = Some("Orders_Relay".into());
     assert_eq!(fields(&r), vec!["metadata.name".to_owned()]);
 }
+
+#[test]
+fn the_install_policy_refuses_image_and_service_account_unless_allowed() {
+    let mut r = relay(BASE);
+    r.spec.relay.image = Some("evil:1".into());
+    r.spec.relay.service_account_name = Some("admin".into());
+    let refused: Vec<String> = Policy::default()
+        .check(&r)
+        .into_iter()
+        .map(|p| p.field)
+        .collect();
+    assert_eq!(
+        refused,
+        vec![
+            "spec.relay.image".to_owned(),
+            "spec.relay.serviceAccountName".to_owned()
+        ]
+    );
+    let open = Policy {
+        allow_image: true,
+        allow_service_account: true,
+    };
+    assert!(open.check(&r).is_empty());
+    assert!(Policy::default().check(&relay(BASE)).is_empty());
+}

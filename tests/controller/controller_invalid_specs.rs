@@ -230,6 +230,25 @@ const CASES: &[Case] = &[
         expect: &["connectionSecretRef"],
     },
     Case {
+        what: "a relay image while the install does not allow one",
+        edit: |s| s["relay"] = json!({"image": "registry.example/anything:1"}),
+        expect: &[
+            "spec.relay.image: this operator's install does not let an OutboxRelay choose its image",
+        ],
+    },
+    Case {
+        what: "a ServiceAccount while the install does not allow one",
+        edit: |s| s["relay"] = json!({"serviceAccountName": "cluster-admin-ish"}),
+        expect: &["spec.relay.serviceAccountName"],
+    },
+    Case {
+        what: "a Secret reference into another namespace",
+        edit: |s| {
+            s["database"]["postgres"]["connectionSecretRef"]["namespace"] = json!("kube-system")
+        },
+        expect: &["namespace"],
+    },
+    Case {
         what: "the Secret exists but has no such key",
         edit: |s| s["database"]["postgres"]["connectionSecretRef"]["key"] = json!("url"),
         expect: &["spec.database.postgres.connectionSecretRef: Secret db has no key url"],

@@ -229,6 +229,12 @@ fn operator_pod_is_restricted_and_configured_from_values() {
         "{args:?}"
     );
     assert!(args.contains(&"--leader-elect=true"), "{args:?}");
+    // Least privilege by default: a relay may not pick its image or ServiceAccount.
+    assert!(args.contains(&"--allow-relay-image=false"), "{args:?}");
+    assert!(
+        args.contains(&"--allow-relay-service-account=false"),
+        "{args:?}"
+    );
     assert!(
         args.contains(&"--lease-name=ops-outbox-operator"),
         "{args:?}"
