@@ -33,6 +33,10 @@ pub(super) struct SecretsSeen {
     pub broker: Cond,
     /// Keys missing from a Secret that exists, or values the relay could not use.
     pub problems: Vec<Problem>,
+    /// The referenced Secrets' names and `resourceVersion`s, sorted: they change when
+    /// a Secret's content does (a rotated password or certificate), and carry nothing
+    /// of the content.
+    pub versions: Vec<(String, String)>,
 }
 
 /// The relay's children as the API server has them.
@@ -107,12 +111,21 @@ async fn secrets(
             "every Secret the broker connection needs exists; the relay checks the connection itself",
         ),
         problems: Vec::new(),
+        versions: Vec::new(),
     };
     let mut url = None;
     let mut ca_pem = None;
     for slot in valid.secrets() {
         let reference = &slot.reference;
-        let Some(secret) = api.get_opt(&reference.name).await? else {
+        let found = api.get_opt(&reference.name).await?;
+        if let Some(secret) = &found {
+            let version = secret.metadata.resource_version.clone().unwrap_or_default();
+            let entry = (reference.name.clone(), version);
+            if !seen.versions.contains(&entry) {
+                seen.versions.push(entry);
+            }
+        }
+        let Some(secret) = found else {
             let cond = match slot.purpose {
                 SecretUse::Database => &mut seen.database,
                 SecretUse::Broker => &mut seen.broker,
@@ -166,6 +179,7 @@ async fn secrets(
             }),
         }
     }
+    seen.versions.sort();
     let conn = url.map(|url| database::Conn {
         url,
         tls: PgTls {

@@ -24,7 +24,8 @@ use super::{Context, Error, FINALIZER};
 use super::{decide, observe};
 use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::resources::{
-    ChildKind, Desired, FIELD_MANAGER, build, children_selector, relay_object_name, selector_labels,
+    ChildKind, Desired, FIELD_MANAGER, annotate_secret_versions, build, children_selector,
+    relay_object_name, selector_labels,
 };
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
@@ -97,7 +98,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             Err(crate::spec::Problems(refused))
         }
     });
-    let built = match &parsed {
+    let mut built = match &parsed {
         Ok(valid) => Some(build(valid, &ctx.options)?),
         Err(_) => None,
     };
@@ -105,6 +106,10 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         (Ok(valid), Some(desired)) => Some(observe::observe(relay, valid, desired, ctx).await?),
         _ => None,
     };
+    // A rotated Secret rolls the pods (they read Secret values only at start).
+    if let (Some(desired), Some(observed)) = (built.as_mut(), observed.as_ref()) {
+        annotate_secret_versions(&mut desired.deployment, &observed.secrets.versions);
+    }
     let owner = database::owner(relay);
     let mut decision = decide::decide(
         parsed.as_ref(),

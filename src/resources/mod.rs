@@ -25,7 +25,10 @@ pub use monitoring::{
     PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, RUNBOOK_BASE_URL, SERVICE_MONITOR_KIND,
     SERVICE_MONITOR_PLURAL, prometheus_rule, runbook_url, service, service_monitor,
 };
-pub use workload::{METRICS_PORT_NAME, config_hash, config_map, deployment, pod_disruption_budget};
+pub use workload::{
+    METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,
+    pod_disruption_budget,
+};
 
 /// The field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "outbox-operator";
@@ -37,6 +40,9 @@ pub const MANAGED_BY: &str = "outbox-operator";
 /// Pod-template annotation holding a hash of the relay config, so that any change to the
 /// config file rolls the pods (a mounted ConfigMap alone would not restart the relay).
 pub const CONFIG_HASH_ANNOTATION: &str = "outbox.dev/config-hash";
+/// Pod-template annotation holding a hash of the referenced Secrets' names and
+/// `resourceVersion`s: a rotated Secret rolls the pods.
+pub const SECRETS_VERSION_ANNOTATION: &str = "outbox.dev/secrets-version";
 /// The key of the config file in the ConfigMap.
 pub const CONFIG_KEY: &str = "relay.yaml";
 /// The API group and version of the Prometheus operator's CRDs.

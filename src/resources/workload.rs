@@ -19,8 +19,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
 use super::{
-    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, child_meta, config_map_name,
-    labels, relay_object_name, selector_labels,
+    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, SECRETS_VERSION_ANNOTATION,
+    child_meta, config_map_name, labels, relay_object_name, selector_labels,
 };
 use crate::secrets::Delivery;
 use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
@@ -48,6 +48,34 @@ pub fn config_map(valid: &ValidRelay) -> Result<ConfigMap, BuildError> {
         data: Some(BTreeMap::from([(CONFIG_KEY.to_owned(), text)])),
         ..ConfigMap::default()
     })
+}
+
+/// Marks the relay pods with the versions of the Secrets they read, so a rotated
+/// password or certificate rolls them (the relay reads Secret values only at start).
+/// The annotation holds a hash of names and `resourceVersion`s, nothing of the content.
+pub fn annotate_secret_versions(deployment: &mut Deployment, versions: &[(String, String)]) {
+    let mut hasher = Sha256::new();
+    for (name, version) in versions {
+        hasher.update(name.as_bytes());
+        hasher.update([0]);
+        hasher.update(version.as_bytes());
+        hasher.update([0]);
+    }
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if let Some(meta) = deployment
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.metadata.as_mut())
+    {
+        meta.annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(SECRETS_VERSION_ANNOTATION.to_owned(), digest);
+    }
 }
 
 /// A stable hash of the config file text, for the pod-template annotation.

@@ -37,6 +37,7 @@ fn secrets_ok() -> SecretsSeen {
         database: Cond::yes(CONDITION_DATABASE_READY, "SecretFound", ""),
         broker: Cond::yes(CONDITION_BROKER_READY, "SecretsFound", ""),
         problems: Vec::new(),
+        versions: Vec::new(),
     }
 }
 
