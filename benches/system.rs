@@ -442,7 +442,7 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
                 bootstrap_servers: rig.kafka_bootstrap().to_owned(),
                 topic: topic.clone(),
                 tls: false,
-                ca_file: None,
+                tls_files: Default::default(),
                 sasl: None,
                 properties: Default::default(),
             };
@@ -461,7 +461,8 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
             let config = outbox_operator::broker::nats::NatsSettings {
                 url: rig.nats_url().to_owned(),
                 subject: subject.clone(),
-                credentials_file: None,
+                auth: outbox_operator::broker::nats::NatsAuth::None,
+                tls: None,
             };
             let broker = NatsBroker::new(&config)
                 .await

@@ -96,27 +96,12 @@ async fn check_database(
     out: &mut impl Write,
 ) -> bool {
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let ca = relay
-        .secrets()
-        .into_iter()
-        .find(|s| s.field == "spec.database.postgres.caSecretRef")
-        .map(|s| s.read(&env));
-    let ca_pem = match ca {
-        Some(Ok(pem)) => Some(pem),
-        Some(Err(message)) => {
-            report(
-                out,
-                false,
-                "tls",
-                &format!("the CA (spec.database.postgres.caSecretRef): {message}"),
-            );
+    let tls = match crate::postgres::tls::PgTls::from_files(relay, &env) {
+        Ok(tls) => tls,
+        Err((field, message)) => {
+            report(out, false, "tls", &format!("{field}: {message}"));
             return false;
         }
-        None => None,
-    };
-    let tls = crate::postgres::tls::PgTls {
-        mode: relay.ssl_mode,
-        ca_pem,
     };
     let client = match crate::postgres::connect(url, url_env, &tls).await {
         Ok(client) => client,

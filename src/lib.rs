@@ -15,6 +15,7 @@ pub mod rules;
 pub mod secrets;
 pub mod spec;
 pub mod telemetry;
+pub mod tls;
 
 pub use error::{Error, Result};
 

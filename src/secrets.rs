@@ -16,16 +16,40 @@ pub const ENV_RABBITMQ_URL: &str = "OUTBOX_RABBITMQ_URL";
 pub const ENV_KAFKA_SASL_USERNAME: &str = "OUTBOX_KAFKA_SASL_USERNAME";
 /// Environment variable holding the Kafka SASL password.
 pub const ENV_KAFKA_SASL_PASSWORD: &str = "OUTBOX_KAFKA_SASL_PASSWORD";
-/// Where the Kafka CA certificate is mounted in a relay pod.
-pub const KAFKA_CA_PATH: &str = "/etc/outbox-relay/kafka-ca/ca.crt";
+/// Where the broker's CA certificate (`tls.caSecretRef`) is mounted in a relay pod.
+pub const BROKER_CA_PATH: &str = "/etc/outbox-relay/broker-tls/ca.crt";
+/// Where the broker client certificate (`tls.clientCertSecretRef`) is mounted.
+pub const BROKER_CLIENT_CERT_PATH: &str = "/etc/outbox-relay/broker-tls/tls.crt";
+/// Where the broker client key (`tls.clientKeySecretRef`) is mounted.
+pub const BROKER_CLIENT_KEY_PATH: &str = "/etc/outbox-relay/broker-tls/tls.key";
+/// Outside a pod (`check`, tests), the variable naming a local copy of the broker's CA.
+pub const ENV_BROKER_CA_FILE: &str = "OUTBOX_BROKER_CA_FILE";
+/// Outside a pod, the variable naming a local copy of the broker client certificate.
+pub const ENV_BROKER_CLIENT_CERT_FILE: &str = "OUTBOX_BROKER_CLIENT_CERT_FILE";
+/// Outside a pod, the variable naming a local copy of the broker client key.
+pub const ENV_BROKER_CLIENT_KEY_FILE: &str = "OUTBOX_BROKER_CLIENT_KEY_FILE";
+/// Environment variable holding the NATS user name.
+pub const ENV_NATS_USERNAME: &str = "OUTBOX_NATS_USERNAME";
+/// Environment variable holding the NATS password.
+pub const ENV_NATS_PASSWORD: &str = "OUTBOX_NATS_PASSWORD";
+/// Environment variable holding the NATS token.
+pub const ENV_NATS_TOKEN: &str = "OUTBOX_NATS_TOKEN";
+/// Environment variable holding the NATS user nkey seed.
+pub const ENV_NATS_NKEY_SEED: &str = "OUTBOX_NATS_NKEY_SEED";
+/// Where the PostgreSQL client certificate is mounted in a relay pod.
+pub const POSTGRES_CLIENT_CERT_PATH: &str = "/etc/outbox-relay/postgres-tls/tls.crt";
+/// Where the PostgreSQL client key is mounted in a relay pod.
+pub const POSTGRES_CLIENT_KEY_PATH: &str = "/etc/outbox-relay/postgres-tls/tls.key";
+/// Outside a pod, the variable naming a local copy of the PostgreSQL client certificate.
+pub const ENV_POSTGRES_CLIENT_CERT_FILE: &str = "OUTBOX_POSTGRES_CLIENT_CERT_FILE";
+/// Outside a pod, the variable naming a local copy of the PostgreSQL client key.
+pub const ENV_POSTGRES_CLIENT_KEY_FILE: &str = "OUTBOX_POSTGRES_CLIENT_KEY_FILE";
 /// Where the NATS credentials file is mounted in a relay pod.
 pub const NATS_CREDENTIALS_PATH: &str = "/etc/outbox-relay/nats/nats.creds";
 /// Where the PostgreSQL CA certificate is mounted in a relay pod.
 pub const POSTGRES_CA_PATH: &str = "/etc/outbox-relay/postgres-ca/ca.crt";
 /// Outside a pod, the variable naming a local copy of the PostgreSQL CA.
 pub const ENV_POSTGRES_CA_FILE: &str = "OUTBOX_POSTGRES_CA_FILE";
-/// Outside a pod (`check`, tests), the variable naming a local copy of the Kafka CA.
-pub const ENV_KAFKA_CA_FILE: &str = "OUTBOX_KAFKA_CA_FILE";
 /// Outside a pod, the variable naming a local copy of the NATS credentials file.
 pub const ENV_NATS_CREDENTIALS_FILE: &str = "OUTBOX_NATS_CREDENTIALS_FILE";
 
@@ -63,6 +87,8 @@ pub enum Content {
     Text,
     /// PEM certificates.
     Certificates,
+    /// A PEM private key, unencrypted.
+    PrivateKey,
 }
 
 /// One Secret reference of a relay.
@@ -95,6 +121,9 @@ impl SecretSlot {
             Content::AmqpUrl => value.starts_with("amqp://") || value.starts_with("amqps://"),
             Content::Text => true,
             Content::Certificates => value.contains("-----BEGIN CERTIFICATE-----"),
+            Content::PrivateKey => {
+                value.contains("PRIVATE KEY-----") && !value.contains("ENCRYPTED PRIVATE KEY")
+            }
         };
         if ok {
             return Ok(());
@@ -106,6 +135,9 @@ impl SecretSlot {
             Content::AmqpUrl => "an amqp:// or amqps:// URI",
             Content::Text => "text",
             Content::Certificates => "PEM certificates (-----BEGIN CERTIFICATE-----)",
+            Content::PrivateKey => {
+                "an unencrypted PEM private key (-----BEGIN PRIVATE KEY-----, RSA or EC)"
+            }
         };
         Err(format!(
             "Secret {} key {} does not hold {wanted}",

@@ -90,13 +90,24 @@ fn default_kafka_topic() -> String {
     "outbox.event.{aggregateType}".to_owned()
 }
 
-/// TLS settings for a broker connection.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+/// TLS to a broker. The server's certificate is always verified, host name included:
+/// against the CA given here, else against the system's roots.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.clientCertSecretRef) == has(self.clientKeySecretRef)").message("tls.clientCertSecretRef and tls.clientKeySecretRef go together: set both for mutual TLS, or neither"))]
 pub struct TlsSpec {
-    /// A Secret key holding the CA certificate (PEM); default the system roots.
+    /// A Secret key holding the CA certificate(s) (PEM) that verify the server
+    /// (`ca.crt` of a cert-manager Secret); default the system roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding the client certificate chain (PEM), for mutual TLS
+    /// (`tls.crt` of a `kubernetes.io/tls` Secret).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding the client's private key (PEM: PKCS#8, PKCS#1 or SEC1,
+    /// unencrypted; `tls.key` of a `kubernetes.io/tls` Secret).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_secret_ref: Option<SecretKeyRef>,
 }
 
 /// SASL credentials for Kafka.
@@ -126,9 +137,12 @@ pub enum SaslMechanism {
 }
 
 /// NATS with JetStream. Core NATS has no acknowledgements, so publishing always goes
-/// through JetStream: a stream must capture the subjects.
+/// through JetStream: a stream must capture the subjects. At most one way to
+/// authenticate: a credentials file, an nkey seed, a token, or a user name and password.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.credentialsSecretRef), has(self.nkeySeedSecretRef), has(self.tokenSecretRef), has(self.usernameSecretRef)].filter(x, x).size() <= 1").message("spec.broker.nats: authenticate one way: credentialsSecretRef, nkeySeedSecretRef, tokenSecretRef, or usernameSecretRef with passwordSecretRef"))]
+#[x_kube(validation = Rule::new("has(self.usernameSecretRef) == has(self.passwordSecretRef)").message("spec.broker.nats.usernameSecretRef and passwordSecretRef go together"))]
 pub struct NatsSpec {
     /// Server URL(s), comma-separated (`nats://host:4222`).
     #[schemars(
@@ -141,9 +155,25 @@ pub struct NatsSpec {
     #[schemars(length(min = 1, max = 255))]
     #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[^\\\\s*>.]+([.][^\\\\s*>.]+)*$')").message("spec.broker.nats.subject must yield a valid NATS subject (no spaces, wildcards or empty tokens; {aggregateType} is replaced by each row's aggregate type)"))]
     pub subject: String,
-    /// A Secret key holding a NATS credentials file (`.creds`).
+    /// TLS to the servers (also used for `tls://` URLs; a `nats://` URL upgrades when
+    /// the server asks for TLS). With `tls` set, TLS is required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+    /// A Secret key holding a NATS credentials file (`.creds`: user JWT and nkey seed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding a user nkey seed (`SU...`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nkey_seed_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding an authentication token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding the user name (with `passwordSecretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding the password (with `usernameSecretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
 }
 
 fn default_nats_subject() -> String {
@@ -153,9 +183,20 @@ fn default_nats_subject() -> String {
 /// RabbitMQ. Messages are persistent and published with publisher confirms.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.authMechanism) || self.authMechanism != 'EXTERNAL' || (has(self.tls) && has(self.tls.clientCertSecretRef))").message("spec.broker.rabbitmq.authMechanism EXTERNAL logs in with the client certificate: set tls.clientCertSecretRef and tls.clientKeySecretRef"))]
 pub struct RabbitMqSpec {
-    /// A Secret key holding the AMQP URI (`amqp://user:password@host:5672/vhost`).
+    /// A Secret key holding the AMQP URI (`amqp://user:password@host:5672/vhost`, or
+    /// `amqps://` for TLS).
     pub url_secret_ref: SecretKeyRef,
+    /// TLS settings for an `amqps://` URI: the CA that verifies the server and a client
+    /// certificate for mutual TLS. The URI must be `amqps://` when this is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+    /// How the relay logs in: `PLAIN` (user and password of the URI, the default) or
+    /// `EXTERNAL` (the client certificate's identity; RabbitMQ's
+    /// `rabbitmq_auth_mechanism_ssl` plugin).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_mechanism: Option<AmqpAuthMechanism>,
     /// Exchange to publish to; it must exist.
     #[serde(default = "default_exchange")]
     #[schemars(length(max = 255))]
@@ -164,6 +205,17 @@ pub struct RabbitMqSpec {
     #[serde(default = "default_routing_key")]
     #[schemars(length(max = 255))]
     pub routing_key: String,
+}
+
+/// How a relay logs in to RabbitMQ.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmqpAuthMechanism {
+    /// User name and password from the URI.
+    #[serde(rename = "PLAIN")]
+    Plain,
+    /// The TLS client certificate.
+    #[serde(rename = "EXTERNAL")]
+    External,
 }
 
 fn default_exchange() -> String {

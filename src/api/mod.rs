@@ -19,7 +19,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use broker::{
-    Broker, BrokerSpec, KafkaSpec, NatsSpec, RabbitMqSpec, SaslMechanism, SaslSpec, TlsSpec,
+    AmqpAuthMechanism, Broker, BrokerSpec, KafkaSpec, NatsSpec, RabbitMqSpec, SaslMechanism,
+    SaslSpec, TlsSpec,
 };
 pub use duration::{DurationError, parse_duration};
 pub use quantity::{QuantityError, parse_bytes};
@@ -101,6 +102,8 @@ pub struct DatabaseSpec {
 /// How to reach PostgreSQL.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.clientCertSecretRef) == has(self.clientKeySecretRef)").message("spec.database.postgres.clientCertSecretRef and clientKeySecretRef go together: set both, or neither"))]
+#[x_kube(validation = Rule::new("!has(self.clientCertSecretRef) || !has(self.sslMode) || self.sslMode != 'disable'").message("spec.database.postgres.clientCertSecretRef needs TLS: set sslMode to verify-full (or require, verify-ca)"))]
 pub struct PostgresSpec {
     /// The Secret key holding a connection URI (`postgres://user:password@host:5432/db`).
     /// The relay reads it from its environment; it never appears in a ConfigMap, log,
@@ -117,6 +120,15 @@ pub struct PostgresSpec {
     /// (`verify-ca`, `verify-full`); default the system's roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding a client certificate (PEM), sent when the server asks for
+    /// one (libpq's `sslcert`): for `cert` authentication in pg_hba.conf, or
+    /// `clientcert=verify-full`. Needs an `sslMode` other than `disable`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    /// A Secret key holding the client certificate's private key (PEM, unencrypted;
+    /// libpq's `sslkey`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_secret_ref: Option<SecretKeyRef>,
 }
 
 /// A key in a Secret in the relay's namespace.

@@ -4,33 +4,36 @@
 use futures::future::BoxFuture;
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::uri::{AMQPScheme, AMQPUri, SASLMechanism};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultConnectionBuilder};
 use tokio::sync::Mutex;
 
 use lapin::ExchangeKind;
 use lapin::options::ExchangeDeclareOptions;
 
 use super::probe::{Probe, TIMEOUT};
+use super::tls::{self, TlsFiles};
 use super::{Broker, Message, PublishError};
-use crate::api::RabbitMqSpec;
+use crate::api::{AmqpAuthMechanism, RabbitMqSpec};
 use crate::rules::{BrokerKind, Problems, check_secret_ref, check_template_into};
 use crate::secrets::{Content, Delivery, ENV_RABBITMQ_URL, SecretSlot, SecretUse};
 
 /// Publishes to one exchange. lapin does not reconnect by itself, so the connection is
 /// opened lazily and replaced after it breaks.
 pub struct AmqpBroker {
-    url: String,
+    settings: RabbitMqSettings,
     exchange: String,
     channel: Mutex<Option<(Connection, Channel)>>,
 }
 
 impl AmqpBroker {
-    /// A publisher that connects on first use. `url` is never logged.
-    pub fn new(url: String, exchange: String) -> Self {
+    /// A publisher that connects on first use. The URI is never logged.
+    pub fn new(settings: RabbitMqSettings) -> Self {
         Self {
-            url,
-            exchange,
+            exchange: settings.exchange.clone(),
+            settings,
             channel: Mutex::new(None),
         }
     }
@@ -44,10 +47,9 @@ impl AmqpBroker {
             return Ok(channel.clone());
         }
         *guard = None;
-        // lapin's errors do not contain the URL.
-        let connection = Connection::connect(&self.url, ConnectionProperties::default())
+        let connection = connect(&self.settings)
             .await
-            .map_err(|err| PublishError::transient(format!("RabbitMQ: cannot connect: {err}")))?;
+            .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
         let channel = connection.create_channel().await.map_err(|err| {
             PublishError::transient(format!("RabbitMQ: cannot open a channel: {err}"))
         })?;
@@ -150,17 +152,82 @@ pub fn check(r: &RabbitMqSpec, p: &mut Problems) {
         &r.url_secret_ref.name,
         &r.url_secret_ref.key,
     );
+    tls::check(r.tls.as_ref(), tls::RABBITMQ, p);
+    if r.auth_mechanism == Some(AmqpAuthMechanism::External)
+        && r.tls
+            .as_ref()
+            .and_then(|t| t.client_cert_secret_ref.as_ref())
+            .is_none()
+    {
+        p.push(
+            "spec.broker.rabbitmq.authMechanism",
+            "is EXTERNAL, which logs in with the TLS client certificate, but none is set",
+            "set tls.clientCertSecretRef and tls.clientKeySecretRef",
+        );
+    }
 }
 
-/// The Secret references of a RabbitMQ spec: the AMQP URI, as a variable.
+/// The Secret references of a RabbitMQ spec: the AMQP URI as a variable, the TLS files
+/// mounted.
 pub fn secrets(r: &RabbitMqSpec) -> Vec<SecretSlot> {
-    vec![SecretSlot {
+    let mut all = vec![SecretSlot {
         field: "spec.broker.rabbitmq.urlSecretRef",
         purpose: SecretUse::Broker,
         reference: r.url_secret_ref.clone(),
         delivery: Delivery::Env(ENV_RABBITMQ_URL),
         content: Content::AmqpUrl,
-    }]
+    }];
+    all.extend(tls::secrets(r.tls.as_ref(), tls::RABBITMQ));
+    all
+}
+
+/// Opens a connection with `settings`: the URI, TLS files read now (so a rotated
+/// certificate is used on the next connection) and the login mechanism. Errors never
+/// contain the URI (lapin's do not either).
+pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, String> {
+    let mut uri: AMQPUri = settings
+        .url
+        .parse()
+        .map_err(|_| format!("the URI in {} is not an AMQP URI", settings.url_source))?;
+    let mut tls_config = OwnedTLSConfig::default();
+    if let Some(files) = &settings.tls {
+        if uri.scheme != AMQPScheme::AMQPS {
+            return Err(format!(
+                "spec.broker.rabbitmq.tls is set but the URI in {} is amqp://: use amqps:// (TLS is never skipped)",
+                settings.url_source
+            ));
+        }
+        if let Some(ca) = &files.ca {
+            tls_config.cert_chain = Some(crate::tls::read_pem(ca)?);
+        }
+        if let Some((cert, key)) = &files.client {
+            let cert = crate::tls::read_pem(cert)?;
+            let key = crate::tls::read_pem(key)?;
+            // Checked here so a bad file is named; lapin only says "invalid data".
+            crate::tls::Identity::from_pem(&cert, &key)?;
+            tls_config.identity = Some(OwnedIdentity::PKCS8 {
+                pem: cert.into_bytes(),
+                key: key.into_bytes(),
+            });
+        }
+    }
+    if settings.external {
+        uri.query.auth_mechanism = Some(SASLMechanism::External);
+    }
+    let builder = DefaultConnectionBuilder::new()
+        .map_err(|err| format!("no async runtime for the AMQP client: {err}"))?;
+    builder
+        .with_uri(uri)
+        .with_properties(ConnectionProperties::default())
+        .with_tls_config(tls_config)
+        .connect()
+        .await
+        .map_err(|err| {
+            format!(
+                "cannot connect with the URI in {}: {err}",
+                settings.url_source
+            )
+        })
 }
 
 /// RabbitMQ settings with the URI resolved. No `Debug`: the URI holds a password.
@@ -174,10 +241,18 @@ pub struct RabbitMqSettings {
     pub exchange: String,
     /// Routing-key template.
     pub routing_key: String,
+    /// TLS files (`amqps://` URIs).
+    pub tls: Option<TlsFiles>,
+    /// Log in with the client certificate (SASL EXTERNAL).
+    pub external: bool,
 }
 
 /// The settings of a RabbitMQ spec, with the URI resolved (`value`, by field).
-pub fn settings(r: &RabbitMqSpec, value: &dyn Fn(&str) -> String) -> RabbitMqSettings {
+pub fn settings(
+    r: &RabbitMqSpec,
+    value: &dyn Fn(&str) -> String,
+    file: &dyn Fn(&str) -> Option<String>,
+) -> RabbitMqSettings {
     RabbitMqSettings {
         url: value("spec.broker.rabbitmq.urlSecretRef"),
         url_source: format!(
@@ -186,29 +261,22 @@ pub fn settings(r: &RabbitMqSpec, value: &dyn Fn(&str) -> String) -> RabbitMqSet
         ),
         exchange: r.exchange.clone(),
         routing_key: r.routing_key.clone(),
+        tls: r
+            .tls
+            .as_ref()
+            .map(|_| TlsFiles::locate(tls::RABBITMQ, file)),
+        external: r.auth_mechanism == Some(AmqpAuthMechanism::External),
     }
 }
 
 /// `check`'s questions to RabbitMQ: does it accept the login, and does the exchange
 /// exist (passive declare)?
 pub async fn probe(r: &RabbitMqSettings) -> Vec<Probe> {
-    let url = &r.url;
-    let connected = tokio::time::timeout(
-        TIMEOUT,
-        Connection::connect(url, ConnectionProperties::default()),
-    )
-    .await;
-    // lapin's errors do not contain the URI.
+    let connected = tokio::time::timeout(TIMEOUT, connect(r)).await;
     let connection = match connected {
         Ok(Ok(c)) => c,
         Ok(Err(err)) => {
-            return vec![Probe::fail(
-                "broker",
-                format!(
-                    "cannot connect to RabbitMQ with the URI in {}: {err}",
-                    r.url_source
-                ),
-            )];
+            return vec![Probe::fail("broker", format!("RabbitMQ: {err}"))];
         }
         Err(_) => {
             return vec![Probe::fail(

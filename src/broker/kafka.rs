@@ -9,28 +9,86 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
 
 use super::probe::{Probe, TIMEOUT, templated};
+use super::tls::{self, TlsFiles};
 use super::{Broker, Message, PublishError};
 use crate::api::{KafkaSpec, SaslMechanism};
 use crate::rules::{
     BrokerKind, Problems, check_secret_ref, check_template_into, is_fixed_kafka_property,
 };
 use crate::secrets::{
-    Content, Delivery, ENV_KAFKA_CA_FILE, ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME,
-    KAFKA_CA_PATH, SecretSlot, SecretUse,
+    Content, Delivery, ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME, SecretSlot, SecretUse,
 };
 
 /// Publishes to Kafka. The producer reconnects by itself after an outage.
 pub struct KafkaBroker {
-    producer: FutureProducer,
+    producer: FutureProducer<Context>,
+    last_error: LastError,
 }
 
 impl KafkaBroker {
     /// Builds the producer (this does not connect yet: librdkafka connects lazily).
     pub fn new(config: &KafkaSettings) -> Result<Self, PublishError> {
-        let producer = client_config(config).create().map_err(|err| {
-            PublishError::transient(format!("cannot create the Kafka producer: {err}"))
-        })?;
-        Ok(Self { producer })
+        let context = Context::default();
+        let last_error = context.last_error.clone();
+        let producer = client_config(config)
+            .create_with_context(context)
+            .map_err(|err| {
+                PublishError::transient(format!("cannot create the Kafka producer: {err}"))
+            })?;
+        Ok(Self {
+            producer,
+            last_error,
+        })
+    }
+}
+
+/// librdkafka reports why it cannot reach a broker (TLS, SASL, DNS) only through the
+/// client's error callback, while a send just times out. This context logs each such
+/// error and keeps the last one, so a failed publish or `check` says why.
+#[derive(Default)]
+pub struct Context {
+    last_error: LastError,
+}
+
+/// The last connection-level error librdkafka reported, shared with the producer's
+/// owner.
+#[derive(Clone, Default)]
+struct LastError(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl LastError {
+    fn get(&self) -> Option<String> {
+        self.0.lock().ok().and_then(|e| e.clone())
+    }
+}
+
+impl rdkafka::producer::ProducerContext for Context {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: ()) {}
+}
+
+impl rdkafka::ClientContext for Context {
+    /// Connection failures (TLS, SASL) arrive as log lines of level error with
+    /// facility FAIL; they are kept like errors.
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::warn!(facility = fac, "Kafka client: {message}");
+                if let Ok(mut last) = self.last_error.0.lock() {
+                    *last = Some(message.to_owned());
+                }
+            }
+            L::Warning => tracing::warn!(facility = fac, "Kafka client: {message}"),
+            L::Notice | L::Info => tracing::info!(facility = fac, "Kafka client: {message}"),
+            L::Debug => tracing::debug!(facility = fac, "Kafka client: {message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(error = %error, reason, "Kafka client error");
+        if let Ok(mut last) = self.last_error.0.lock() {
+            *last = Some(reason.to_owned());
+        }
     }
 }
 
@@ -61,8 +119,18 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         (true, true) => "sasl_ssl",
     };
     client.set("security.protocol", protocol);
-    if let Some(ca) = &config.ca_file {
-        client.set("ssl.ca.location", ca);
+    if config.tls {
+        // The broker's certificate is verified, host name included (librdkafka's
+        // default since 1.9, set so no property can turn it off).
+        client.set("ssl.endpoint.identification.algorithm", "https");
+        if let Some(ca) = &config.tls_files.ca {
+            client.set("ssl.ca.location", ca);
+        }
+        if let Some((cert, key)) = &config.tls_files.client {
+            client
+                .set("ssl.certificate.location", cert)
+                .set("ssl.key.location", key);
+        }
     }
     if let Some((mechanism, user, password)) = &config.sasl {
         let mechanism = serde_json::to_value(mechanism)
@@ -92,8 +160,12 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
     )
 }
 
-fn classify(err: &KafkaError, producer: &FutureProducer) -> PublishError {
-    let text = format!("Kafka: {err}");
+fn classify(err: &KafkaError, broker: &KafkaBroker) -> PublishError {
+    let producer = &broker.producer;
+    let text = match broker.last_error.get() {
+        Some(cause) => format!("Kafka: {err} (last client error: {cause})"),
+        None => format!("Kafka: {err}"),
+    };
     if let Some((code, reason)) = producer.client().fatal_error() {
         // A fatal idempotence error poisons the producer; the relay sees `is_broken`,
         // exits and is restarted with a new one. Nothing was marked, so nothing is lost.
@@ -125,7 +197,7 @@ impl Broker for KafkaBroker {
             // message.timeout.ms.
             match self.producer.send(record, Duration::from_secs(10)).await {
                 Ok(_) => Ok(()),
-                Err((err, _)) => Err(classify(&err, &self.producer)),
+                Err((err, _)) => Err(classify(&err, self)),
             }
         })
     }
@@ -171,13 +243,11 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
             &sasl.password_secret_ref.key,
         );
     }
-    if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        check_secret_ref(p, "spec.broker.kafka.tls.caSecretRef", &ca.name, &ca.key);
-    }
+    tls::check(k.tls.as_ref(), tls::KAFKA, p);
 }
 
-/// The Secret references of a Kafka spec: SASL credentials as variables, the CA as a
-/// mounted file.
+/// The Secret references of a Kafka spec: SASL credentials as variables, the TLS files
+/// mounted.
 pub fn secrets(k: &KafkaSpec) -> Vec<SecretSlot> {
     let slot = |field, reference: &crate::api::SecretKeyRef, delivery| SecretSlot {
         field,
@@ -199,16 +269,7 @@ pub fn secrets(k: &KafkaSpec) -> Vec<SecretSlot> {
             Delivery::Env(ENV_KAFKA_SASL_PASSWORD),
         ));
     }
-    if let Some(ca) = k.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        all.push(slot(
-            "spec.broker.kafka.tls.caSecretRef",
-            ca,
-            Delivery::File {
-                path: KAFKA_CA_PATH,
-                local_env: ENV_KAFKA_CA_FILE,
-            },
-        ));
-    }
+    all.extend(tls::secrets(k.tls.as_ref(), tls::KAFKA));
     all
 }
 
@@ -221,8 +282,8 @@ pub struct KafkaSettings {
     pub topic: String,
     /// TLS on (with the system roots when no CA file is given).
     pub tls: bool,
-    /// CA certificate file.
-    pub ca_file: Option<String>,
+    /// CA and client certificate files.
+    pub tls_files: TlsFiles,
     /// SASL mechanism, user name and password.
     pub sasl: Option<(SaslMechanism, String, String)>,
     /// Extra librdkafka producer settings.
@@ -240,7 +301,7 @@ pub fn settings(
         bootstrap_servers: k.bootstrap_servers.clone(),
         topic: k.topic.clone(),
         tls: k.tls.is_some(),
-        ca_file: file("spec.broker.kafka.tls.caSecretRef"),
+        tls_files: TlsFiles::locate(tls::KAFKA, file),
         sasl: k.sasl.as_ref().map(|s| {
             (
                 s.mechanism,
@@ -257,7 +318,9 @@ pub fn settings(
 pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
     let mut client = super::kafka::client_config(k);
     client.set("allow.auto.create.topics", "false");
-    let producer: BaseProducer = match client.create() {
+    let context = Context::default();
+    let last_error = context.last_error.clone();
+    let producer: BaseProducer<Context> = match client.create_with_context(context) {
         Ok(p) => p,
         Err(err) => {
             return vec![Probe::fail(
@@ -269,16 +332,20 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
     let topic = (!templated(&k.topic)).then(|| k.topic.clone());
     let wanted = topic.clone();
     let metadata = tokio::task::spawn_blocking(move || {
-        producer.client().fetch_metadata(wanted.as_deref(), TIMEOUT)
+        let result = producer.client().fetch_metadata(wanted.as_deref(), TIMEOUT);
+        // A BaseProducer serves its error callbacks only when polled.
+        producer.poll(Duration::ZERO);
+        result.map_err(|err| (err, last_error.get()))
     })
     .await;
     let metadata = match metadata {
         Ok(Ok(m)) => m,
-        Ok(Err(err)) => {
+        Ok(Err((err, cause))) => {
+            let cause = cause.map(|c| format!(" ({c})")).unwrap_or_default();
             return vec![Probe::fail(
                 "broker",
                 format!(
-                    "cannot reach Kafka at {} within {TIMEOUT:?}: {err}; check bootstrapServers, the network, TLS and SASL",
+                    "cannot reach Kafka at {} within {TIMEOUT:?}: {err}{cause}; check bootstrapServers, the network, TLS and SASL",
                     k.bootstrap_servers
                 ),
             )];

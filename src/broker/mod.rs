@@ -5,6 +5,7 @@ pub mod amqp;
 pub mod kafka;
 pub mod nats;
 pub mod probe;
+pub mod tls;
 
 use std::sync::Arc;
 
@@ -117,9 +118,7 @@ impl BrokerSettings {
         Ok(match self {
             BrokerSettings::Kafka(k) => Arc::new(kafka::KafkaBroker::new(k)?),
             BrokerSettings::Nats(n) => Arc::new(nats::NatsBroker::new(n).await?),
-            BrokerSettings::RabbitMq(r) => {
-                Arc::new(amqp::AmqpBroker::new(r.url.clone(), r.exchange.clone()))
-            }
+            BrokerSettings::RabbitMq(r) => Arc::new(amqp::AmqpBroker::new(r.clone())),
         })
     }
 

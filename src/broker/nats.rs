@@ -9,11 +9,13 @@ use futures::future::BoxFuture;
 
 use super::AGGREGATE_TYPE_PLACEHOLDER;
 use super::probe::{Probe, TIMEOUT};
+use super::tls::{self, TlsFiles};
 use super::{Broker, Message, PublishError};
-use crate::api::NatsSpec;
+use crate::api::{NatsSpec, SecretKeyRef};
 use crate::rules::{BrokerKind, Problems, check_secret_ref, check_template_into};
 use crate::secrets::{
-    Content, Delivery, ENV_NATS_CREDENTIALS_FILE, NATS_CREDENTIALS_PATH, SecretSlot, SecretUse,
+    Content, Delivery, ENV_NATS_CREDENTIALS_FILE, ENV_NATS_NKEY_SEED, ENV_NATS_PASSWORD,
+    ENV_NATS_TOKEN, ENV_NATS_USERNAME, NATS_CREDENTIALS_PATH, SecretSlot, SecretUse,
 };
 
 /// Publishes to JetStream. The client reconnects by itself after an outage; publishes
@@ -25,15 +27,12 @@ pub struct NatsBroker {
 impl NatsBroker {
     /// Starts connecting (in the background when the server is down at start).
     pub async fn new(config: &NatsSettings) -> Result<Self, PublishError> {
-        let mut options = async_nats::ConnectOptions::new()
+        let options = connect_options(config)
+            .await
+            .map_err(|err| PublishError::transient(format!("NATS: {err}")))?
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
             .max_reconnects(None::<usize>);
-        if let Some(path) = &config.credentials_file {
-            options = options.credentials_file(path).await.map_err(|err| {
-                PublishError::transient(format!("NATS: cannot read credentials file {path}: {err}"))
-            })?;
-        }
         let client = options
             .connect(config.url.as_str())
             .await
@@ -102,68 +101,168 @@ pub fn check(n: &NatsSpec, p: &mut Problems) {
         );
     }
     check_template_into(p, BrokerKind::Nats, "spec.broker.nats.subject", &n.subject);
-    if let Some(creds) = &n.credentials_secret_ref {
-        check_secret_ref(
-            p,
-            "spec.broker.nats.credentialsSecretRef",
-            &creds.name,
-            &creds.key,
+    for (field, reference) in auth_refs(n) {
+        if let Some(r) = reference {
+            check_secret_ref(p, field, &r.name, &r.key);
+        }
+    }
+    let ways = [
+        n.credentials_secret_ref.is_some(),
+        n.nkey_seed_secret_ref.is_some(),
+        n.token_secret_ref.is_some(),
+        n.username_secret_ref.is_some() || n.password_secret_ref.is_some(),
+    ];
+    if ways.iter().filter(|w| **w).count() > 1 {
+        p.push(
+            "spec.broker.nats",
+            "names more than one way to authenticate",
+            "keep one of credentialsSecretRef, nkeySeedSecretRef, tokenSecretRef, usernameSecretRef with passwordSecretRef",
         );
     }
+    if n.username_secret_ref.is_some() != n.password_secret_ref.is_some() {
+        p.push(
+            "spec.broker.nats.usernameSecretRef",
+            "a user name needs a password, and a password a user name",
+            "set both usernameSecretRef and passwordSecretRef",
+        );
+    }
+    tls::check(n.tls.as_ref(), tls::NATS, p);
 }
 
-/// The Secret references of a NATS spec: the credentials file, mounted.
+const CREDENTIALS: &str = "spec.broker.nats.credentialsSecretRef";
+const NKEY_SEED: &str = "spec.broker.nats.nkeySeedSecretRef";
+const TOKEN: &str = "spec.broker.nats.tokenSecretRef";
+const USERNAME: &str = "spec.broker.nats.usernameSecretRef";
+const PASSWORD: &str = "spec.broker.nats.passwordSecretRef";
+
+fn auth_refs(n: &NatsSpec) -> [(&'static str, Option<&SecretKeyRef>); 5] {
+    [
+        (CREDENTIALS, n.credentials_secret_ref.as_ref()),
+        (NKEY_SEED, n.nkey_seed_secret_ref.as_ref()),
+        (TOKEN, n.token_secret_ref.as_ref()),
+        (USERNAME, n.username_secret_ref.as_ref()),
+        (PASSWORD, n.password_secret_ref.as_ref()),
+    ]
+}
+
+/// The Secret references of a NATS spec: the credentials file and TLS files mounted,
+/// the other credentials as variables.
 pub fn secrets(n: &NatsSpec) -> Vec<SecretSlot> {
-    n.credentials_secret_ref
-        .iter()
-        .map(|creds| SecretSlot {
-            field: "spec.broker.nats.credentialsSecretRef",
-            purpose: SecretUse::Broker,
-            reference: creds.clone(),
-            delivery: Delivery::File {
-                path: NATS_CREDENTIALS_PATH,
-                local_env: ENV_NATS_CREDENTIALS_FILE,
-            },
-            content: Content::Text,
+    let mut all: Vec<SecretSlot> = auth_refs(n)
+        .into_iter()
+        .filter_map(|(field, reference)| {
+            let delivery = match field {
+                CREDENTIALS => Delivery::File {
+                    path: NATS_CREDENTIALS_PATH,
+                    local_env: ENV_NATS_CREDENTIALS_FILE,
+                },
+                NKEY_SEED => Delivery::Env(ENV_NATS_NKEY_SEED),
+                TOKEN => Delivery::Env(ENV_NATS_TOKEN),
+                USERNAME => Delivery::Env(ENV_NATS_USERNAME),
+                _ => Delivery::Env(ENV_NATS_PASSWORD),
+            };
+            reference.map(|r| SecretSlot {
+                field,
+                purpose: SecretUse::Broker,
+                reference: r.clone(),
+                delivery,
+                content: Content::Text,
+            })
         })
-        .collect()
+        .collect();
+    all.extend(tls::secrets(n.tls.as_ref(), tls::NATS));
+    all
 }
 
-/// NATS settings with the credentials file located.
-#[derive(Clone, Debug)]
+/// How a relay authenticates to NATS. No `Debug`: it holds secrets.
+#[derive(Clone)]
+pub enum NatsAuth {
+    /// No credentials.
+    None,
+    /// A `.creds` file (user JWT and nkey seed).
+    CredentialsFile(String),
+    /// A user nkey seed.
+    NkeySeed(String),
+    /// A token.
+    Token(String),
+    /// User name and password.
+    UserPassword(String, String),
+}
+
+/// NATS settings with credentials resolved and files located. No `Debug`: it holds
+/// secrets.
+#[derive(Clone)]
 pub struct NatsSettings {
     /// Server URL(s).
     pub url: String,
     /// Subject template.
     pub subject: String,
-    /// Credentials file.
-    pub credentials_file: Option<String>,
+    /// How to authenticate.
+    pub auth: NatsAuth,
+    /// TLS required, with these files.
+    pub tls: Option<TlsFiles>,
 }
 
-/// The settings of a NATS spec, with the credentials file located (`file`, by field).
-pub fn settings(n: &NatsSpec, file: &dyn Fn(&str) -> Option<String>) -> NatsSettings {
+/// The settings of a NATS spec, with Secret values (`value`, by field) and mounted
+/// files (`file`, by field) resolved.
+pub fn settings(
+    n: &NatsSpec,
+    value: &dyn Fn(&str) -> String,
+    file: &dyn Fn(&str) -> Option<String>,
+) -> NatsSettings {
+    let auth = if n.credentials_secret_ref.is_some() {
+        file(CREDENTIALS).map_or(NatsAuth::None, NatsAuth::CredentialsFile)
+    } else if n.nkey_seed_secret_ref.is_some() {
+        NatsAuth::NkeySeed(value(NKEY_SEED).trim().to_owned())
+    } else if n.token_secret_ref.is_some() {
+        NatsAuth::Token(value(TOKEN).trim().to_owned())
+    } else if n.username_secret_ref.is_some() {
+        NatsAuth::UserPassword(value(USERNAME), value(PASSWORD))
+    } else {
+        NatsAuth::None
+    };
     NatsSettings {
         url: n.url.clone(),
         subject: n.subject.clone(),
-        credentials_file: file("spec.broker.nats.credentialsSecretRef"),
+        auth,
+        tls: n.tls.as_ref().map(|_| TlsFiles::locate(tls::NATS, file)),
     }
+}
+
+/// The client options of `config`: credentials and TLS. Errors name a file or a
+/// setting, never a secret.
+pub async fn connect_options(config: &NatsSettings) -> Result<async_nats::ConnectOptions, String> {
+    let mut options = match &config.auth {
+        NatsAuth::None => async_nats::ConnectOptions::new(),
+        NatsAuth::CredentialsFile(path) => async_nats::ConnectOptions::new()
+            .credentials_file(path)
+            .await
+            .map_err(|err| format!("cannot read credentials file {path}: {err}"))?,
+        NatsAuth::NkeySeed(seed) => {
+            nkeys::KeyPair::from_seed(seed)
+                .map_err(|_| "the nkey seed is not a valid user seed (SU...)".to_owned())?;
+            async_nats::ConnectOptions::with_nkey(seed.clone())
+        }
+        NatsAuth::Token(token) => async_nats::ConnectOptions::with_token(token.clone()),
+        NatsAuth::UserPassword(user, password) => {
+            async_nats::ConnectOptions::with_user_and_password(user.clone(), password.clone())
+        }
+    };
+    if let Some(files) = &config.tls {
+        options = options
+            .require_tls(true)
+            .tls_client_config(files.rustls_config()?);
+    }
+    Ok(options)
 }
 
 /// `check`'s questions to NATS: does it answer, and does a JetStream stream capture the
 /// subject?
 pub async fn probe(n: &NatsSettings) -> Vec<Probe> {
-    let mut options = async_nats::ConnectOptions::new().connection_timeout(TIMEOUT);
-    if let Some(path) = &n.credentials_file {
-        options = match options.credentials_file(path).await {
-            Ok(o) => o,
-            Err(err) => {
-                return vec![Probe::fail(
-                    "broker",
-                    format!("cannot read credentials file {path}: {err}"),
-                )];
-            }
-        };
-    }
+    let options = match connect_options(n).await {
+        Ok(o) => o.connection_timeout(TIMEOUT),
+        Err(err) => return vec![Probe::fail("broker", err)],
+    };
     let client = match tokio::time::timeout(TIMEOUT * 2, options.connect(n.url.as_str())).await {
         Ok(Ok(c)) => c,
         Ok(Err(err)) => {

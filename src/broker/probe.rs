@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::AGGREGATE_TYPE_PLACEHOLDER;
 
-pub use crate::secrets::{ENV_KAFKA_CA_FILE, ENV_NATS_CREDENTIALS_FILE};
+pub use crate::secrets::{ENV_BROKER_CA_FILE, ENV_NATS_CREDENTIALS_FILE};
 
 /// How long each connection attempt may take.
 pub(super) const TIMEOUT: Duration = Duration::from_secs(5);

@@ -83,7 +83,8 @@ async fn read_key(
 }
 
 /// The connection URL and TLS from the Secrets the raw spec names (cleanup reads them
-/// without a parse): `Ok(None)` when the URL or a named CA is missing.
+/// without a parse): `Ok(None)` when the URL or a named CA, certificate or key is
+/// missing.
 pub(super) async fn read_connection(
     relay: &OutboxRelay,
     ctx: &Context,
@@ -92,18 +93,29 @@ pub(super) async fn read_connection(
     let Some(url) = read_key(relay, &pg.connection_secret_ref, ctx).await? else {
         return Ok(None);
     };
-    let ca_pem = match &pg.ca_secret_ref {
-        Some(r) => match read_key(relay, r, ctx).await? {
-            Some(pem) => Some(pem),
-            None => return Ok(None),
-        },
-        None => None,
-    };
+    let mut pems = Vec::new();
+    for reference in [
+        &pg.ca_secret_ref,
+        &pg.client_cert_secret_ref,
+        &pg.client_key_secret_ref,
+    ] {
+        pems.push(match reference {
+            Some(r) => match read_key(relay, r, ctx).await? {
+                Some(pem) => Some(pem),
+                None => return Ok(None),
+            },
+            None => None,
+        });
+    }
+    let [ca_pem, cert, key] = <[Option<String>; 3]>::try_from(pems).unwrap_or_default();
     Ok(Some(Conn {
         url,
         tls: PgTls {
             mode: pg.ssl_mode,
             ca_pem,
+            client: cert
+                .zip(key)
+                .map(|(cert_pem, key_pem)| crate::postgres::tls::ClientPem { cert_pem, key_pem }),
         },
     }))
 }

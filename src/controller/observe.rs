@@ -14,12 +14,12 @@ use super::database::{self, DatabaseSeen};
 use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
 use super::{Context, Error};
 use crate::api::OutboxRelay;
-use crate::postgres::tls::PgTls;
+use crate::postgres::tls::{ClientPem, PgTls};
 use crate::resources::{
     Desired, MONITORING_API_VERSION, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_PLURAL,
 };
 use crate::secrets::{Content, SecretUse};
-use crate::spec::{Problem, ValidRelay};
+use crate::spec::{PG_CA_FIELD, PG_CLIENT_CERT_FIELD, PG_CLIENT_KEY_FIELD, Problem, ValidRelay};
 
 /// How long the answer to "are the Prometheus Operator's CRDs served?" is reused.
 const MONITORING_LOOKUP_TTL: Duration = Duration::from_secs(15);
@@ -115,6 +115,8 @@ async fn secrets(
     };
     let mut url = None;
     let mut ca_pem = None;
+    let mut client_cert = None;
+    let mut client_key = None;
     for slot in valid.secrets() {
         let reference = &slot.reference;
         let found = api.get_opt(&reference.name).await?;
@@ -162,11 +164,11 @@ async fn secrets(
             Some(value) => slot.check_value(&value).map(|()| value),
         };
         match checked {
-            Ok(value) => match slot.content {
-                Content::PostgresUrl => url = Some(value.trim().to_owned()),
-                Content::Certificates if slot.purpose == SecretUse::Database => {
-                    ca_pem = Some(value);
-                }
+            Ok(value) => match slot.field {
+                _ if slot.content == Content::PostgresUrl => url = Some(value.trim().to_owned()),
+                PG_CA_FIELD => ca_pem = Some(value),
+                PG_CLIENT_CERT_FIELD => client_cert = Some(value),
+                PG_CLIENT_KEY_FIELD => client_key = Some(value),
                 _ => {}
             },
             Err(message) => seen.problems.push(Problem {
@@ -185,6 +187,9 @@ async fn secrets(
         tls: PgTls {
             mode: valid.ssl_mode,
             ca_pem,
+            client: client_cert
+                .zip(client_key)
+                .map(|(cert_pem, key_pem)| ClientPem { cert_pem, key_pem }),
         },
     });
     Ok((seen, conn))

@@ -20,24 +20,39 @@ use std::sync::Arc;
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
-};
+use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::PgError;
 use crate::api::SslMode;
 
-/// How one connection uses TLS: the mode, and the CA certificates (PEM) that verify
-/// the server when the mode asks for it. A CA certificate is public, not a secret.
+/// How one connection uses TLS: the mode, the CA certificates (PEM) that verify the
+/// server when the mode asks for it (public, not a secret), and the client certificate
+/// sent when the server asks for one.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PgTls {
     /// libpq's `sslmode`.
     pub mode: SslMode,
     /// Trusted CA certificates (PEM); `None`: the system's roots.
     pub ca_pem: Option<String>,
+    /// Client certificate and key (libpq's `sslcert`/`sslkey`).
+    pub client: Option<ClientPem>,
+}
+
+/// A client certificate chain and key, PEM. Its `Debug` shows neither.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct ClientPem {
+    /// Certificate chain, leaf first.
+    pub cert_pem: String,
+    /// Private key.
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for ClientPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientPem(<certificate and key>)")
+    }
 }
 
 impl PgTls {
@@ -46,7 +61,43 @@ impl PgTls {
         Self {
             mode: SslMode::Disable,
             ca_pem: None,
+            client: None,
         }
+    }
+
+    /// The TLS of a relay whose Secret files are mounted (or named by local variables
+    /// outside a pod, through `env`): the mode, the CA and the client certificate.
+    /// On error, the spec field and what is wrong.
+    pub fn from_files(
+        valid: &crate::spec::ValidRelay,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, (&'static str, String)> {
+        let slots = valid.secrets();
+        let read = |field: &'static str| {
+            slots
+                .iter()
+                .find(|s| s.field == field)
+                .map(|s| s.read(env).map_err(|message| (field, message)))
+                .transpose()
+        };
+        let ca_pem = read(crate::spec::PG_CA_FIELD)?;
+        let cert = read(crate::spec::PG_CLIENT_CERT_FIELD)?;
+        let key = read(crate::spec::PG_CLIENT_KEY_FIELD)?;
+        Ok(Self {
+            mode: valid.ssl_mode,
+            ca_pem,
+            client: cert
+                .zip(key)
+                .map(|(cert_pem, key_pem)| ClientPem { cert_pem, key_pem }),
+        })
+    }
+
+    fn identity(&self) -> Result<Option<crate::tls::Identity>, PgError> {
+        self.client
+            .as_ref()
+            .map(|c| crate::tls::Identity::from_pem(&c.cert_pem, &c.key_pem))
+            .transpose()
+            .map_err(PgError::Tls)
     }
 }
 
@@ -69,67 +120,30 @@ pub fn connector(tls: &PgTls) -> Result<MakeRustlsConnect, PgError> {
 
 /// The rustls client configuration for `tls`.
 pub fn client_config(tls: &PgTls) -> Result<ClientConfig, PgError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = crate::tls::provider();
+    let identity = tls.identity()?;
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| PgError::Tls(format!("TLS versions: {e}")))?;
-    let config = match tls.mode {
+    let builder = match tls.mode {
         SslMode::Disable | SslMode::Prefer | SslMode::Require => builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Unverified(provider)))
-            .with_no_client_auth(),
+            .with_custom_certificate_verifier(Arc::new(Unverified(provider))),
         SslMode::VerifyCa | SslMode::VerifyFull => {
-            let roots = Arc::new(roots(tls.ca_pem.as_deref())?);
+            let roots = Arc::new(crate::tls::roots(tls.ca_pem.as_deref()).map_err(PgError::Tls)?);
             let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
                 .build()
                 .map_err(|e| PgError::Tls(format!("certificate verifier: {e}")))?;
             if tls.mode == SslMode::VerifyFull {
-                builder.with_webpki_verifier(webpki).with_no_client_auth()
+                builder.with_webpki_verifier(webpki)
             } else {
                 builder
                     .dangerous()
                     .with_custom_certificate_verifier(Arc::new(ChainOnly(webpki)))
-                    .with_no_client_auth()
             }
         }
     };
-    Ok(config)
-}
-
-/// The trusted roots: the CA certificates given, else the system's.
-fn roots(ca_pem: Option<&str>) -> Result<RootCertStore, PgError> {
-    let mut store = RootCertStore::empty();
-    match ca_pem {
-        Some(pem) => {
-            let certs: Vec<CertificateDer<'static>> =
-                CertificateDer::pem_slice_iter(pem.as_bytes())
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| PgError::Tls(format!("the CA is not PEM certificates: {e}")))?;
-            if certs.is_empty() {
-                return Err(PgError::Tls(
-                    "the CA holds no PEM certificate (-----BEGIN CERTIFICATE-----)".to_owned(),
-                ));
-            }
-            for cert in certs {
-                store
-                    .add(cert)
-                    .map_err(|e| PgError::Tls(format!("the CA certificate cannot be used: {e}")))?;
-            }
-        }
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            for cert in found.certs {
-                // A system root rustls cannot parse is skipped, as libpq's OpenSSL would.
-                let _ = store.add(cert);
-            }
-            if store.is_empty() {
-                return Err(PgError::Tls(
-                    "no CA given (caSecretRef) and no system CA certificates found".to_owned(),
-                ));
-            }
-        }
-    }
-    Ok(store)
+    crate::tls::with_identity(builder, identity.as_ref()).map_err(PgError::Tls)
 }
 
 /// `require` and `prefer`: encrypted, the server not authenticated (libpq's meaning).
@@ -230,10 +244,11 @@ impl ServerCertVerifier for ChainOnly {
 }
 
 /// The replication connection's TLS (pgwire-replication, also rustls on ring), with the
-/// CA as the file the relay pod mounts.
+/// CA and the client certificate and key as the files the relay pod mounts.
 pub fn replication_tls(
     mode: SslMode,
     ca_file: Option<&str>,
+    client: Option<(&str, &str)>,
 ) -> pgwire_replication::config::TlsConfig {
     use pgwire_replication::config::{SslMode as Rep, TlsConfig};
     TlsConfig {
@@ -245,6 +260,8 @@ pub fn replication_tls(
             SslMode::VerifyFull => Rep::VerifyFull,
         },
         ca_pem_path: ca_file.map(Into::into),
+        client_cert_pem_path: client.map(|(cert, _)| cert.into()),
+        client_key_pem_path: client.map(|(_, key)| key.into()),
         ..TlsConfig::default()
     }
 }
@@ -264,13 +281,29 @@ mod tests {
             tokio_postgres::config::SslMode::Prefer
         );
         for mode in [SslMode::Disable, SslMode::Prefer, SslMode::Require] {
-            assert!(client_config(&PgTls { mode, ca_pem: None }).is_ok());
+            assert!(
+                client_config(&PgTls {
+                    mode,
+                    ..PgTls::default()
+                })
+                .is_ok()
+            );
         }
         let bad = PgTls {
             mode: SslMode::VerifyFull,
             ca_pem: Some("not a certificate".to_owned()),
+            client: None,
         };
         let err = client_config(&bad).unwrap_err().to_string();
         assert!(err.contains("PEM"), "{err}");
+        let key = PgTls {
+            mode: SslMode::Require,
+            ca_pem: None,
+            client: Some(ClientPem {
+                cert_pem: "x".to_owned(),
+                key_pem: "s3cret".to_owned(),
+            }),
+        };
+        assert!(!format!("{key:?}").contains("s3cret"));
     }
 }

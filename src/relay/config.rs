@@ -36,6 +36,8 @@ pub struct Settings {
     pub pg_tls: crate::postgres::tls::PgTls,
     /// The mounted CA file, for the replication connection.
     pub pg_ca_file: Option<String>,
+    /// The mounted client certificate and key files, for the replication connection.
+    pub pg_client_files: Option<(String, String)>,
     /// The broker.
     pub broker: BrokerSettings,
     /// Log tailing's settings; `None` for a polling relay.
@@ -84,22 +86,22 @@ impl Settings {
             })
         };
         let resolved = Resolved::read(&valid, &env_or_file);
-        let ca_slot = slots
-            .iter()
-            .find(|s| s.field == "spec.database.postgres.caSecretRef");
-        let pg_ca_file = ca_slot.and_then(|s| s.file_path(&env_or_file));
-        let pg_ca = match ca_slot {
-            Some(slot) => {
-                Some(
-                    slot.read(&env_or_file)
-                        .map_err(|message| ConfigError::Setting {
-                            field: slot.field.to_owned(),
-                            message,
-                        })?,
-                )
-            }
-            None => None,
+        // The replication connection opens the files itself; the others get the PEM.
+        let path_of = |field: &str| {
+            slots
+                .iter()
+                .find(|s| s.field == field)
+                .and_then(|s| s.file_path(&env_or_file))
         };
+        let pg_ca_file = path_of(crate::spec::PG_CA_FIELD);
+        let pg_client_files = path_of(crate::spec::PG_CLIENT_CERT_FIELD)
+            .zip(path_of(crate::spec::PG_CLIENT_KEY_FIELD));
+        let pg_tls = crate::postgres::tls::PgTls::from_files(&valid, &env_or_file).map_err(
+            |(field, message)| ConfigError::Setting {
+                field: field.to_owned(),
+                message,
+            },
+        )?;
         let (listen, resolved) = match (listen, resolved) {
             (Ok(l), Ok(r)) => (l, r),
             (Err(a), Err(b)) => return Err(ConfigError::Many(vec![a, b])),
@@ -122,11 +124,9 @@ impl Settings {
             listen,
             database_url: resolved.database_url,
             url_env: ENV_DATABASE_URL.to_owned(),
-            pg_tls: crate::postgres::tls::PgTls {
-                mode: valid.ssl_mode,
-                ca_pem: pg_ca,
-            },
+            pg_tls,
             pg_ca_file,
+            pg_client_files,
             broker: resolved.broker,
             log_tailing: valid.mode.log_tailing().cloned(),
             valid,

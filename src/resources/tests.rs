@@ -123,7 +123,7 @@ fn log_tailing_runs_one_pod_recreated_and_no_budget() {
     let sources = volume.projected.as_ref().unwrap().sources.clone().unwrap();
     let ca = sources[1].secret.as_ref().unwrap();
     assert_eq!(ca.name, "kafka-ca");
-    assert_eq!(ca.items.as_ref().unwrap()[0].path, "kafka-ca/ca.crt");
+    assert_eq!(ca.items.as_ref().unwrap()[0].path, "broker-tls/ca.crt");
 }
 
 #[test]

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::{Problems, ValidBroker, ValidRelay, parse};
 use crate::api::{OutboxRelay, OutboxRelaySpec};
 use crate::broker::{self, BrokerSettings};
-use crate::secrets::{Delivery, SecretSlot, SecretUse};
+use crate::secrets::{Content, Delivery, SecretSlot, SecretUse};
 
 /// Where the relay pod mounts its configuration file.
 pub const CONFIG_PATH: &str = "/etc/outbox-relay/relay.yaml";
@@ -166,7 +166,7 @@ impl Resolved {
         let values = read_values(valid, env, |_| true)?;
         let database_url = values
             .iter()
-            .find(|(s, _)| s.purpose == SecretUse::Database)
+            .find(|(s, _)| s.content == Content::PostgresUrl)
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
         Ok(Self {
@@ -209,8 +209,10 @@ fn broker_from_values(
     };
     match &valid.broker {
         ValidBroker::Kafka(k) => BrokerSettings::Kafka(broker::kafka::settings(k, &value, &file)),
-        ValidBroker::Nats(n) => BrokerSettings::Nats(broker::nats::settings(n, &file)),
-        ValidBroker::RabbitMq(r) => BrokerSettings::RabbitMq(broker::amqp::settings(r, &value)),
+        ValidBroker::Nats(n) => BrokerSettings::Nats(broker::nats::settings(n, &value, &file)),
+        ValidBroker::RabbitMq(r) => {
+            BrokerSettings::RabbitMq(broker::amqp::settings(r, &value, &file))
+        }
     }
 }
 

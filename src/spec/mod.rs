@@ -285,6 +285,13 @@ pub struct ValidRelay {
     pub alerting: Alerting,
 }
 
+/// The spec field of the PostgreSQL CA reference.
+pub const PG_CA_FIELD: &str = "spec.database.postgres.caSecretRef";
+/// The spec field of the PostgreSQL client certificate reference.
+pub const PG_CLIENT_CERT_FIELD: &str = "spec.database.postgres.clientCertSecretRef";
+/// The spec field of the PostgreSQL client key reference.
+pub const PG_CLIENT_KEY_FIELD: &str = "spec.database.postgres.clientKeySecretRef";
+
 impl ValidRelay {
     /// The resource as parsed, with the slot and publication names filled in for log
     /// tailing and the namespace set.
@@ -310,17 +317,40 @@ impl ValidRelay {
             delivery: Delivery::Env(ENV_DATABASE_URL),
             content: Content::PostgresUrl,
         }];
-        if let Some(ca) = &self.relay.spec.database.postgres.ca_secret_ref {
-            all.push(SecretSlot {
-                field: "spec.database.postgres.caSecretRef",
-                purpose: SecretUse::Database,
-                reference: ca.clone(),
-                delivery: Delivery::File {
-                    path: crate::secrets::POSTGRES_CA_PATH,
-                    local_env: crate::secrets::ENV_POSTGRES_CA_FILE,
-                },
-                content: Content::Certificates,
-            });
+        let pg = &self.relay.spec.database.postgres;
+        let file = |field, reference: &SecretKeyRef, path, local_env, content| SecretSlot {
+            field,
+            purpose: SecretUse::Database,
+            reference: reference.clone(),
+            delivery: Delivery::File { path, local_env },
+            content,
+        };
+        if let Some(ca) = &pg.ca_secret_ref {
+            all.push(file(
+                PG_CA_FIELD,
+                ca,
+                crate::secrets::POSTGRES_CA_PATH,
+                crate::secrets::ENV_POSTGRES_CA_FILE,
+                Content::Certificates,
+            ));
+        }
+        if let Some(cert) = &pg.client_cert_secret_ref {
+            all.push(file(
+                PG_CLIENT_CERT_FIELD,
+                cert,
+                crate::secrets::POSTGRES_CLIENT_CERT_PATH,
+                crate::secrets::ENV_POSTGRES_CLIENT_CERT_FILE,
+                Content::Certificates,
+            ));
+        }
+        if let Some(key) = &pg.client_key_secret_ref {
+            all.push(file(
+                PG_CLIENT_KEY_FIELD,
+                key,
+                crate::secrets::POSTGRES_CLIENT_KEY_PATH,
+                crate::secrets::ENV_POSTGRES_CLIENT_KEY_FILE,
+                Content::PrivateKey,
+            ));
         }
         all.extend(match &self.broker {
             ValidBroker::Kafka(k) => crate::broker::kafka::secrets(k),

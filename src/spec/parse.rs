@@ -8,7 +8,8 @@ use super::{
     ValidRelay,
 };
 use crate::api::{
-    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, parse_bytes, parse_duration,
+    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, SslMode, parse_bytes,
+    parse_duration,
 };
 use crate::rules::{
     MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_secret_ref, check_slot_name,
@@ -51,12 +52,28 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         &db.name,
         &db.key,
     );
-    if let Some(ca) = &spec.database.postgres.ca_secret_ref {
-        check_secret_ref(
-            &mut p,
-            "spec.database.postgres.caSecretRef",
-            &ca.name,
-            &ca.key,
+    let pg = &spec.database.postgres;
+    for (field, reference) in [
+        (super::PG_CA_FIELD, &pg.ca_secret_ref),
+        (super::PG_CLIENT_CERT_FIELD, &pg.client_cert_secret_ref),
+        (super::PG_CLIENT_KEY_FIELD, &pg.client_key_secret_ref),
+    ] {
+        if let Some(r) = reference {
+            check_secret_ref(&mut p, field, &r.name, &r.key);
+        }
+    }
+    if pg.client_cert_secret_ref.is_some() != pg.client_key_secret_ref.is_some() {
+        p.push(
+            super::PG_CLIENT_CERT_FIELD,
+            "a client certificate needs its key, and a key its certificate",
+            "set both clientCertSecretRef and clientKeySecretRef, or neither",
+        );
+    }
+    if pg.client_cert_secret_ref.is_some() && ssl_mode == SslMode::Disable {
+        p.push(
+            "spec.database.postgres.sslMode",
+            "is disable, but a client certificate is only sent over TLS",
+            "set sslMode: verify-full (or require, verify-ca)",
         );
     }
 

@@ -811,6 +811,17 @@ impl RelayProcess {
     /// Writes `yaml` to a file and starts the real binary on it, with the database URL
     /// (and the AMQP URL for RabbitMQ) in the environment. Logs go to a file.
     pub fn start(yaml: &str, database_url: &str, broker: &RelayBroker) -> RelayProcess {
+        Self::start_with_env(yaml, database_url, broker, &[])
+    }
+
+    /// [`RelayProcess::start`] with more environment variables (Secret values the
+    /// relay reads from its environment, such as SASL credentials).
+    pub fn start_with_env(
+        yaml: &str,
+        database_url: &str,
+        broker: &RelayBroker,
+        env: &[(&str, &str)],
+    ) -> RelayProcess {
         let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
         let config = dir.path().join("relay.yaml");
         std::fs::write(&config, yaml).unwrap_or_else(|err| panic!("write config: {err}"));
@@ -829,6 +840,9 @@ impl RelayProcess {
             .stderr(stderr);
         if let RelayBroker::Amqp { url, .. } = broker {
             command.env("OUTBOX_RABBITMQ_URL", url);
+        }
+        for (key, value) in env {
+            command.env(key, value);
         }
         let child = command
             .spawn()

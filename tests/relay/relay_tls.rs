@@ -219,7 +219,11 @@ async fn wrong_tls_settings_are_refused_clearly_and_never_fall_back_to_plaintext
         outbox_operator::postgres::connect_as(
             &url,
             "OUTBOX_DATABASE_URL",
-            &PgTls { mode, ca_pem },
+            &PgTls {
+                mode,
+                ca_pem,
+                client: None,
+            },
             "tls-test",
         )
         .await

@@ -17,6 +17,12 @@ env_set OUTBOX_RIG_RUN_DIR "$RIG_DIR"
 # OUTBOX_RIG_LINK=0 (the demo's rig) leaves the .rig link to the test rig.
 [ "${OUTBOX_RIG_LINK:-1}" = 0 ] || ln -sfn "$RIG_DIR" "$REPO/.rig"
 
+# --- TLS: a CA made for this run (tests/rig/certs.sh lists the files) --------------------
+source "$RIG_ROOT/certs.sh"
+TLS="$RIG_DIR/tls"
+make_rig_certs "$TLS"
+env_set OUTBOX_RIG_TLS_DIR "$TLS"
+
 # spawn NAME CMD...: runs a server in its own session (so a Ctrl-C in the terminal does
 # not reach it), output to logs/NAME.log, and records its PID.
 spawn() {
@@ -31,11 +37,14 @@ spawn() {
 # system RabbitMQ. Runs as the rabbitmq user, which owns its folders.
 RMQ_DIR="$RIG_DIR/rabbitmq"
 free_port RMQ_PORT
+free_port RMQ_TLS_PORT
 free_port RMQ_DIST_PORT
 free_port RMQ_EPMD_PORT
 RMQ_NODE="outbox-rig-$RMQ_PORT@localhost"
-mkdir -p "$RMQ_DIR/mnesia" "$RMQ_DIR/log"
-echo '[].' >"$RMQ_DIR/enabled_plugins"
+mkdir -p "$RMQ_DIR/mnesia" "$RMQ_DIR/log" "$RMQ_DIR/tls"
+cp "$TLS/ca.crt" "$TLS/server.crt" "$TLS/server.key" "$RMQ_DIR/tls/"
+# EXTERNAL logins (the TLS client certificate's CN is the user name).
+echo '[rabbitmq_auth_mechanism_ssl].' >"$RMQ_DIR/enabled_plugins"
 chown -R rabbitmq:rabbitmq "$RMQ_DIR"
 cat >"$RIG_DIR/rabbitmq.env" <<EOV
 export HOME=$RMQ_DIR
@@ -57,9 +66,22 @@ export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127
 # The CLI must never start an epmd of its own (one nobody would stop): ours runs.
 export RABBITMQ_CTL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} -start_epmd false"
 EOV
-# guest may log in from loopback only, which is where the tests are.
-printf 'loopback_users.guest = true\n' >"$RMQ_DIR/rabbitmq.conf"
-chown rabbitmq:rabbitmq "$RMQ_DIR/rabbitmq.conf"
+# guest may log in from loopback only, which is where the tests are. An amqps listener
+# asks for a client certificate and accepts connections without one.
+cat >"$RMQ_DIR/rabbitmq.conf" <<EOC
+loopback_users.guest = true
+listeners.ssl.default = 127.0.0.1:$RMQ_TLS_PORT
+ssl_options.cacertfile = $RMQ_DIR/tls/ca.crt
+ssl_options.certfile = $RMQ_DIR/tls/server.crt
+ssl_options.keyfile = $RMQ_DIR/tls/server.key
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = false
+auth_mechanisms.1 = PLAIN
+auth_mechanisms.2 = AMQPLAIN
+auth_mechanisms.3 = EXTERNAL
+ssl_cert_login_from = common_name
+EOC
+chown -R rabbitmq:rabbitmq "$RMQ_DIR/rabbitmq.conf" "$RMQ_DIR/tls" "$RMQ_DIR/enabled_plugins"
 rabbitmqctl() { (source "$RIG_DIR/rabbitmq.env" && setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBITMQ_NODENAME" "$@"); }
 # Our own epmd, started first so the node uses it and down.sh can stop it by PID.
 spawn epmd setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups epmd -address 127.0.0.1 -port "$RMQ_EPMD_PORT"
@@ -101,7 +123,12 @@ runuser -u postgres -- "$PG/initdb" -D "$RIG_DIR/postgres/data" -U postgres --au
 # Members of these groups must log in with a password, md5 or SCRAM (the first matching
 # line wins), and members of outbox_tls_users only over TLS; everyone else is trusted.
 # Tests prove the relays authenticate both ways and encrypt every session.
-sed -i '1i hostnossl all +outbox_tls_users 127.0.0.1/32 reject\
+# The role outbox_cert logs in with its client certificate only (CN=outbox_cert).
+sed -i '1i hostssl all outbox_cert 127.0.0.1/32 cert\
+hostssl replication outbox_cert 127.0.0.1/32 cert\
+host all outbox_cert 127.0.0.1/32 reject\
+host replication outbox_cert 127.0.0.1/32 reject\
+hostnossl all +outbox_tls_users 127.0.0.1/32 reject\
 hostnossl replication +outbox_tls_users 127.0.0.1/32 reject\
 hostssl all +outbox_tls_users 127.0.0.1/32 scram-sha-256\
 hostssl replication +outbox_tls_users 127.0.0.1/32 scram-sha-256\
@@ -109,43 +136,51 @@ host all +outbox_md5_users 127.0.0.1/32 md5\
 host replication +outbox_md5_users 127.0.0.1/32 md5\
 host all +outbox_scram_users 127.0.0.1/32 scram-sha-256\
 host replication +outbox_scram_users 127.0.0.1/32 scram-sha-256' "$RIG_DIR/postgres/data/pg_hba.conf"
-# A CA made for this run, and a server certificate for the name localhost only (not
-# 127.0.0.1): verify-full through localhost passes, through 127.0.0.1 it must fail.
 PG_TLS="$RIG_DIR/postgres/tls"
 mkdir -p "$PG_TLS"
-openssl req -x509 -newkey rsa:2048 -nodes -days 3 -subj "/CN=outbox-rig-ca" \
-  -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
-  -keyout "$PG_TLS/ca.key" -out "$PG_TLS/ca.crt" >/dev/null 2>&1
-openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
-  -keyout "$PG_TLS/server.key" -out "$PG_TLS/server.csr" >/dev/null 2>&1
-printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >"$PG_TLS/server.ext"
-openssl x509 -req -days 3 -in "$PG_TLS/server.csr" -CA "$PG_TLS/ca.crt" -CAkey "$PG_TLS/ca.key" \
-  -CAcreateserial -extfile "$PG_TLS/server.ext" -out "$PG_TLS/server.crt" >/dev/null 2>&1
+cp "$TLS/server.crt" "$TLS/server.key" "$TLS/ca.crt" "$PG_TLS/"
 chown postgres:postgres "$PG_TLS/server.key" "$PG_TLS/server.crt"
 chmod 600 "$PG_TLS/server.key"
 runuser -u postgres -- "$PG/pg_ctl" -D "$RIG_DIR/postgres/data" -l "$RIG_DIR/postgres/postgres.log" -w -t 60 \
   -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -c unix_socket_directories=$RIG_DIR/postgres \
       -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32 -c max_connections=400 \
       -c fsync=off -c full_page_writes=off -c shared_buffers=256MB \
-      -c ssl=on -c ssl_cert_file=$PG_TLS/server.crt -c ssl_key_file=$PG_TLS/server.key" start >/dev/null
+      -c ssl=on -c ssl_cert_file=$PG_TLS/server.crt -c ssl_key_file=$PG_TLS/server.key \
+      -c ssl_ca_file=$PG_TLS/ca.crt" start >/dev/null
 record_pid postgres "$(head -n 1 "$RIG_DIR/postgres/data/postmaster.pid")"
 env_set OUTBOX_RIG_PG_URL "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
-env_set OUTBOX_RIG_PG_CA "$PG_TLS/ca.crt"
+env_set OUTBOX_RIG_PG_CA "$TLS/ca.crt"
 log "postgres ready"
 
 # --- Apache Kafka, one KRaft broker+controller ----------------------------------------------
 free_port KAFKA_PORT
 free_port KAFKA_CTRL
+free_port KAFKA_SASL_SSL_PORT
+free_port KAFKA_SSL_PORT
 mkdir -p "$RIG_DIR/kafka"
+# Besides plaintext: SASL_SSL with PLAIN and SCRAM users, and SSL that requires a client
+# certificate (mTLS). Both advertise the name localhost, which the certificate is for.
+KAFKA_USER=outbox
+KAFKA_PASSWORD=$(openssl rand -hex 12)
 cat >"$RIG_DIR/kafka/server.properties" <<EOP
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CTRL
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL,SASL_SSL://127.0.0.1:$KAFKA_SASL_SSL_PORT,SSL://127.0.0.1:$KAFKA_SSL_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,SASL_SSL://localhost:$KAFKA_SASL_SSL_PORT,SSL://localhost:$KAFKA_SSL_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL
+ssl.keystore.type=PEM
+ssl.keystore.location=$TLS/server.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS/ca.crt
+listener.name.ssl.ssl.client.auth=required
+listener.name.sasl_ssl.ssl.client.auth=none
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$KAFKA_USER="$KAFKA_PASSWORD";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$RIG_DIR/kafka/data
 num.partitions=1
 offsets.topic.replication.factor=1
@@ -171,9 +206,16 @@ KAFKA_JAVA=(java -Xms256m -Xmx768m -XX:+UseG1GC -Djava.awt.headless=true
   "-Dlog4j2.configurationFile=$RIG_DIR/kafka/log4j2.properties" -cp "$KAFKA_HOME/libs/*")
 # A cluster id is a random UUID in unpadded URL-safe base64; made here to spare a JVM start.
 export KAFKA_CLUSTER_ID=$(python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
-spawn kafka sh -c '"$@" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" -c "$0" >/dev/null \
+export KAFKA_SCRAM_256="SCRAM-SHA-256=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
+export KAFKA_SCRAM_512="SCRAM-SHA-512=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
+spawn kafka sh -c '"$@" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" -c "$0" \
+    --add-scram "$KAFKA_SCRAM_256" --add-scram "$KAFKA_SCRAM_512" >/dev/null \
     && exec "$@" kafka.Kafka "$0"' "$RIG_DIR/kafka/server.properties" "${KAFKA_JAVA[@]}"
 env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
+env_set OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP "localhost:$KAFKA_SASL_SSL_PORT"
+env_set OUTBOX_RIG_KAFKA_SSL_BOOTSTRAP "localhost:$KAFKA_SSL_PORT"
+env_set OUTBOX_RIG_KAFKA_USER "$KAFKA_USER"
+env_set OUTBOX_RIG_KAFKA_PASSWORD "$KAFKA_PASSWORD"
 
 # --- NATS with JetStream ----------------------------------------------------------------------
 free_port NATS_PORT
@@ -262,6 +304,11 @@ wait_for prometheus 30 "$RIG_DIR/logs/prometheus.log" curl -fsS "http://127.0.0.
 wait_for rabbitmq 90 "$RMQ_DIR/log/$RMQ_NODE.log" rabbitmqctl await_startup --timeout 5
 record_pid rabbitmq "$(cat "$RMQ_DIR/rabbitmq.pid")"
 env_set OUTBOX_RIG_AMQP_URL "amqp://guest:guest@127.0.0.1:$RMQ_PORT/%2f"
+env_set OUTBOX_RIG_AMQPS_URL "amqps://guest:guest@localhost:$RMQ_TLS_PORT/%2f"
+# The certificate's user: no password, so it can log in with EXTERNAL only.
+rabbitmqctl add_user outbox_cert "$(openssl rand -hex 12)" >/dev/null
+rabbitmqctl clear_password outbox_cert >/dev/null
+rabbitmqctl set_permissions -p / outbox_cert '.*' '.*' '.*' >/dev/null
 env_set OUTBOX_RIG_RABBITMQ_MGMT_URL ""
 
 # Where the server binaries are, for tests that start a private instance of their own

@@ -307,6 +307,10 @@ impl LogTailer {
             crate::postgres::tls::replication_tls(
                 self.settings.pg_tls.mode,
                 self.settings.pg_ca_file.as_deref(),
+                self.settings
+                    .pg_client_files
+                    .as_ref()
+                    .map(|(cert, key)| (cert.as_str(), key.as_str())),
             ),
             &self.lt.slot,
             &self.lt.publication,
