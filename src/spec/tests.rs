@@ -60,6 +60,25 @@ fn log_tailing_names_its_slot_and_the_resource_carries_it() {
 /// rule for render, check, the controller and the relay.
 const INVALID: &[(&str, &str, &[&str])] = &[
     (
+        "a PostgreSQL client certificate without key, over no TLS",
+        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: disable, clientCertSecretRef: {name: pg, key: tls.crt}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.postgres.clientCertSecretRef", "spec.database.postgres.sslMode"],
+    ),
+    (
+        "two NATS logins, a user without password, a key without certificate",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\", tokenSecretRef: {name: n, key: t}, usernameSecretRef: {name: n, key: u}, tls: {clientKeySecretRef: {name: n, key: k}}}}",
+        &[
+            "spec.broker.nats",
+            "spec.broker.nats.usernameSecretRef",
+            "spec.broker.nats.tls.clientCertSecretRef",
+        ],
+    ),
+    (
+        "RabbitMQ EXTERNAL without a client certificate",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {rabbitmq: {urlSecretRef: {name: amqp}, authMechanism: EXTERNAL}}",
+        &["spec.broker.rabbitmq.authMechanism"],
+    ),
+    (
         "a CA Secret that cannot exist",
         "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: verify-full, caSecretRef: {name: Pg_CA}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
         &["spec.database.postgres.caSecretRef.name"],

@@ -253,19 +253,37 @@ pub struct PrivateNats {
     child: Option<Child>,
     log: PathBuf,
     dir: tempfile::TempDir,
+    /// A configuration file's text (`-c`), when the server needs more than flags.
+    config: Option<String>,
 }
 
 impl PrivateNats {
     pub fn start_new() -> PrivateNats {
+        Self::start_configured(None)
+    }
+
+    /// A server run with this configuration file (TLS, authorization). The text may
+    /// use `{port}` and `{store}`, which are filled in; JetStream is on.
+    pub fn start_with_config(config: &str) -> PrivateNats {
+        Self::start_configured(Some(config.to_owned()))
+    }
+
+    fn start_configured(config: Option<String>) -> PrivateNats {
         let dir = shared_tempdir("outbox-private-nats-");
         let mut nats = PrivateNats {
             port: free_port(),
             child: None,
             log: dir.path().join("nats.log"),
             dir,
+            config,
         };
         nats.start();
         nats
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     pub fn url(&self) -> String {
@@ -276,6 +294,25 @@ impl PrivateNats {
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "private NATS already running");
         let rig = Rig::load();
+        if let Some(config) = &self.config {
+            let store = self.dir.path().join("jetstream");
+            let text = config
+                .replace("{port}", &self.port.to_string())
+                .replace("{store}", &store.display().to_string());
+            let file = self.dir.path().join("nats.conf");
+            std::fs::write(&file, text).unwrap_or_else(|e| panic!("nats.conf: {e}"));
+            let child = Command::new(rig.get("OUTBOX_RIG_NATS_SERVER"))
+                .arg("-c")
+                .arg(&file)
+                .stdin(Stdio::null())
+                .stdout(log_file(&self.log))
+                .stderr(log_file(&self.log))
+                .spawn()
+                .unwrap_or_else(|err| panic!("cannot start nats-server: {err}"));
+            self.child = Some(child);
+            wait_listening("NATS", self.port, Duration::from_secs(30), &self.log);
+            return;
+        }
         let child = Command::new(rig.get("OUTBOX_RIG_NATS_SERVER"))
             .args([
                 "-a",

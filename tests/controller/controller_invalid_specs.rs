@@ -51,6 +51,53 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
+        what: "a PostgreSQL client certificate without its key",
+        edit: |s| {
+            s["database"]["postgres"]["sslMode"] = json!("verify-full");
+            s["database"]["postgres"]["clientCertSecretRef"] =
+                json!({"name": "pg", "key": "tls.crt"});
+        },
+        expect: &["clientKeySecretRef"],
+    },
+    Case {
+        what: "a PostgreSQL client certificate with sslMode disable",
+        edit: |s| {
+            s["database"]["postgres"]["clientCertSecretRef"] =
+                json!({"name": "pg", "key": "tls.crt"});
+            s["database"]["postgres"]["clientKeySecretRef"] =
+                json!({"name": "pg", "key": "tls.key"});
+        },
+        expect: &["needs TLS"],
+    },
+    Case {
+        what: "two NATS logins at once",
+        edit: |s| {
+            s["broker"]["nats"]["tokenSecretRef"] = json!({"name": "nats", "key": "token"});
+            s["broker"]["nats"]["nkeySeedSecretRef"] = json!({"name": "nats", "key": "seed"});
+        },
+        expect: &["authenticate one way"],
+    },
+    Case {
+        what: "a NATS user name without a password",
+        edit: |s| s["broker"]["nats"]["usernameSecretRef"] = json!({"name": "nats", "key": "user"}),
+        expect: &["passwordSecretRef"],
+    },
+    Case {
+        what: "a broker client key without its certificate",
+        edit: |s| {
+            s["broker"]["nats"]["tls"] =
+                json!({"clientKeySecretRef": {"name": "t", "key": "tls.key"}});
+        },
+        expect: &["clientCertSecretRef"],
+    },
+    Case {
+        what: "RabbitMQ EXTERNAL login without a client certificate",
+        edit: |s| {
+            s["broker"] = json!({"rabbitmq": {"urlSecretRef": {"name": "amqp"}, "authMechanism": "EXTERNAL"}});
+        },
+        expect: &["EXTERNAL"],
+    },
+    Case {
         what: "an sslMode libpq does not know",
         edit: |s| s["database"]["postgres"]["sslMode"] = json!("verify-host"),
         expect: &["sslMode"],

@@ -1,7 +1,8 @@
 //! The operator's own connections to PostgreSQL over TLS: with `verify-full` and the CA
 //! from `caSecretRef` its checks pass for a role admitted over TLS only; with a CA that
 //! did not sign the server's certificate, `DatabaseReady` says why and nothing is
-//! created.
+//! created; with a client certificate (`clientCertSecretRef`) it logs in as the role
+//! pg_hba.conf admits by certificate only.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,6 +83,33 @@ async fn the_operator_checks_the_database_over_verified_tls() {
         assert!(out.status.success());
         std::fs::read_to_string(dir.path().join("c")).unwrap()
     };
+    // The role the rig admits by client certificate only (CN=outbox_cert).
+    db.client
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE outbox_cert LOGIN REPLICATION; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO outbox_cert;",
+        )
+        .await
+        .unwrap();
+    let cert_url = format!(
+        "postgres://outbox_cert@localhost:{}/{}",
+        parsed.get_ports()[0],
+        parsed.get_dbname().unwrap()
+    );
+    let tls_dir = rig.get("OUTBOX_RIG_TLS_DIR").to_owned();
+    let read = |name: &str| std::fs::read_to_string(format!("{tls_dir}/{name}")).unwrap();
+    let (client_crt, client_key) = (read("client.crt"), read("client.key"));
+    operator::create_secret(&client, &ns, "db-cert", &[("uri", cert_url.as_str())]).await;
+    operator::create_secret(
+        &client,
+        &ns,
+        "pg-client",
+        &[
+            ("tls.crt", client_crt.as_str()),
+            ("tls.key", client_key.as_str()),
+        ],
+    )
+    .await;
     operator::create_secret(&client, &ns, "db", &[("uri", url.as_str())]).await;
     operator::create_secret(&client, &ns, "pg-ca", &[("ca.crt", ca.as_str())]).await;
     operator::create_secret(&client, &ns, "other-ca", &[("ca.crt", other_ca.as_str())]).await;
@@ -100,14 +128,19 @@ async fn the_operator_checks_the_database_over_verified_tls() {
         },
     ));
     let api: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    for (name, secret) in [("good", "pg-ca"), ("wrong-ca", "other-ca")] {
-        api.patch(
-            name,
-            &PatchParams::apply("tls-test"),
-            &Patch::Apply(&manifest(name, secret)),
-        )
-        .await
-        .unwrap();
+    let mut by_cert = manifest("by-cert", "pg-ca");
+    let pg = &mut by_cert["spec"]["database"]["postgres"];
+    pg["connectionSecretRef"] = json!({"name": "db-cert"});
+    pg["clientCertSecretRef"] = json!({"name": "pg-client", "key": "tls.crt"});
+    pg["clientKeySecretRef"] = json!({"name": "pg-client", "key": "tls.key"});
+    for (name, relay) in [
+        ("good", manifest("good", "pg-ca")),
+        ("wrong-ca", manifest("wrong-ca", "other-ca")),
+        ("by-cert", by_cert),
+    ] {
+        api.patch(name, &PatchParams::apply("tls-test"), &Patch::Apply(&relay))
+            .await
+            .unwrap();
     }
     let good = common::wait_for_some("DatabaseReady=True over verify-full", WAIT, || async {
         let r = api.get_opt("good").await.ok().flatten()?;
@@ -115,6 +148,20 @@ async fn the_operator_checks_the_database_over_verified_tls() {
     })
     .await;
     assert!(good.message.contains(&user), "{}", good.message);
+    let by_cert = common::wait_for_some(
+        "DatabaseReady=True logged in by client certificate",
+        WAIT,
+        || async {
+            let r = api.get_opt("by-cert").await.ok().flatten()?;
+            operator::condition(&r, "DatabaseReady").filter(|c| c.status == "True")
+        },
+    )
+    .await;
+    assert!(
+        by_cert.message.contains("outbox_cert"),
+        "{}",
+        by_cert.message
+    );
     let wrong = common::wait_for_some("DatabaseReady=False with the wrong CA", WAIT, || async {
         let r = api.get_opt("wrong-ca").await.ok().flatten()?;
         operator::condition(&r, "DatabaseReady").filter(|c| c.status == "False")

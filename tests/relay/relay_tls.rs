@@ -324,3 +324,178 @@ async fn wrong_tls_settings_are_refused_clearly_and_never_fall_back_to_plaintext
         .batch_execute(&format!("DROP ROLE IF EXISTS {user}"))
         .await;
 }
+
+/// A relay logs in with a client certificate (pg_hba.conf `cert` for the role
+/// outbox_cert, whose name is the certificate's CN) on every connection: polling, and
+/// log tailing's query, deleter and replication connections. Without the certificate
+/// the same role is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_log_in_with_a_client_certificate_on_every_connection() {
+    let rig = common::Rig::load();
+    let tls_dir = rig.get("OUTBOX_RIG_TLS_DIR").to_owned();
+    let file = |name: &str| format!("{tls_dir}/{name}");
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    db.client
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE outbox_cert LOGIN REPLICATION; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO outbox_cert;",
+        )
+        .await
+        .unwrap();
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let url = format!(
+        "postgres://outbox_cert@localhost:{}/{}",
+        config.get_ports()[0],
+        config.get_dbname().unwrap()
+    );
+    let stream = common::fresh_stream().await;
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: format!("{}.orders", stream.subject_prefix),
+    };
+    let yaml = |slot: Option<&str>| {
+        let base = tls_yaml(&broker, "verify-full", slot);
+        base.lines()
+            .map(|line| {
+                if line.starts_with("  database:") {
+                    "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: verify-full, caSecretRef: {name: pg, key: ca.crt}, clientCertSecretRef: {name: pg, key: tls.crt}, clientKeySecretRef: {name: pg, key: tls.key}}}".to_owned()
+                } else if line.starts_with("secretFiles:") {
+                    format!(
+                        "secretFiles: {{spec.database.postgres.caSecretRef: \"{}\", spec.database.postgres.clientCertSecretRef: \"{}\", spec.database.postgres.clientKeySecretRef: \"{}\"}}",
+                        file("ca.crt"),
+                        file("client.crt"),
+                        file("client.key")
+                    )
+                } else {
+                    line.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    // Sessions of outbox_cert that presented the rig's client certificate.
+    let by_cert = |walsender: bool| {
+        let db = &db;
+        async move {
+            let row = db
+                .client
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE s.ssl AND s.client_dn = '/CN=outbox_cert'), count(*) \
+                     FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+                     WHERE a.usename = 'outbox_cert' AND a.datname = current_database() \
+                       AND ($1 = false OR a.backend_type = 'walsender')",
+                    &[&walsender],
+                )
+                .await
+                .unwrap();
+            (row.get::<_, i64>(0), row.get::<_, i64>(1))
+        }
+    };
+
+    let relay = RelayProcess::start(&yaml(None), &url, &broker);
+    for i in 0..10 {
+        common::insert_row(
+            &db.client,
+            "order",
+            &format!("c{}", i % 3),
+            &serde_json::json!({"i": i}),
+        )
+        .await;
+    }
+    common::wait_for_relays(
+        "the polling relay to publish as outbox_cert",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    let (cert, all) = by_cert(false).await;
+    assert!(
+        all >= 1 && cert == all,
+        "{cert} of {all} sessions by certificate"
+    );
+    drop(relay);
+
+    db.client
+        .batch_execute("DELETE FROM public.outbox")
+        .await
+        .unwrap();
+    let guard = SlotGuard::new(rig.pg_url(), "certlogin");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    let relay = RelayProcess::start(&yaml(Some(&guard.slot)), &url, &broker);
+    for i in 0..10 {
+        common::insert_row(
+            &db.client,
+            "order",
+            &format!("d{}", i % 3),
+            &serde_json::json!({"i": i}),
+        )
+        .await;
+    }
+    common::wait_for_relays(
+        "the log-tailing relay to publish and delete as outbox_cert",
+        Duration::from_secs(60),
+        &[&relay],
+        || async {
+            db.client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .map(|r| r.get::<_, i64>(0) == 0)
+                .unwrap_or(false)
+        },
+    )
+    .await;
+    // The walsender is not in a database: count it apart.
+    let walsenders: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.usename = 'outbox_cert' AND a.backend_type = 'walsender' \
+               AND s.client_dn = '/CN=outbox_cert'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(walsenders >= 1, "no walsender logged in by certificate");
+    let (cert, all) = by_cert(false).await;
+    assert!(
+        all >= 2 && cert == all,
+        "{cert} of {all} sessions by certificate"
+    );
+    drop(relay);
+    drop(guard);
+
+    // Without the certificate, the same role is refused.
+    let ca = std::fs::read_to_string(file("ca.crt")).unwrap();
+    let refused = outbox_operator::postgres::connect_as(
+        &url,
+        "OUTBOX_DATABASE_URL",
+        &PgTls {
+            mode: SslMode::VerifyFull,
+            ca_pem: Some(ca),
+            client: None,
+        },
+        "tls-test",
+    )
+    .await;
+    let Err(err) = refused else {
+        panic!("outbox_cert logged in without a certificate");
+    };
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    assert!(text.contains("certificate"), "{text}");
+    println!("without the client certificate: {text}");
+    db.client
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'outbox_cert' AND datname = current_database()",
+        )
+        .await
+        .unwrap();
+    db.drop_database().await;
+}
