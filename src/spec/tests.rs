@@ -62,7 +62,10 @@ const INVALID: &[(&str, &str, &[&str])] = &[
     (
         "a PostgreSQL client certificate without key, over no TLS",
         "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: disable, clientCertSecretRef: {name: pg, key: tls.crt}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
-        &["spec.database.postgres.clientCertSecretRef", "spec.database.postgres.sslMode"],
+        &[
+            "spec.database.postgres.clientCertSecretRef",
+            "spec.database.postgres.sslMode",
+        ],
     ),
     (
         "two NATS logins, a user without password, a key without certificate",

@@ -665,9 +665,10 @@ async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     .await;
 }
 
-/// The Kafka example asks for TLS and SCRAM on `kafka:9093`; the rig's Kafka listens
-/// in plain text, so the test points the example at it without `tls` and `sasl` (and
-/// therefore without Secret orders-kafka); the rest of the example is as written.
+/// The Kafka example asks for TLS and SCRAM-SHA-512 on `kafka:9093`: the test points it
+/// at the rig's SASL_SSL listener and gives Secret orders-kafka the rig's CA and SCRAM
+/// user, so the CA reaches the relay as a mounted Secret file and the credentials as
+/// variables, as in a cluster; the rest of the example is as written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
     let replication = Replication::default();
@@ -679,8 +680,22 @@ async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
         common::create_topic(rig.kafka_bootstrap(), &topic, 3, &[]).await;
+        let ca = std::fs::read_to_string(format!("{}/ca.crt", rig.get("OUTBOX_RIG_TLS_DIR")))
+            .unwrap_or_else(|e| panic!("the rig's CA: {e}"));
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-kafka",
+            &[
+                ("ca.crt", ca.as_str()),
+                ("username", rig.get("OUTBOX_RIG_KAFKA_USER")),
+                ("password", rig.get("OUTBOX_RIG_KAFKA_PASSWORD")),
+            ],
+        )
+        .await;
         let mut manifest = operator::example_manifest("log-tailing-kafka.yaml");
-        manifest["spec"]["broker"]["kafka"] = json!({"bootstrapServers": rig.kafka_bootstrap()});
+        manifest["spec"]["broker"]["kafka"]["bootstrapServers"] =
+            json!(rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP"));
         log_tailing_example_publishes(
             client,
             ns,
