@@ -463,6 +463,7 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
                 subject: subject.clone(),
                 auth: outbox_operator::broker::nats::NatsAuth::None,
                 tls: None,
+                msg_id_scope: "bench/relay".to_owned(),
             };
             let broker = NatsBroker::new(&config)
                 .await
@@ -960,7 +961,7 @@ async fn start_consumer(
                     let id = message
                         .headers
                         .as_ref()
-                        .and_then(|h| h.get("Nats-Msg-Id"))
+                        .and_then(|h| h.get("id"))
                         .and_then(|v| v.as_str().parse().ok());
                     if let (Some(id), Ok(mut r)) = (id, received.lock()) {
                         r.entry(id).or_insert(at);

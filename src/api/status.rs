@@ -62,6 +62,10 @@ pub struct SlotStatus {
     /// Whether a relay is streaming from the slot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active: Option<bool>,
+    /// The Secrets that reach the slot's database, which carry the finalizer
+    /// `outbox.dev/slot-of-<relay>` until the slot is dropped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub protected_secrets: Vec<String>,
 }
 
 /// How many partitions exist and how many are owned by a live relay.

@@ -1,5 +1,8 @@
-//! NATS JetStream publisher: `Nats-Msg-Id` = row id, so JetStream drops a re-published
-//! row within its duplicate window, and every publish waits for the stream's PubAck.
+//! NATS JetStream publisher: `Nats-Msg-Id` = the relay's scope and the row id
+//! (`<namespace>/<name>/<id>`), so JetStream drops a re-published row within its
+//! duplicate window but never another relay's row with the same id (two tables or two
+//! databases feeding one stream); the bare row id is the `id` header. Every publish
+//! waits for the stream's PubAck.
 
 use std::time::Duration;
 
@@ -22,6 +25,7 @@ use crate::secrets::{
 /// made meanwhile time out and are retried by the relay.
 pub struct NatsBroker {
     jetstream: async_nats::jetstream::Context,
+    msg_id_scope: String,
 }
 
 impl NatsBroker {
@@ -39,7 +43,10 @@ impl NatsBroker {
             .map_err(|err| PublishError::transient(format!("NATS: cannot connect: {err}")))?;
         let mut jetstream = async_nats::jetstream::new(client);
         jetstream.set_timeout(Duration::from_secs(5));
-        Ok(Self { jetstream })
+        Ok(Self {
+            jetstream,
+            msg_id_scope: config.msg_id_scope.clone(),
+        })
     }
 }
 
@@ -48,7 +55,7 @@ impl Broker for NatsBroker {
         Box::pin(async move {
             let mut publish = PublishMessage::build()
                 .payload(message.payload.clone().into())
-                .message_id(&message.id);
+                .message_id(msg_id(&self.msg_id_scope, &message.id));
             for (key, value) in &message.headers {
                 // Names are fixed or checked SQL identifiers; values were checked for
                 // line breaks in build_message.
@@ -174,6 +181,11 @@ pub fn secrets(n: &NatsSpec) -> Vec<SecretSlot> {
     all
 }
 
+/// The `Nats-Msg-Id` of a row: its relay's scope and its id.
+pub fn msg_id(scope: &str, id: &str) -> String {
+    format!("{scope}/{id}")
+}
+
 /// How a relay authenticates to NATS. No `Debug`: it holds secrets.
 #[derive(Clone)]
 pub enum NatsAuth {
@@ -201,12 +213,15 @@ pub struct NatsSettings {
     pub auth: NatsAuth,
     /// TLS required, with these files.
     pub tls: Option<TlsFiles>,
+    /// Scope of the `Nats-Msg-Id`: the relay's `<namespace>/<name>`.
+    pub msg_id_scope: String,
 }
 
 /// The settings of a NATS spec, with Secret values (`value`, by field) and mounted
 /// files (`file`, by field) resolved.
 pub fn settings(
     n: &NatsSpec,
+    msg_id_scope: String,
     value: &dyn Fn(&str) -> String,
     file: &dyn Fn(&str) -> Option<String>,
 ) -> NatsSettings {
@@ -226,6 +241,7 @@ pub fn settings(
         subject: n.subject.clone(),
         auth,
         tls: n.tls.as_ref().map(|_| TlsFiles::locate(tls::NATS, file)),
+        msg_id_scope,
     }
 }
 

@@ -122,7 +122,7 @@ pub(super) async fn read_connection(
 
 /// Connects like the relay does (same driver settings, same TLS).
 async fn connect(relay: &OutboxRelay, conn: &Conn) -> Result<Client, PgError> {
-    postgres::connect_as(&conn.url, &secret_name(relay), &conn.tls, "outbox-operator").await
+    postgres::connect_operator(&conn.url, &secret_name(relay), &conn.tls).await
 }
 
 /// Orphan scans of one database are this many status intervals apart (a minute by
@@ -175,12 +175,7 @@ impl Pools {
                 *used = Instant::now();
                 pool.clone()
             } else {
-                let config = postgres::client_config(
-                    url,
-                    &secret_name(relay),
-                    &conn.tls,
-                    "outbox-operator",
-                )?;
+                let config = postgres::operator_client_config(url, &secret_name(relay), &conn.tls)?;
                 let manager = Manager::from_config(
                     config,
                     postgres::tls::connector(&conn.tls)?,
@@ -469,9 +464,23 @@ pub(super) fn cleanup_target(relay: &OutboxRelay) -> Option<SlotPlan> {
     Plan::for_relay(&valid).log_tailing
 }
 
+/// The annotation that lets a relay go while its slot cannot be dropped (the database
+/// host is gone for good): the slot and publication are left behind with a Warning.
+pub const ABANDON_SLOT_ANNOTATION: &str = "outbox.dev/abandon-slot";
+
+/// Whether the relay carries `outbox.dev/abandon-slot: "true"`.
+pub(super) fn abandons_slot(relay: &OutboxRelay) -> bool {
+    relay
+        .annotations()
+        .get(ABANDON_SLOT_ANNOTATION)
+        .is_some_and(|v| v == "true")
+}
+
 /// Drops the slot and publication the operator created for this relay (the relay's pods
-/// are gone by now). A database that is gone counts as cleaned; a missing Secret leaves
-/// the objects behind with a Warning (orphan detection keeps reporting them).
+/// are gone by now). A database that no longer exists counts as cleaned. Anything else
+/// that stops the drop — the Secret missing, the host unreachable or unknown to DNS —
+/// is retried with a Warning that says how to fix it; nothing is left behind silently
+/// (`outbox.dev/abandon-slot: "true"` lets the relay go without the drop).
 pub(super) async fn drop_external(
     relay: &OutboxRelay,
     lt: &SlotPlan,
@@ -489,16 +498,12 @@ pub(super) async fn drop_external(
                 ),
             ));
         }
-        return Ok(Cleanup::Done(
-            EventType::Warning,
-            "SlotLeftBehind",
-            format!(
-                "{} is gone, so replication slot {} and publication {} could not be dropped; they retain WAL on the database server until dropped (docs/runbooks.md, orphaned slot)",
-                secret_name(relay),
-                lt.slot,
-                lt.publication
-            ),
-        ));
+        return Ok(Cleanup::Retry(format!(
+            "{} (or a CA or client certificate Secret it needs) is gone, so replication slot {} and publication {} cannot be dropped: restore the Secret, or annotate the OutboxRelay {ABANDON_SLOT_ANNOTATION}=true to leave them behind (they retain WAL until dropped by hand)",
+            secret_name(relay),
+            lt.slot,
+            lt.publication
+        )));
     };
     let client = match connect(relay, &conn).await {
         Ok(c) => c,
@@ -526,7 +531,7 @@ pub(super) async fn drop_external(
         }
         Err(err) => {
             return Ok(Cleanup::Retry(format!(
-                "cannot connect to drop replication slot {}: {err}",
+                "cannot connect to drop replication slot {}: {err}; retrying (if the database is gone for good, annotate the OutboxRelay {ABANDON_SLOT_ANNOTATION}=true)",
                 lt.slot
             )));
         }

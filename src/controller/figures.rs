@@ -221,6 +221,7 @@ mod tests {
                 retained_wal_bytes: Some(8192),
                 wal_status: Some("reserved".into()),
                 active: Some(true),
+                protected_secrets: Vec::new(),
             }),
             ..OutboxRelayStatus::default()
         };

@@ -37,6 +37,8 @@ pub(super) struct SecretsSeen {
     /// a Secret's content does (a rotated password or certificate), and carry nothing
     /// of the content.
     pub versions: Vec<(String, String)>,
+    /// The referenced Secrets that carry this relay's slot finalizer.
+    pub finalized: Vec<String>,
 }
 
 /// The relay's children as the API server has them.
@@ -112,7 +114,9 @@ async fn secrets(
         ),
         problems: Vec::new(),
         versions: Vec::new(),
+        finalized: Vec::new(),
     };
+    let ours = super::protect::finalizer_of(&valid.name);
     let mut url = None;
     let mut ca_pem = None;
     let mut client_cert = None;
@@ -125,6 +129,9 @@ async fn secrets(
             let entry = (reference.name.clone(), version);
             if !seen.versions.contains(&entry) {
                 seen.versions.push(entry);
+            }
+            if secret.finalizers().contains(&ours) && !seen.finalized.contains(&reference.name) {
+                seen.finalized.push(reference.name.clone());
             }
         }
         let Some(secret) = found else {

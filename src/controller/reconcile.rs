@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use super::database::{self, Cleanup};
 use super::status::{CONDITION_READY, Cond, differs, find, merge};
 use super::{Context, Error, FINALIZER};
-use super::{decide, observe};
+use super::{decide, observe, protect};
 use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::resources::{
     ChildKind, Desired, FIELD_MANAGER, annotate_secret_versions, build, children_selector,
@@ -118,6 +118,36 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         observed.as_ref(),
     );
 
+    // While a slot exists (or is about to), the Secrets that reach its database carry
+    // the relay's finalizer, so the finalizer below can always connect to drop it.
+    let finalized: Vec<String> = observed
+        .as_ref()
+        .map(|o| o.secrets.finalized.clone())
+        .unwrap_or_default();
+    let protected = if decision.slot.is_some() || !decision.provision.is_empty() {
+        let names = protect::database_secrets(relay);
+        let missing: Vec<String> = names
+            .iter()
+            .filter(|n| !finalized.contains(n))
+            .cloned()
+            .collect();
+        protect::protect(relay, &missing, ctx).await?;
+        names
+    } else {
+        Vec::new()
+    };
+    // Secrets protected before but no longer needed (a slot given up, a Secret no
+    // longer named) are released.
+    let mut no_longer: Vec<String> = last_slot
+        .iter()
+        .flat_map(|s| s.protected_secrets.iter())
+        .chain(finalized.iter())
+        .filter(|n| !protected.contains(n))
+        .cloned()
+        .collect();
+    no_longer.sort();
+    no_longer.dedup();
+
     // Apply: the database objects first, so nothing is half-created when they fail;
     // then the children.
     if let Err(err) = database::provision(relay, &decision.provision, ctx).await {
@@ -129,7 +159,11 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     {
         apply_if_changed(relay, ctx, desired, observed).await?;
     }
+    if let Some(slot) = decision.slot.as_mut() {
+        slot.protected_secrets = protected;
+    }
     update_status(relay, ctx, decision.conditions, decision.slot).await?;
+    protect::release(relay, &no_longer, ctx).await?;
     Ok(match decision.next {
         decide::Next::AwaitChange => Action::await_change(),
         decide::Next::SecretRetry => Action::requeue(SECRET_RETRY),
@@ -347,14 +381,20 @@ async fn update_status(
         slot: slot.map(|s| SlotStatus {
             name: s.name,
             publication: s.publication,
+            protected_secrets: s.protected_secrets,
             ..SlotStatus::default()
         }),
         ..OutboxRelayStatus::default()
     };
     let event = ready_transition(current, &conditions);
     let slot_names = |s: Option<&OutboxRelayStatus>| {
-        s.and_then(|s| s.slot.as_ref())
-            .map(|s| (s.name.clone(), s.publication.clone()))
+        s.and_then(|s| s.slot.as_ref()).map(|s| {
+            (
+                s.name.clone(),
+                s.publication.clone(),
+                s.protected_secrets.clone(),
+            )
+        })
     };
     if differs(current, &desired) || slot_names(current) != slot_names(Some(&desired)) {
         let namespace = relay.namespace().unwrap_or_default();
@@ -406,7 +446,21 @@ fn ready_transition(
 async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     if let Some(target) = database::cleanup_target(relay) {
         stop_relay(relay, ctx).await?;
-        match database::drop_external(relay, &target, ctx).await? {
+        let done = if database::abandons_slot(relay) {
+            Cleanup::Done(
+                EventType::Warning,
+                "SlotAbandoned",
+                format!(
+                    "replication slot {} and publication {} are left behind as annotation {} asks; they retain WAL on the database server until dropped by hand (docs/runbooks.md, orphaned slot)",
+                    target.slot,
+                    target.publication,
+                    database::ABANDON_SLOT_ANNOTATION
+                ),
+            )
+        } else {
+            database::drop_external(relay, &target, ctx).await?
+        };
+        match done {
             Cleanup::Done(type_, reason, note) => {
                 info!(relay = %relay.name_any(), reason, note = %note, "cleanup in PostgreSQL done");
                 ctx.publish(relay, type_, reason, note).await;
@@ -423,6 +477,17 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             }
         }
     }
+    // The slot is gone (or abandoned): its Secrets may go too.
+    let mut names = protect::database_secrets(relay);
+    names.extend(
+        relay
+            .status
+            .as_ref()
+            .and_then(|s| s.slot.as_ref())
+            .map(|s| s.protected_secrets.clone())
+            .unwrap_or_default(),
+    );
+    protect::release(relay, &names, ctx).await?;
     // Forget the relay's bookkeeping.
     if let Some(uid) = relay.uid() {
         ctx.applied

@@ -235,6 +235,45 @@ pub fn client_config(
     Ok(config)
 }
 
+/// Session settings of the operator's own connections: a DDL statement waiting behind
+/// a table lock (a migration holding `ACCESS EXCLUSIVE`), a slot creation waiting for
+/// old transactions, or a forgotten transaction fails after a bounded time with the
+/// reason in a condition and is retried, instead of holding a reconcile (and a pooled
+/// connection) forever. Relays set their own per statement.
+pub const OPERATOR_SESSION_OPTIONS: &str =
+    "-c lock_timeout=5s -c statement_timeout=60s -c idle_in_transaction_session_timeout=60s";
+
+/// [`client_config`] for the operator: the same, plus [`OPERATOR_SESSION_OPTIONS`]
+/// appended to any `options` the URL carries.
+pub fn operator_client_config(
+    url: &str,
+    env: &str,
+    tls: &PgTls,
+) -> Result<tokio_postgres::Config, PgError> {
+    let mut config = client_config(url, env, tls, "outbox-operator")?;
+    let options = match config.get_options() {
+        Some(theirs) if !theirs.trim().is_empty() => format!("{theirs} {OPERATOR_SESSION_OPTIONS}"),
+        _ => OPERATOR_SESSION_OPTIONS.to_owned(),
+    };
+    config.options(options);
+    Ok(config)
+}
+
+/// Connects as the operator ([`operator_client_config`]) and spawns the connection task.
+pub async fn connect_operator(url: &str, env: &str, tls: &PgTls) -> Result<Client, PgError> {
+    let config = operator_client_config(url, env, tls)?;
+    let (client, connection) = config
+        .connect(tls::connector(tls)?)
+        .await
+        .map_err(db("connect"))?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            tracing::warn!(error = %err, "PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
+}
+
 /// Advisory-lock key space of one outbox table. Keys are two int4s: the table's
 /// `class` (a stable hash of `schema.table`) and a number below.
 ///

@@ -209,7 +209,12 @@ fn broker_from_values(
     };
     match &valid.broker {
         ValidBroker::Kafka(k) => BrokerSettings::Kafka(broker::kafka::settings(k, &value, &file)),
-        ValidBroker::Nats(n) => BrokerSettings::Nats(broker::nats::settings(n, &value, &file)),
+        ValidBroker::Nats(n) => BrokerSettings::Nats(broker::nats::settings(
+            n,
+            format!("{}/{}", valid.namespace, valid.name),
+            &value,
+            &file,
+        )),
         ValidBroker::RabbitMq(r) => {
             BrokerSettings::RabbitMq(broker::amqp::settings(r, &value, &file))
         }

@@ -455,8 +455,10 @@ pub fn watched_namespace_accesses(namespace: &str) -> Vec<Access<'_>> {
             accesses.push(Access::new(verb, group, resource));
         }
     }
-    // Secrets are read by name only, never listed or watched.
+    // Secrets are read by name only, never listed or watched; patched only for the
+    // slot finalizer.
     accesses.push(Access::new("get", "", "secrets"));
+    accesses.push(Access::new("patch", "", "secrets"));
     for group in ["events.k8s.io", ""] {
         for verb in ["create", "patch"] {
             accesses.push(Access::new(verb, group, "events"));

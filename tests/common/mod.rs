@@ -954,7 +954,7 @@ impl Drop for RelayProcess {
 /// One message as a consumer saw it.
 #[derive(Clone, Debug)]
 pub struct Received {
-    /// The outbox row id (Kafka header `id`, `Nats-Msg-Id`, AMQP `message_id`).
+    /// The outbox row id (Kafka and NATS header `id`, AMQP `message_id`).
     pub id: i64,
     /// Aggregate id (Kafka key; header-less brokers: from the payload's `aggregate`).
     pub aggregate: String,
@@ -1080,9 +1080,9 @@ pub async fn consume_nats(stream: &TestStream) -> Vec<Received> {
             }
         }
         let id = headers
-            .get("Nats-Msg-Id")
+            .get("id")
             .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("NATS message without Nats-Msg-Id"));
+            .unwrap_or_else(|| panic!("NATS message without a numeric id header"));
         let payload = message.payload.to_vec();
         out.push(Received {
             id,

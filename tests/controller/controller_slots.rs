@@ -750,15 +750,131 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
     .await;
 }
 
-/// A relay deleted after its Secret (as in a namespace deletion) does not hang: a Warning
-/// names the slot left behind, and orphan detection then reports it from a relay that
-/// shares the database. The slot stays until someone drops it.
+/// A relay's database Secret deleted first (a namespace deletion, a GitOps prune in any
+/// order) outlives the relay: it carries the relay's finalizer while the slot exists,
+/// so the relay's finalizer can still connect and drop the slot, and then the Secret
+/// goes. (Before, the finalizer found no Secret and left the slot behind.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_reported() {
+async fn a_secret_deleted_before_its_relay_stays_until_the_slot_is_dropped() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_first", ns.replace('-', "_"));
+        operator::apply_relay(&client, &ns, &manifest("first", json!({"logTailing": {}}))).await;
+        wait_relay(
+            &relays,
+            "first",
+            "SlotReady=True and the Secret protected",
+            |r| {
+                condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                    && r.status
+                        .as_ref()
+                        .and_then(|s| s.slot.as_ref())
+                        .is_some_and(|s| s.protected_secrets == ["db"])
+            },
+        )
+        .await;
+        let secret = secrets.get("db").await.unwrap();
+        assert!(
+            secret
+                .metadata
+                .finalizers
+                .unwrap_or_default()
+                .contains(&"outbox.dev/slot-of-first".to_owned())
+        );
+        secrets
+            .delete("db", &DeleteParams::default())
+            .await
+            .unwrap();
+        let terminating = secrets.get("db").await.expect("the Secret went at once");
+        assert!(terminating.metadata.deletion_timestamp.is_some());
+        delete_and_wait_gone(&relays, "first").await;
+        let event = wait_event(&client, &ns, "first", "SlotDropped").await;
+        assert!(event.note.unwrap_or_default().contains(&slot));
+        assert_eq!(slot_count(&db.client, &slot).await, 0);
+        common::wait_for("the Secret to go once released", WAIT, || async {
+            matches!(secrets.get_opt("db").await, Ok(None))
+        })
+        .await;
+        db.drop_database().await;
+    })
+    .await;
+}
+
+/// A database host that does not resolve is an outage, not a deletion: the finalizer
+/// keeps retrying (Warning `CleanupRetrying`) with the slot in place, and drops it once
+/// the Secret points at the database again. (Before, a DNS failure read as "database
+/// gone" and the relay went with its slot left behind.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unresolvable_database_host_blocks_the_delete_until_it_resolves() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_dns", ns.replace('-', "_"));
+        operator::apply_relay(&client, &ns, &manifest("dns", json!({"logTailing": {}}))).await;
+        wait_relay(&relays, "dns", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        let config: tokio_postgres::Config = db.url.parse().unwrap();
+        let host = match &config.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            other => panic!("{other:?}"),
+        };
+        let unresolvable = db.url.replacen(&host, "outbox-no-such-host.invalid", 1);
+        let set_uri = |uri: String| {
+            let secrets = secrets.clone();
+            async move {
+                secrets
+                    .patch(
+                        "db",
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"stringData": {"uri": uri}})),
+                    )
+                    .await
+                    .unwrap();
+            }
+        };
+        set_uri(unresolvable).await;
+        relays
+            .delete("dns", &DeleteParams::default())
+            .await
+            .unwrap();
+        let event = wait_event(&client, &ns, "dns", "CleanupRetrying").await;
+        assert_eq!(event.type_.as_deref(), Some("Warning"));
+        assert!(
+            event.note.unwrap_or_default().contains("abandon-slot"),
+            "the Warning names the way out"
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            relays.get_opt("dns").await.unwrap().is_some(),
+            "the relay went"
+        );
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+        set_uri(db.url.clone()).await;
+        common::wait_for("the OutboxRelay to be gone", WAIT, || async {
+            matches!(relays.get_opt("dns").await, Ok(None))
+        })
+        .await;
+        assert_eq!(slot_count(&db.client, &slot).await, 0);
+        db.drop_database().await;
+    })
+    .await;
+}
+
+/// `outbox.dev/abandon-slot: "true"` lets a relay go without dropping its slot (a
+/// database gone for good): a Warning names the slot left behind, and orphan detection
+/// then reports it from a relay that shares the database; nobody drops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_slot_is_left_with_a_warning_and_reported_as_an_orphan() {
     with_controller(|client, ns, metrics| async move {
         let db = outbox_database().await;
         operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
-        operator::create_secret(&client, &ns, "db-too", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_lost", ns.replace('-', "_"));
         operator::apply_relay(&client, &ns, &manifest("lost", json!({"logTailing": {}}))).await;
@@ -767,32 +883,31 @@ async fn a_relay_whose_secret_is_gone_leaves_its_slot_with_a_warning_and_it_is_r
                 && r.status.as_ref().is_some_and(|s| s.slot.is_some())
         })
         .await;
-        Api::<Secret>::namespaced(client.clone(), &ns)
-            .delete("db", &DeleteParams::default())
+        relays
+            .patch(
+                "lost",
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"metadata": {"annotations": {"outbox.dev/abandon-slot": "true"}}}),
+                ),
+            )
             .await
             .unwrap();
-        // The controller notices the Secret is gone before the relay is deleted; status
-        // must still show the slot, or the finalizer would take it for never created.
-        wait_relay(
-            &relays,
-            "lost",
-            "DatabaseReady=False (SecretNotFound) with status.slot kept",
-            |r| {
-                condition(r, "DatabaseReady").is_some_and(|c| c.reason == "SecretNotFound")
-                    && r.status.as_ref().is_some_and(|s| s.slot.is_some())
-            },
-        )
-        .await;
         delete_and_wait_gone(&relays, "lost").await;
-        let event = wait_event(&client, &ns, "lost", "SlotLeftBehind").await;
+        let event = wait_event(&client, &ns, "lost", "SlotAbandoned").await;
         assert_eq!(event.type_.as_deref(), Some("Warning"));
         let note = event.note.unwrap_or_default();
         assert!(note.contains(&format!("replication slot {slot}")), "{note}");
         assert_eq!(slot_count(&db.client, &slot).await, 1);
+        // The Secret was released with the relay.
+        let secret = Api::<Secret>::namespaced(client.clone(), &ns)
+            .get("db")
+            .await
+            .unwrap();
+        assert!(secret.metadata.finalizers.unwrap_or_default().is_empty());
 
         // Another relay on the same database sees the orphan.
-        let mut other = manifest("other", json!({"polling": {}}));
-        other["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db-too");
+        let other = manifest("other", json!({"polling": {}}));
         operator::apply_relay(&client, &ns, &other).await;
         common::wait_for("the orphaned-slot gauge", WAIT, || async {
             metrics.orphaned_slots() == 1
@@ -857,6 +972,56 @@ async fn a_relay_whose_database_is_gone_is_released() {
             event.note.unwrap_or_default().contains(&slot),
             "the Event names the slot"
         );
+    })
+    .await;
+}
+
+/// A migration holding the outbox table's `ACCESS EXCLUSIVE` lock cannot hold the
+/// operator: creating the publication gives up after the operator's `lock_timeout`,
+/// `SlotReady=False` says why, and once the lock is released the slot is created.
+/// (Before, the operator's session waited on the lock for as long as it was held.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_lock_times_out_into_a_condition_instead_of_holding_the_operator() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let locker = common::pg_connect(&db.url).await.unwrap();
+        locker
+            .batch_execute("BEGIN; LOCK TABLE public.outbox IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        operator::apply_relay(&client, &ns, &manifest("locked", json!({"logTailing": {}}))).await;
+        let relay = wait_relay(
+            &relays,
+            "locked",
+            "a condition naming the lock timeout",
+            |r| {
+                r.status.as_ref().is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.status == "False" && c.message.contains("lock timeout"))
+                })
+            },
+        )
+        .await;
+        assert!(
+            relay
+                .status
+                .as_ref()
+                .and_then(|s| s.slot.as_ref())
+                .is_none()
+        );
+        locker.batch_execute("ROLLBACK").await.unwrap();
+        wait_relay(
+            &relays,
+            "locked",
+            "SlotReady=True once the lock is gone",
+            |r| condition(r, "SlotReady").is_some_and(|c| c.status == "True"),
+        )
+        .await;
+        delete_and_wait_gone(&relays, "locked").await;
+        db.drop_database().await;
     })
     .await;
 }

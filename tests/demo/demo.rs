@@ -549,7 +549,7 @@ async fn consume_nats(
                 let id = message
                     .headers
                     .as_ref()
-                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .and_then(|h| h.get("id"))
                     .and_then(|v| v.as_str().parse().ok());
                 if let Some(id) = id {
                     let _ = seen.send((example, id));

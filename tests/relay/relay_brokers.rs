@@ -159,3 +159,56 @@ async fn rabbitmq_relay_delivers_committed_rows_in_aggregate_order() {
     let received = common::consume_amqp(&queue).await;
     assert_delivered(&received, &committed, &aborted);
 }
+
+/// Two relays (two databases, so the same row ids) feed one JetStream stream: every
+/// event of both arrives. The `Nats-Msg-Id` is scoped by relay; with the bare row id
+/// JetStream dropped the second relay's rows as duplicates of the first's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_sharing_a_stream_do_not_drop_each_others_events() {
+    let rig = common::Rig::load();
+    let stream = common::fresh_stream().await;
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: format!("{}.orders", stream.subject_prefix),
+    };
+    let mut relays = Vec::new();
+    let mut dbs = Vec::new();
+    for name in ["orders-a", "orders-b"] {
+        let db = common::fresh_database().await;
+        common::create_outbox_table(&db.client, 4).await;
+        for i in 0..10 {
+            let aggregate = format!("{name}-{}", i % 3);
+            let payload = serde_json::json!({"aggregate": aggregate, "seq": i});
+            common::insert_row(&db.client, "Order", &aggregate, &payload).await;
+        }
+        let yaml = common::relay_config_yaml(&broker, &RelayOptions::default()).replace(
+            "relay: {namespace: test, name: relay}",
+            &format!("relay: {{namespace: test, name: {name}}}"),
+        );
+        relays.push(RelayProcess::start(&yaml, &db.url, &broker));
+        dbs.push(db);
+    }
+    for db in &dbs {
+        let client = &db.client;
+        common::wait_for_relays(
+            "both relays to publish their rows",
+            Duration::from_secs(60),
+            &relays.iter().collect::<Vec<_>>(),
+            || async { common::unpublished_rows(client).await == 0 },
+        )
+        .await;
+    }
+    let received = common::consume_nats(&stream).await;
+    for name in ["orders-a", "orders-b"] {
+        let ids: BTreeSet<i64> = received
+            .iter()
+            .filter(|r| r.aggregate.starts_with(name))
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(ids.len(), 10, "{name}: {ids:?} of 10 events arrived");
+    }
+    drop(relays);
+    for db in dbs {
+        db.drop_database().await;
+    }
+}

@@ -102,9 +102,12 @@ app.kubernetes.io/part-of: outbox-operator
 # Get by name only: the controller checks that a referenced Secret and key exist; the
 # relay pods mount the Secret themselves. No list/watch: that would let the operator
 # read every Secret in a watched namespace (in cluster-wide mode, in the cluster).
+# Patch: only to add and remove its finalizer outbox.dev/slot-of-<relay> on the
+# Secrets that reach a log-tailing relay's database, so they outlive the relay until
+# its replication slot is dropped. Never create, update or delete.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get"]
+  verbs: ["get", "patch"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

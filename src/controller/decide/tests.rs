@@ -38,6 +38,7 @@ fn secrets_ok() -> SecretsSeen {
         broker: Cond::yes(CONDITION_BROKER_READY, "SecretsFound", ""),
         problems: Vec::new(),
         versions: Vec::new(),
+        finalized: Vec::new(),
     }
 }
 

@@ -140,23 +140,13 @@ async fn drop_slot(client: &Client, slot: &str) -> Result<(bool, bool), PgError>
     )))
 }
 
-/// Whether a connection error means the database (or its host) no longer exists, which
-/// counts as cleaned up: there is nothing left to drop.
+/// Whether a connection error means the database no longer exists, which counts as
+/// cleaned up: there is nothing left to drop. Only the server saying so counts (SQLSTATE
+/// 3D000, invalid_catalog_name): a host that does not resolve, refuses or times out is
+/// an outage — DNS fails during incidents too — and is retried, never read as gone.
 pub fn database_is_gone(err: &PgError) -> bool {
     let PgError::Db { source, .. } = err else {
         return false;
     };
-    if source.code() == Some(&SqlState::INVALID_CATALOG_NAME) {
-        return true;
-    }
-    // Name resolution failed: the host is gone (a refused or timed-out connection is
-    // an outage, not a deletion, and is retried).
-    let text = std::error::Error::source(source)
-        .map(ToString::to_string)
-        .unwrap_or_default()
-        .to_lowercase();
-    text.contains("failed to lookup address")
-        || text.contains("name or service not known")
-        || text.contains("no such host")
-        || text.contains("nodename nor servname")
+    source.code() == Some(&SqlState::INVALID_CATALOG_NAME)
 }
