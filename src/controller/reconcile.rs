@@ -102,6 +102,27 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         Ok(valid) => Some(build(valid, &ctx.options)?),
         Err(_) => None,
     };
+    // While a relay tails the log (or status shows a slot), the Secrets that reach its
+    // database carry the relay's finalizer, so the finalizer below can always connect
+    // to drop the slot. Protected before observing: the finalizer changes the Secrets'
+    // resourceVersion, which the pod template records (a rotated Secret rolls the pods),
+    // and it must not read as a rotation.
+    let wants_slot = last_slot.is_some()
+        || parsed
+            .as_ref()
+            .is_ok_and(|v| v.mode.log_tailing().is_some());
+    let protected = if wants_slot {
+        protect::database_secrets(relay)
+    } else {
+        Vec::new()
+    };
+    let recorded: Vec<String> = last_slot
+        .as_ref()
+        .map(|s| s.protected_secrets.clone())
+        .unwrap_or_default();
+    if wants_slot && recorded != protected {
+        protect::protect(relay, &protected, ctx).await?;
+    }
     let observed = match (&parsed, &built) {
         (Ok(valid), Some(desired)) => Some(observe::observe(relay, valid, desired, ctx).await?),
         _ => None,
@@ -118,29 +139,23 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         observed.as_ref(),
     );
 
-    // While a slot exists (or is about to), the Secrets that reach its database carry
-    // the relay's finalizer, so the finalizer below can always connect to drop it.
+    // Secrets that lost the finalizer (removed by hand) get it back.
     let finalized: Vec<String> = observed
         .as_ref()
         .map(|o| o.secrets.finalized.clone())
         .unwrap_or_default();
-    let protected = if decision.slot.is_some() || !decision.provision.is_empty() {
-        let names = protect::database_secrets(relay);
-        let missing: Vec<String> = names
-            .iter()
-            .filter(|n| !finalized.contains(n))
-            .cloned()
-            .collect();
-        protect::protect(relay, &missing, ctx).await?;
-        names
-    } else {
-        Vec::new()
-    };
-    // Secrets protected before but no longer needed (a slot given up, a Secret no
-    // longer named) are released.
-    let mut no_longer: Vec<String> = last_slot
+    let missing: Vec<String> = protected
         .iter()
-        .flat_map(|s| s.protected_secrets.iter())
+        .filter(|n| !finalized.contains(n))
+        .cloned()
+        .collect();
+    if observed.is_some() && !missing.is_empty() {
+        protect::protect(relay, &missing, ctx).await?;
+    }
+    // Secrets protected before but no longer needed (a mode switched to polling, a
+    // Secret no longer named) are released.
+    let mut no_longer: Vec<String> = recorded
+        .iter()
         .chain(finalized.iter())
         .filter(|n| !protected.contains(n))
         .cloned()

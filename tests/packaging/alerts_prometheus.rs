@@ -380,3 +380,140 @@ spec:
     drop(files);
     db.drop_database().await;
 }
+
+/// A log-tailing relay stalled on its broker (no JetStream stream captures its subject)
+/// exports its backlog: keeping rows, the unacknowledged rows of its batch and their
+/// commit age; deleting rows, the table's rows and their age — and the shipped
+/// OutboxRelayOldestUnpublishedTooOld fires for it in the rig's Prometheus. (Before,
+/// only polling relays set these metrics, so the alert could never fire for log
+/// tailing.)
+#[tokio::test]
+async fn the_oldest_unpublished_alert_fires_for_a_stalled_log_tailing_relay() {
+    let rig = common::Rig::load();
+    let base = rig.prometheus_url().to_owned();
+    common::require_listening("Prometheus", common::host_port(&base)).await;
+    let prometheus_dir = PathBuf::from(rig.get("OUTBOX_RIG_PROMETHEUS_DIR"));
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let suffix = common::unique_suffix();
+    let ns = format!("alerts-{suffix}");
+    let name = format!("tail-{suffix}");
+    let service = format!("{name}-relay");
+    let files = PrometheusFiles {
+        base: base.clone(),
+        rules: prometheus_dir.join(format!("rules/alerts-{suffix}.yml")),
+        targets: prometheus_dir.join(format!("targets/alerts-{suffix}.json")),
+    };
+    let relay_yaml = format!(
+        "apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  database: {{postgres: {{connectionSecretRef: {{name: db}}}}}}
+  mode: {{logTailing: {{deleteAfterPublish: true}}}}
+  broker: {{nats: {{url: \"nats://nats:4222\"}}}}
+  alerting: {{oldestUnpublishedAge: 5s}}
+"
+    );
+    let relay_object: OutboxRelay = serde_yaml::from_str(&relay_yaml).unwrap();
+    let valid = outbox_operator::spec::parse(&relay_object).unwrap_or_else(|e| panic!("{e}"));
+    let mut spec = prometheus_rule(&valid).unwrap().data["spec"].clone();
+    for group in spec["groups"].as_array_mut().unwrap() {
+        for rule in group["rules"].as_array_mut().unwrap() {
+            rule["for"] = json!(FOR);
+        }
+    }
+
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    for i in 0..5 {
+        common::insert_row(&db.client, "Order", &format!("agg-{i}"), &json!({"seq": i})).await;
+    }
+    // Nothing captures this subject: every publish is refused as an outage and retried.
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: format!("nowhere.{suffix}"),
+    };
+    let config_for = |slot: &str, delete: bool| {
+        common::relay_config_yaml(&broker, &RelayOptions::default())
+            .replace(
+                "relay: {namespace: test, name: relay}",
+                &format!("relay: {{namespace: {ns}, name: {name}}}"),
+            )
+            .lines()
+            .map(|line| {
+                if line.starts_with("  mode:") {
+                    format!(
+                        "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, deleteAfterPublish: {delete}}}}}"
+                    )
+                } else {
+                    line.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let metric = |text: &str, family: &str| common::metric_value(text, family).unwrap_or(-1.0);
+
+    // Keeping rows: the batch in flight. The slot starts now, so write after it.
+    let guard = common::SlotGuard::new(rig.pg_url(), "stallkeep");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    let relay = RelayProcess::start(&config_for(&guard.slot, false), &db.url, &broker);
+    for i in 0..5 {
+        common::insert_row(
+            &db.client,
+            "Order",
+            &format!("keep-{i}"),
+            &json!({"seq": i}),
+        )
+        .await;
+    }
+    let (rows, age) = common::wait_for_some(
+        "the in-flight backlog in the relay's metrics",
+        Duration::from_secs(60),
+        || async {
+            let text = relay.metrics().await?;
+            let rows = metric(&text, "outbox_relay_backlog_rows");
+            let age = metric(&text, "outbox_relay_oldest_unpublished_age_seconds");
+            (rows >= 5.0 && age >= 2.0).then_some((rows, age))
+        },
+    )
+    .await;
+    println!("keeping rows, stalled: backlog {rows} rows, oldest {age:.1}s");
+    drop(relay);
+    drop(guard);
+
+    // Deleting rows: the table, and the alert.
+    let guard = common::SlotGuard::new(rig.pg_url(), "stalldel");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    let relay = RelayProcess::start(&config_for(&guard.slot, true), &db.url, &broker);
+    files.set_target(&relay.http_addr().await, &ns, &service);
+    std::fs::write(&files.rules, serde_yaml::to_string(&spec).unwrap()).unwrap();
+    reload(&http, &base).await;
+    let alerts = common::wait_for_some(
+        "OutboxRelayOldestUnpublishedTooOld to fire",
+        Duration::from_secs(90),
+        || async {
+            let alerts = alerts_of(&http, &base, &ns, &name).await;
+            (state_of(&alerts, "OutboxRelayOldestUnpublishedTooOld").as_deref() == Some("firing"))
+                .then_some(alerts)
+        },
+    )
+    .await;
+    let text = relay.metrics().await.expect("the relay serves /metrics");
+    let rows = metric(&text, "outbox_relay_backlog_rows");
+    assert!(rows >= 10.0, "the table's 10 waiting rows, got {rows}");
+    println!(
+        "deleting rows, stalled: backlog {rows} rows; firing: {:?}",
+        alerts
+            .iter()
+            .map(|a| a["labels"]["alertname"].as_str().unwrap_or_default())
+            .collect::<Vec<_>>()
+    );
+    drop(relay);
+    drop(guard);
+    drop(files);
+    db.drop_database().await;
+}

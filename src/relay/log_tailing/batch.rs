@@ -163,6 +163,28 @@ impl LogTailer {
         let started = Instant::now();
         let per_aggregate = self.settings.valid.per_aggregate;
         let mut pending = chains(rows, per_aggregate);
+        // Keeping rows, the table cannot tell what is unpublished: the backlog metrics
+        // are the rows of this batch not yet acknowledged and the oldest commit among
+        // them, so a relay stalled on its broker shows a growing age (and the shipped
+        // alert fires). Deleting rows, the stats task measures the table instead.
+        let in_flight = |pending: &[Vec<OutboxRow>], m: &crate::relay::metrics::Metrics| {
+            let rows = pending.iter().map(Vec::len).sum::<usize>();
+            let oldest = pending
+                .iter()
+                .flatten()
+                .filter_map(|r| r.created_at)
+                .fold(f64::INFINITY, f64::min);
+            m.backlog_rows.set(i64::try_from(rows).unwrap_or(i64::MAX));
+            m.oldest_unpublished_age.set(if oldest.is_finite() {
+                (unix_now() - oldest).max(0.0)
+            } else {
+                0.0
+            });
+        };
+        let keeps_rows = !self.lt.delete_after_publish;
+        if keeps_rows {
+            in_flight(&pending, &self.health.metrics);
+        }
         let mut ids = Vec::new();
         let mut lags = Vec::new();
         let mut backoff = Backoff::new();
@@ -188,6 +210,9 @@ impl LogTailer {
             if pending.is_empty() {
                 break;
             }
+            if keeps_rows {
+                in_flight(&pending, &self.health.metrics);
+            }
             if self.broker.is_broken() {
                 return Err(SessionEnd::Fatal(RelayError::Broker(
                     "the broker client failed permanently; restarting".to_owned(),
@@ -210,6 +235,9 @@ impl LogTailer {
         }
         m.batch_duration.observe(started.elapsed().as_secs_f64());
         m.last_success.set(unix_now());
+        if keeps_rows {
+            in_flight(&[], m);
+        }
         if !self.attempts.is_empty() {
             for id in &ids {
                 self.attempts.remove(id);

@@ -204,6 +204,9 @@ impl LogTailer {
             self.settings.url_env.clone(),
             self.settings.pg_tls.clone(),
             self.lt.slot.clone(),
+            self.lt
+                .delete_after_publish
+                .then(|| admin::Plan::for_relay(&self.settings.valid)),
             self.health.clone(),
             self.stop.clone(),
         ));

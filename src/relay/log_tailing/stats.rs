@@ -1,5 +1,6 @@
-//! The slot statistics task: reads the slot's state for the slot metrics, for the
-//! life of the relay.
+//! The slot statistics task: reads the slot's state for the slot metrics and, when the
+//! relay deletes what it publishes (so the table holds exactly the unpublished rows),
+//! the table's backlog for the backlog metrics, for the life of the relay.
 
 use std::sync::Arc;
 
@@ -19,6 +20,7 @@ pub(super) async fn slot_stats_loop(
     env: String,
     tls: crate::postgres::tls::PgTls,
     slot: String,
+    backlog: Option<crate::postgres::admin::Plan>,
     health: Arc<Health>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -44,6 +46,20 @@ pub(super) async fn slot_stats_loop(
                 }
                 Err(err) => {
                     tracing::debug!(error = %err, "reading slot statistics failed");
+                    client = None;
+                }
+            }
+        }
+        if let (Some(c), Some(plan)) = (&client, &backlog) {
+            match crate::postgres::admin::backlog(c, plan).await {
+                Ok(Some(b)) => {
+                    m.backlog_rows.set(b.rows);
+                    m.oldest_unpublished_age
+                        .set(b.oldest_age_seconds.unwrap_or(0.0).max(0.0));
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    tracing::debug!(error = %err, "measuring the backlog failed");
                     client = None;
                 }
             }
