@@ -307,6 +307,15 @@ pub async fn emit_heartbeat(client: &Client) -> Result<(), PgError> {
     Ok(())
 }
 
+/// The current snapshot as text (`xmin:xmax:xip,...`, xid8 values).
+pub async fn current_snapshot(client: &Client) -> Result<String, PgError> {
+    Ok(client
+        .query_one("SELECT pg_current_snapshot()::text", &[])
+        .await
+        .map_err(db("reading the current snapshot"))?
+        .get(0))
+}
+
 /// Deletes published rows by id. The deletes stream through the slot too, and are
 /// ignored there (the publication publishes inserts only; the relay ignores deletes).
 pub async fn delete_rows(

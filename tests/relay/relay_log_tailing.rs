@@ -906,3 +906,110 @@ async fn log_tailing_logs_in_with_md5_and_scram_passwords() {
             .await;
     }
 }
+
+/// `deleteAfterPublish`: a relay killed after the broker acknowledged a batch but before
+/// its rows were deleted leaves none of them behind. The rows' commit is confirmed only
+/// once they are deleted, so the server streams it again to the next relay, which
+/// publishes them again (duplicates allowed) and deletes them. (Before, the commit was
+/// confirmed first and the ids waited for deletion in memory: the kill left the rows in
+/// the table for good.) The test blocks the relay's DELETE with a trigger waiting on an
+/// advisory lock it holds, then kills the relay and the blocked backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_before_deleting_published_rows_leaves_none_behind() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    create_tables(&db.client).await;
+    let key = rand::rng().random_range(1_000_000..2_000_000i64);
+    db.client
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.hold_delete() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN OLD; END $$;
+             CREATE TRIGGER hold_delete BEFORE DELETE ON public.outbox
+               FOR EACH ROW EXECUTE FUNCTION public.hold_delete();"
+        ))
+        .await
+        .unwrap();
+    let holder = common::pg_connect(&db.url).await.unwrap();
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&key])
+        .await
+        .unwrap();
+    let stream = common::fresh_stream().await;
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: format!("{}.orders", stream.subject_prefix),
+    };
+    let guard = SlotGuard::new(rig.pg_url(), "delkill");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    let yaml = log_tailing_yaml(&broker, &guard.slot, true);
+    let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
+    wait_slot_active(&db.client, &guard.slot, &relay).await;
+    let mut ids = BTreeSet::new();
+    for i in 0..10 {
+        let aggregate = format!("agg-{}", i % 3);
+        ids.insert(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &serde_json::json!({"aggregate": aggregate, "i": i}),
+            )
+            .await,
+        );
+    }
+    common::wait_for_relays(
+        "the broker to hold all 10 events",
+        Duration::from_secs(60),
+        &[&relay],
+        || async {
+            let got: BTreeSet<i64> = common::consume_nats(&stream)
+                .await
+                .iter()
+                .map(|r| r.id)
+                .collect();
+            got.is_superset(&ids)
+        },
+    )
+    .await;
+    // Long enough for any confirmation to reach the server (sent every second).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    relay.kill();
+    // The relay's DELETE still waits on the lock in its backend: end it too.
+    db.client
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()",
+        )
+        .await
+        .unwrap();
+    holder
+        .execute("SELECT pg_advisory_unlock($1)", &[&key])
+        .await
+        .unwrap();
+    assert_eq!(
+        db.client
+            .query_one("SELECT count(*) FROM public.outbox", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0),
+        10,
+        "the blocked delete deleted nothing"
+    );
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    common::wait_for_relays(
+        "the next relay to publish the rows again and delete them",
+        Duration::from_secs(60),
+        &[&relay],
+        || async {
+            db.client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .map(|r| r.get::<_, i64>(0) == 0)
+                .unwrap_or(false)
+        },
+    )
+    .await;
+    drop(relay);
+    drop(guard);
+    db.drop_database().await;
+}

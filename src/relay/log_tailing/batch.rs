@@ -9,9 +9,10 @@ use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio_postgres::Client;
 
+use super::deleter::Handed;
 use super::layout::Layout;
 use super::{
-    CONFIRM_EVERY, LogTailer, MAX_BATCH_ROWS, PG_EPOCH_UNIX_MICROS, SHUTDOWN_GRACE, SessionEnd,
+    DELETE_POLL, LogTailer, MAX_BATCH_ROWS, PG_EPOCH_UNIX_MICROS, SHUTDOWN_GRACE, SessionEnd,
     stream_error,
 };
 use crate::broker::PublishError;
@@ -26,6 +27,9 @@ use crate::relay::metrics::ErrorLabels;
 #[derive(Default)]
 struct Batch {
     rows: Vec<OutboxRow>,
+    /// The transactions of the batch (32-bit xids), which the delete task waits to see
+    /// committed before deleting their rows.
+    xids: Vec<u32>,
     /// The position to confirm once every row is acknowledged: the last commit's end
     /// LSN, or a heartbeat's LSN.
     confirm: Option<Lsn>,
@@ -49,7 +53,7 @@ impl LogTailer {
             // Wait for the first event, writing heartbeats while idle.
             let first = loop {
                 let heartbeat_due = last_progress + self.lt.heartbeat;
-                let deletes_pending = !self.pending_deletes.is_empty();
+                let deletes_pending = self.deleted_through() < self.handed;
                 tokio::select! {
                     biased;
                     _ = stop.wait_for(|s| *s) => return Ok(()),
@@ -58,8 +62,8 @@ impl LogTailer {
                         repl::emit_heartbeat(client).await?;
                         last_progress = Instant::now();
                     }
-                    () = tokio::time::sleep(CONFIRM_EVERY), if deletes_pending => {
-                        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
+                    () = tokio::time::sleep(DELETE_POLL), if deletes_pending => {
+                        self.confirm_deleted(stream);
                     }
                 }
             };
@@ -83,7 +87,7 @@ impl LogTailer {
                 };
             }
             if let Some(lsn) = batch.confirm {
-                self.publish(batch.rows, stream, lsn).await?;
+                self.publish(batch.rows, batch.xids, stream, lsn).await?;
                 last_progress = Instant::now();
             }
         }
@@ -100,8 +104,11 @@ impl LogTailer {
     ) -> Result<(), SessionEnd> {
         match event {
             ReplicationEvent::Begin {
-                commit_time_micros, ..
+                commit_time_micros,
+                xid,
+                ..
             } => {
+                batch.xids.push(xid);
                 let micros = commit_time_micros.saturating_add(PG_EPOCH_UNIX_MICROS);
                 // Microseconds to seconds for the lag metric; precision loss is irrelevant.
                 #[allow(clippy::cast_precision_loss)]
@@ -157,6 +164,7 @@ impl LogTailer {
     async fn publish(
         &mut self,
         rows: Vec<OutboxRow>,
+        xids: Vec<u32>,
         stream: &ReplicationClient,
         confirm: Lsn,
     ) -> Result<(), SessionEnd> {
@@ -226,8 +234,23 @@ impl LogTailer {
             }
             tokio::time::sleep(backoff.step()).await;
         }
-        // Every message of every transaction up to `confirm` is acknowledged.
-        stream.update_applied_lsn(confirm);
+        // Every message of every transaction up to `confirm` is acknowledged: confirm
+        // it now, or, deleting what is published, once its rows are deleted.
+        if self.deleter.is_some() {
+            self.handed = self.handed.max(confirm);
+            if let Some(deleter) = &self.deleter {
+                // A closed channel means the delete task is gone (shutdown): nothing
+                // more is confirmed, and the server streams those commits again.
+                let _ = deleter.send(Handed {
+                    through: confirm,
+                    ids: ids.clone(),
+                    xids,
+                });
+            }
+        } else {
+            stream.update_applied_lsn(confirm);
+        }
+        self.confirm_deleted(stream);
         let m = &self.health.metrics;
         m.published.inc_by(u64::try_from(ids.len()).unwrap_or(0));
         for lag in lags {
@@ -243,10 +266,6 @@ impl LogTailer {
                 self.attempts.remove(id);
             }
         }
-        if self.lt.delete_after_publish && !ids.is_empty() {
-            self.pending_deletes.push((confirm, ids));
-        }
-        self.hand_over_confirmed(stream.metrics().last_applied_lsn());
         Ok(())
     }
 
@@ -279,40 +298,20 @@ impl LogTailer {
         }
     }
 
-    /// Hands the published rows whose commits the server has been sent a confirmation
-    /// for (`confirmed`) to the deleter.
-    pub(super) fn hand_over_confirmed(&mut self, confirmed: Lsn) {
-        let ready = self
-            .pending_deletes
-            .iter()
-            .take_while(|(lsn, _)| *lsn <= confirmed)
-            .count();
-        for (_, ids) in self.pending_deletes.drain(..ready) {
-            if let Some(deleter) = &self.deleter {
-                // A closed channel means the deleter is gone (shutdown): the rows stay,
-                // already published.
-                let _ = deleter.send(ids);
-            }
-        }
+    /// Through which position the delete task has deleted; with nothing to delete,
+    /// everything handed (nothing is handed then).
+    pub(super) fn deleted_through(&self) -> Lsn {
+        self.deleted.as_ref().map_or(self.handed, |rx| *rx.borrow())
     }
 
-    /// After a reconnect: hands over rows whose commits the slot shows as confirmed; the
-    /// others will be streamed (and published) again, and queued again then.
-    pub(super) async fn hand_over_after_reconnect(
-        &mut self,
-        client: &Client,
-    ) -> Result<(), PgError> {
-        if self.pending_deletes.is_empty() {
-            return Ok(());
+    /// Confirms to the server what the delete task has deleted.
+    pub(super) fn confirm_deleted(&self, stream: &ReplicationClient) {
+        if self.deleted.is_some() {
+            let through = self.deleted_through();
+            if through > stream.metrics().last_applied_lsn() {
+                stream.update_applied_lsn(through);
+            }
         }
-        let confirmed = repl::slot_stats(client, &self.lt.slot)
-            .await?
-            .and_then(|s| s.confirmed_flush_lsn)
-            .and_then(|text| Lsn::parse(&text).ok())
-            .unwrap_or(Lsn(0));
-        self.hand_over_confirmed(confirmed);
-        self.pending_deletes.clear();
-        Ok(())
     }
 }
 

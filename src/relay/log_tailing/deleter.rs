@@ -1,6 +1,19 @@
-//! The delete task of `deleteAfterPublish`: deletes the confirmed rows it is handed,
-//! in chunks, on a connection of its own, off the path from stream to broker.
+//! The delete task of `deleteAfterPublish`: deletes the published rows it is handed,
+//! in chunks, on a connection of its own, off the path from stream to broker, and
+//! reports through which commit everything is deleted. Only that position is
+//! confirmed to the server, so a crash can never confirm a commit whose rows are still
+//! in the table: the server streams it again, the rows are published again (a
+//! duplicate, as at-least-once allows) and deleted then.
+//!
+//! A logical walsender can send a commit before the committing session has made it
+//! visible to others (PostgreSQL writes and flushes the commit record, then leaves the
+//! proc array). A DELETE in that moment finds nothing, and the commit would then be
+//! confirmed with its rows left in the table for good. So the task first waits until
+//! every transaction it was handed is visible in a fresh snapshot.
 
+use std::time::{Duration, Instant};
+
+use pgwire_replication::Lsn;
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
@@ -18,34 +31,120 @@ pub(super) struct DeleteTarget {
     pub(super) id_column: String,
 }
 
-/// Deletes the ids it is handed, in chunks, on its own connection; reconnects with
-/// backoff when the database is away. Ends when the channel closes and everything
-/// handed over is deleted, or, once shutdown began, after a few failed attempts.
+/// One published batch for the delete task.
+pub(super) struct Handed {
+    /// The commit position that covers the batch.
+    pub(super) through: Lsn,
+    /// The published row ids.
+    pub(super) ids: Vec<i64>,
+    /// The batch's transactions (32-bit xids, as the stream gives them).
+    pub(super) xids: Vec<u32>,
+}
+
+/// How long the task waits for handed transactions to become visible before it
+/// deletes anyway (a wait this long means something else is wrong; it is logged).
+const VISIBLE_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether every transaction of `xids` is visible in `snapshot` (`pg_current_snapshot()`
+/// as text, `xmin:xmax:xip,...`): before xmax and not in progress. xids compare
+/// modulo 2^32, as PostgreSQL's own `TransactionIdPrecedes` does; the transactions
+/// handed are recent, far within 2^31 of the snapshot.
+pub(super) fn all_visible(snapshot: &str, xids: &[u32]) -> Option<bool> {
+    let mut parts = snapshot.trim().split(':');
+    let (_xmin, xmax, xip) = (parts.next()?, parts.next()?, parts.next().unwrap_or(""));
+    // xid8 values: the low 32 bits are the xid.
+    let low = |v: &str| {
+        v.trim()
+            .parse::<u64>()
+            .ok()
+            .map(|x| (x & 0xFFFF_FFFF) as u32)
+    };
+    let xmax = low(xmax)?;
+    let in_progress: Vec<u32> = xip
+        .split(',')
+        .filter(|v| !v.is_empty())
+        .filter_map(low)
+        .collect();
+    Some(xids.iter().all(|&x| {
+        let precedes = (x.wrapping_sub(xmax) as i32) < 0;
+        precedes && !in_progress.contains(&x)
+    }))
+}
+
+/// Waits until every transaction of `xids` is visible to a new snapshot.
+async fn wait_visible(client: &Client, xids: &[u32]) -> Result<(), crate::postgres::PgError> {
+    if xids.is_empty() {
+        return Ok(());
+    }
+    let started = Instant::now();
+    loop {
+        let snapshot = repl::current_snapshot(client).await?;
+        if all_visible(&snapshot, xids) != Some(false) {
+            return Ok(());
+        }
+        if started.elapsed() > VISIBLE_WAIT {
+            tracing::error!(
+                snapshot,
+                "published transactions still not visible after {VISIBLE_WAIT:?}; deleting anyway"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Deletes the ids it is handed (each batch with the commit position that covers it),
+/// in chunks, on its own connection; reconnects with backoff when the database is
+/// away. After each hand-over is deleted, `deleted` says through which position. Ends
+/// when the channel closes and everything handed over is deleted, or, once shutdown
+/// began, after a few failed attempts.
 pub(super) async fn delete_loop(
     target: DeleteTarget,
-    mut ids_rx: mpsc::UnboundedReceiver<Vec<i64>>,
+    mut ids_rx: mpsc::UnboundedReceiver<Handed>,
+    deleted: watch::Sender<Lsn>,
     stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
     let mut backoff = Backoff::new();
-    while let Some(mut ids) = ids_rx.recv().await {
+    while let Some(first) = ids_rx.recv().await {
+        let Handed {
+            mut through,
+            mut ids,
+            mut xids,
+        } = first;
         // Whatever else is already queued goes out with it.
         while let Ok(more) = ids_rx.try_recv() {
-            ids.extend(more);
+            through = through.max(more.through);
+            ids.extend(more.ids);
+            xids.extend(more.xids);
         }
+        let mut visible = ids.is_empty();
         for chunk in ids.chunks(DELETE_CHUNK) {
             let mut failures = 0u32;
             loop {
                 let result = match &client {
-                    Some(c) if !c.is_closed() => repl::delete_rows(
-                        c,
-                        &target.schema,
-                        &target.table,
-                        &target.id_column,
-                        chunk,
-                    )
-                    .await
-                    .map(|_| ()),
+                    Some(c) if !c.is_closed() => {
+                        let waited = if visible {
+                            Ok(())
+                        } else {
+                            wait_visible(c, &xids).await
+                        };
+                        match waited {
+                            Ok(()) => {
+                                visible = true;
+                                repl::delete_rows(
+                                    c,
+                                    &target.schema,
+                                    &target.table,
+                                    &target.id_column,
+                                    chunk,
+                                )
+                                .await
+                                .map(|_| ())
+                            }
+                            Err(err) => Err(err),
+                        }
+                    }
                     _ => match postgres::connect(&target.url, &target.env, &target.tls).await {
                         Ok(c) => {
                             client = Some(c);
@@ -62,7 +161,7 @@ pub(super) async fn delete_loop(
                     Err(err) => {
                         failures += 1;
                         if *stop.borrow() && failures >= 3 {
-                            tracing::warn!(error = %err, rows = ids.len(), "shutting down with published rows not deleted; they stay in the table");
+                            tracing::warn!(error = %err, rows = ids.len(), "shutting down with published rows not deleted; their commits stay unconfirmed and are streamed again");
                             return;
                         }
                         tracing::warn!(error = %err, "deleting published rows failed; retrying");
@@ -72,5 +171,29 @@ pub(super) async fn delete_loop(
                 }
             }
         }
+        deleted.send_replace(through);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::all_visible;
+
+    #[test]
+    fn transactions_are_visible_before_xmax_and_out_of_progress() {
+        // xmin 100, xmax 110, 105 in progress.
+        let snap = "100:110:105";
+        assert_eq!(all_visible(snap, &[99, 104, 109]), Some(true));
+        assert_eq!(all_visible(snap, &[104, 105]), Some(false));
+        assert_eq!(all_visible(snap, &[110]), Some(false));
+        assert_eq!(all_visible("100:110:", &[105]), Some(true));
+        // Full xid8 values with an epoch: the low 32 bits count, modulo 2^32.
+        let epoch = 3u64 << 32;
+        let snap = format!("{}:{}:", epoch + 5, epoch + 10);
+        assert_eq!(all_visible(&snap, &[9]), Some(true));
+        assert_eq!(all_visible(&snap, &[10]), Some(false));
+        // Just before the epoch turned: an xid near 2^32 precedes xmax 10.
+        assert_eq!(all_visible(&snap, &[u32::MAX - 3]), Some(true));
+        assert_eq!(all_visible("garbage", &[1]), None);
     }
 }

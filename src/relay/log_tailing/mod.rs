@@ -32,13 +32,16 @@
 //!
 //! # deleteAfterPublish
 //!
-//! Published row ids are deleted (by id, in chunks) once the server has been sent the
-//! confirmation covering their commit. A task of their own does it, on a connection of
-//! its own, so a `DELETE` never holds up the path from stream to broker (inline, it
-//! added 50–60 ms to the p99 latency at 5,000 events/s). The deletes go through the slot
-//! as well and are ignored there. Ids waiting for deletion live in memory: a crash
-//! between confirmation and delete leaves those rows in the table (already published,
-//! never republished).
+//! Published row ids are deleted (by id, in chunks) before their commit is confirmed:
+//! a batch acknowledged by the broker goes to the delete task, and only the position
+//! the task reports deleted is confirmed to the server. So the table always holds
+//! every row whose commit is unconfirmed, and a crash anywhere leaves nothing behind
+//! for good: the server streams the unconfirmed commits again, their rows are published
+//! again (duplicates, as at-least-once allows) and deleted. The task runs on a
+//! connection of its own, so a `DELETE` never holds up the path from stream to broker
+//! (inline, it added 50–60 ms to the p99 latency at 5,000 events/s); confirmation
+//! trails the broker's acknowledgement by the delete. The deletes go through the slot
+//! as well and are ignored there.
 //!
 //! # Slot and publication
 //!
@@ -94,6 +97,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
 /// Ids per delete statement: short statements, short locks.
 const DELETE_CHUNK: usize = 1000;
+/// How often an idle stream looks whether the delete task has deleted more, to
+/// confirm it.
+const DELETE_POLL: Duration = Duration::from_millis(50);
 /// How long shutdown waits for the deleter to finish the deletes it was handed.
 const DELETER_DRAIN: Duration = Duration::from_secs(10);
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
@@ -131,10 +137,13 @@ pub(super) struct LogTailer {
     health: Arc<Health>,
     stop: watch::Receiver<bool>,
     columns: Columns,
-    /// Published ids to delete once the server has the confirmation of `Lsn`.
-    pending_deletes: Vec<(Lsn, Vec<i64>)>,
-    /// Confirmed ids go here, to the deleter task (with `deleteAfterPublish`).
-    deleter: Option<mpsc::UnboundedSender<Vec<i64>>>,
+    /// Published ids go here with the commit position covering them, to the delete
+    /// task (with `deleteAfterPublish`).
+    deleter: Option<mpsc::UnboundedSender<deleter::Handed>>,
+    /// Through which position the delete task has deleted (what may be confirmed).
+    deleted: Option<watch::Receiver<Lsn>>,
+    /// The last position handed to the delete task.
+    handed: Lsn,
     /// Failed attempts per row id (for logs; rows are retried until they go through).
     attempts: HashMap<i64, u32>,
 }
@@ -169,8 +178,9 @@ impl LogTailer {
             health,
             stop,
             columns,
-            pending_deletes: Vec::new(),
             deleter: None,
+            deleted: None,
+            handed: Lsn(0),
             attempts: HashMap::new(),
         }
     }
@@ -212,7 +222,9 @@ impl LogTailer {
         ));
         let deleter = self.lt.delete_after_publish.then(|| {
             let (tx, rx) = mpsc::unbounded_channel();
+            let (deleted_tx, deleted_rx) = watch::channel(Lsn(0));
             self.deleter = Some(tx);
+            self.deleted = Some(deleted_rx);
             let t = &self.settings.valid.table;
             tokio::spawn(delete_loop(
                 DeleteTarget {
@@ -224,6 +236,7 @@ impl LogTailer {
                     id_column: self.columns.id.clone(),
                 },
                 rx,
+                deleted_tx,
                 self.stop.clone(),
             ))
         });
@@ -303,7 +316,6 @@ impl LogTailer {
                 "{missing}; the operator creates them once its database checks pass (see the OutboxRelay's SlotReady condition)"
             ))));
         }
-        self.hand_over_after_reconnect(&client).await?;
         let config = repl::replication_config(
             &self.settings.database_url,
             &self.settings.url_env,
@@ -335,18 +347,18 @@ impl LogTailer {
         tracing::info!(slot = %self.lt.slot, publication = %self.lt.publication, "streaming the replication slot");
         let result = self.stream(&client, &mut stream).await;
         if result.is_ok() {
-            // Clean shutdown: make sure the last confirmation reached the server before
-            // the stream closes (the client sends it at most every CONFIRM_EVERY), and
-            // delete what it covers.
-            let deadline = Instant::now() + CONFIRM_EVERY * 3;
-            let wanted = self.pending_deletes.last().map(|(lsn, _)| *lsn);
-            while let Some(wanted) = wanted {
-                if stream.metrics().last_applied_lsn() >= wanted || Instant::now() > deadline {
-                    break;
-                }
+            // Clean shutdown: let the delete task catch up, confirm what it deleted, and
+            // give the client time to send that (it sends at most every CONFIRM_EVERY)
+            // before the stream closes.
+            let deadline = Instant::now() + DELETER_DRAIN;
+            while self.deleted_through() < self.handed && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            self.hand_over_confirmed(stream.metrics().last_applied_lsn());
+            let before = stream.metrics().last_applied_lsn();
+            self.confirm_deleted(&stream);
+            if stream.metrics().last_applied_lsn() > before {
+                tokio::time::sleep(CONFIRM_EVERY + Duration::from_millis(300)).await;
+            }
             let _ = tokio::time::timeout(Duration::from_secs(5), stream.shutdown()).await;
         }
         result
