@@ -186,6 +186,19 @@ pub(super) fn decide(
             ..SlotStatus::default()
         });
         actions = planned.actions;
+    } else if let Some(kept) = kept_slot.as_ref().filter(|_| observed.children.rolled_out) {
+        // Switched to polling, and no pod tails the log any more: the slot would only
+        // retain WAL. Rows it had not streamed are in the table, where polling finds
+        // them.
+        actions = vec![Action::DropOwned {
+            publication: kept
+                .publication
+                .clone()
+                .unwrap_or_else(|| kept.name.clone()),
+            slot: kept.name.clone(),
+            owner: owner.clone(),
+        }];
+        slot = None;
     } else {
         slot = kept_slot;
     }
@@ -264,7 +277,8 @@ pub(super) fn provisioning_failed(
     last_slot: Option<&SlotStatus>,
     error: &str,
 ) -> Decision {
-    let message = format!("creating the replication slot or publication failed: {error}");
+    let message =
+        format!("creating or dropping the replication slot or publication failed: {error}");
     let mut conditions: Vec<Cond> = decision
         .conditions
         .into_iter()

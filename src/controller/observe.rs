@@ -46,6 +46,10 @@ pub(super) struct SecretsSeen {
 pub(super) struct ChildrenSeen {
     /// The Deployment (with its status).
     pub deployment: Option<Deployment>,
+    /// Every pod of the relay runs the desired config: the Deployment's template has the
+    /// desired config hash and its rollout is complete (no pod of an older template
+    /// left). Also true when there is no Deployment (no pods).
+    pub rolled_out: bool,
     /// The ConfigMap's `resourceVersion`.
     pub config_map_version: Option<String>,
     /// The Service's `resourceVersion`.
@@ -222,11 +226,37 @@ async fn children(
         config_maps.get_metadata_opt(&names.1),
         services.get_metadata_opt(&names.2),
     )?;
+    let deployment = deployment.filter(|d| d.metadata.deletion_timestamp.is_none());
+    let rolled_out = deployment
+        .as_ref()
+        .is_none_or(|d| rolled_out(d, &desired.deployment));
     Ok(ChildrenSeen {
-        deployment: deployment.filter(|d| d.metadata.deletion_timestamp.is_none()),
+        rolled_out,
+        deployment,
         config_map_version: config_map.and_then(|c| c.metadata.resource_version),
         service_version: service.and_then(|s| s.metadata.resource_version),
     })
+}
+
+/// Whether `seen` runs `desired`'s config hash in every pod: the same template hash,
+/// the rollout observed, every replica updated and no other replica left.
+fn rolled_out(seen: &Deployment, desired: &Deployment) -> bool {
+    let hash = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(crate::resources::CONFIG_HASH_ANNOTATION).cloned())
+    };
+    let Some(status) = seen.status.as_ref() else {
+        return false;
+    };
+    let want = seen.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    hash(seen).is_some()
+        && hash(seen) == hash(desired)
+        && status.observed_generation >= seen.metadata.generation
+        && status.updated_replicas.unwrap_or(0) == want
+        && status.replicas.unwrap_or(0) == want
 }
 
 /// Whether the Prometheus operator's ServiceMonitor and PrometheusRule kinds are served.

@@ -165,9 +165,34 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
 
     // Apply: the database objects first, so nothing is half-created when they fail;
     // then the children.
-    if let Err(err) = database::provision(relay, &decision.provision, ctx).await {
-        warn!(relay = %relay.name_any(), error = %err, "creating the slot or publication failed");
-        decision = decide::provisioning_failed(decision, last_slot.as_ref(), &err);
+    let dropped: Vec<(String, String)> = decision
+        .provision
+        .iter()
+        .filter_map(|a| match a {
+            crate::postgres::provision::Action::DropOwned {
+                slot, publication, ..
+            } => Some((slot.clone(), publication.clone())),
+            _ => None,
+        })
+        .collect();
+    match database::provision(relay, &decision.provision, ctx).await {
+        Err(err) => {
+            warn!(relay = %relay.name_any(), error = %err, "creating or dropping the slot or publication failed");
+            decision = decide::provisioning_failed(decision, last_slot.as_ref(), &err);
+        }
+        Ok(()) => {
+            for (slot, publication) in dropped {
+                ctx.publish(
+                    relay,
+                    EventType::Normal,
+                    "SlotDropped",
+                    format!(
+                        "the relay polls now and no pod tails the log: dropped replication slot {slot} and publication {publication} (those the operator created)"
+                    ),
+                )
+                .await;
+            }
+        }
     }
     if decision.apply_children
         && let (Some(desired), Some(observed)) = (&built, &observed)

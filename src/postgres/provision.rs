@@ -41,6 +41,16 @@ pub enum Action {
         /// Slot name.
         slot: String,
     },
+    /// Drop the slot and publication of a relay that no longer tails the log, as the
+    /// finalizer does: only what the marker says the operator created for `owner`.
+    DropOwned {
+        /// Slot name.
+        slot: String,
+        /// Publication name.
+        publication: String,
+        /// Whose they are.
+        owner: Owner,
+    },
 }
 
 /// What to do, and what will then be true.
@@ -164,6 +174,13 @@ pub async fn execute(client: &Client, actions: &[Action]) -> Result<(), PgError>
                         what: "marking the publication",
                         source,
                     })?;
+            }
+            Action::DropOwned {
+                slot,
+                publication,
+                owner,
+            } => {
+                super::admin::drop_owned(client, slot, publication, owner).await?;
             }
             Action::CreateSlot { slot } => {
                 let created = client

@@ -1025,3 +1025,54 @@ async fn a_table_lock_times_out_into_a_condition_instead_of_holding_the_operator
     })
     .await;
 }
+
+/// A relay switched from log tailing to polling drops its slot and publication once no
+/// pod tails the log any more (the Deployment rolled out to the polling config), and
+/// releases its Secrets: an abandoned slot would retain WAL until the relay is deleted.
+/// (Before, the slot stayed for the relay's whole life.) Scaled to zero here, so the
+/// rollout completes without pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_to_polling_drops_the_slot_once_no_pod_tails_the_log() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_switch", ns.replace('-', "_"));
+        let mut tailing = manifest("switch", json!({"logTailing": {}}));
+        tailing["spec"]["replicas"] = json!(0);
+        operator::apply_relay(&client, &ns, &tailing).await;
+        wait_relay(&relays, "switch", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+        })
+        .await;
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+        let mut polling = tailing.clone();
+        polling["spec"]["mode"] = json!({"polling": {}});
+        operator::apply_relay(&client, &ns, &polling).await;
+        wait_relay(
+            &relays,
+            "switch",
+            "status.slot gone after the switch",
+            |r| r.status.as_ref().is_some_and(|s| s.slot.is_none()),
+        )
+        .await;
+        assert_eq!(
+            slot_count(&db.client, &slot).await,
+            0,
+            "the slot is dropped"
+        );
+        let event = wait_event(&client, &ns, "switch", "SlotDropped").await;
+        assert!(event.note.unwrap_or_default().contains(&slot));
+        common::wait_for("the Secret to be released", WAIT, || async {
+            secrets
+                .get("db")
+                .await
+                .is_ok_and(|s| s.metadata.finalizers.unwrap_or_default().is_empty())
+        })
+        .await;
+        delete_and_wait_gone(&relays, "switch").await;
+        db.drop_database().await;
+    })
+    .await;
+}

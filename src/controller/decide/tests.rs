@@ -247,12 +247,31 @@ fn polling_needs_no_sql_and_reports_its_pods() {
 }
 
 #[test]
-fn a_switch_to_polling_keeps_the_old_slot_shown_so_delete_drops_it() {
-    let o = observed(secrets_ok(), facts("logical", None, false), 2);
+fn a_switch_to_polling_keeps_the_old_slot_until_no_pod_tails_then_drops_it() {
+    // Rolling out: a log-tailing pod may still stream the slot; keep it (and show it,
+    // so deleting the relay meanwhile still drops it).
+    let mut o = observed(secrets_ok(), facts("logical", None, false), 2);
     let last = slot_status("outbox_shop_orders");
     let d = run(&relay("polling", 2), Some(&last), Some(&o));
     assert!(d.apply_children);
-    assert_eq!(d.slot, Some(last));
+    assert!(d.provision.is_empty());
+    assert_eq!(d.slot, Some(last.clone()));
+    // Rolled out: every pod polls. Drop what the operator made, nothing else.
+    o.children.rolled_out = true;
+    let d = run(&relay("polling", 2), Some(&last), Some(&o));
+    assert!(d.apply_children);
+    assert_eq!(d.slot, None);
+    assert_eq!(
+        d.provision,
+        vec![Action::DropOwned {
+            slot: "outbox_shop_orders".into(),
+            publication: "outbox_shop_orders".into(),
+            owner: owner(),
+        }]
+    );
+    // A polling relay that never tailed has nothing to drop.
+    let d = run(&relay("polling", 2), None, Some(&o));
+    assert!(d.provision.is_empty());
 }
 
 #[test]
