@@ -12,6 +12,7 @@ pub use crate::spec::config::{CONFIG_PATH, ConfigError, HTTP_PORT, RelayConfig, 
 use crate::spec::{LogTailing, ValidMode, ValidRelay};
 
 /// A relay ready to run: spec parsed, secrets read. No `Debug`: it holds secrets.
+#[derive(Clone)]
 pub struct Settings {
     /// The parsed spec.
     pub valid: ValidRelay,

@@ -149,6 +149,18 @@ impl Publisher {
 
     /// Connects, runs sessions and reconnects with backoff until shutdown.
     pub(super) async fn run(mut self) -> Result<(), RelayError> {
+        let housekeeping = tokio::spawn(housekeeping_loop(
+            self.settings.clone(),
+            self.class,
+            self.health.clone(),
+            self.stop.clone(),
+        ));
+        let result = self.publish_loop().await;
+        housekeeping.abort();
+        result
+    }
+
+    async fn publish_loop(&mut self) -> Result<(), RelayError> {
         let mut backoff = Backoff::new();
         let env = self.settings.url_env.clone();
         while !self.stopping() {
@@ -229,13 +241,8 @@ impl Publisher {
         self.health.ready.store(true, Ordering::Relaxed);
         tracing::info!(member, "connected to PostgreSQL");
         let partitions = usize::try_from(table.partitions()).unwrap_or(1);
-        let retention_every =
-            (self.settings.retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
         let mut owned = BTreeSet::new();
-        let mut holds_retention = false;
         let mut next_rebalance = Instant::now();
-        let mut next_stats = Instant::now();
-        let mut next_retention = Instant::now() + retention_every;
         loop {
             if self.stopping() {
                 return Ok(());
@@ -245,24 +252,6 @@ impl Publisher {
                 self.rebalance(client, member, partitions, &mut owned)
                     .await?;
                 next_rebalance = now + REBALANCE_EVERY;
-            }
-            if now >= next_stats {
-                let (rows, age) = table.backlog(client).await?;
-                self.health.metrics.backlog_rows.set(rows);
-                self.health
-                    .metrics
-                    .oldest_unpublished_age
-                    .set(age.unwrap_or(0.0).max(0.0));
-                next_stats = now + STATS_EVERY;
-            }
-            if now >= next_retention {
-                if !holds_retention {
-                    holds_retention = postgres::try_lock(client, self.class, RETENTION_KEY).await?;
-                }
-                if holds_retention {
-                    self.retention(client, &table).await?;
-                }
-                next_retention = now + retention_every;
             }
             let candidates: BTreeSet<i64> = if self.per_aggregate() {
                 owned.clone()
@@ -369,21 +358,6 @@ impl Publisher {
             .partitions_owned
             .set(i64::try_from(owned.len()).unwrap_or(0));
         Ok(())
-    }
-
-    /// Deletes published rows older than the retention, in small statements.
-    async fn retention(&self, client: &Client, table: &OutboxTable) -> Result<(), PgError> {
-        loop {
-            let deleted = table
-                .delete_published_before(client, self.settings.retention, RETENTION_CHUNK)
-                .await?;
-            if deleted > 0 {
-                tracing::debug!(deleted, "deleted old published rows");
-            }
-            if deleted < u64::try_from(RETENTION_CHUNK).unwrap_or(0) || self.stopping() {
-                return Ok(());
-            }
-        }
     }
 
     /// One batch: select, publish every chain, handle failures, mark, commit.
@@ -540,5 +514,118 @@ impl Publisher {
             }
         }
         Ok(false)
+    }
+}
+
+/// The backlog gauges and the retention of published rows, on a connection of their
+/// own: counting a large backlog or deleting many old rows (or waiting on a lock while
+/// doing so) never holds up publishing. One replica of a table deletes at a time (the
+/// retention advisory lock, held by this connection's session); every replica measures.
+async fn housekeeping_loop(
+    settings: Settings,
+    class: i32,
+    health: Arc<Health>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let retention_every =
+        (settings.retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    let plan = crate::postgres::admin::Plan::for_relay(&settings.valid);
+    let mut session: Option<(Client, OutboxTable, bool)> = None;
+    let mut next_retention = Instant::now() + retention_every;
+    loop {
+        if session.as_ref().is_none_or(|(c, _, _)| c.is_closed()) {
+            session = housekeeping_session(&settings)
+                .await
+                .map(|(c, t)| (c, t, false));
+        }
+        if let Some((client, table, holds_retention)) = session.as_mut() {
+            match crate::postgres::admin::backlog(client, &plan).await {
+                Ok(Some(b)) => {
+                    health.metrics.backlog_rows.set(b.rows);
+                    health
+                        .metrics
+                        .oldest_unpublished_age
+                        .set(b.oldest_age_seconds.unwrap_or(0.0).max(0.0));
+                }
+                Ok(None) => {}
+                Err(err) => tracing::debug!(error = %err, "measuring the backlog failed"),
+            }
+            if Instant::now() >= next_retention {
+                next_retention = Instant::now() + retention_every;
+                let kept = retention(client, table, class, holds_retention, &settings, &stop).await;
+                if let Err(err) = kept {
+                    tracing::warn!(error = %err, "deleting old published rows failed; retrying later");
+                    session = None;
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(STATS_EVERY) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// A connection for [`housekeeping_loop`] and the table as it sees it.
+async fn housekeeping_session(settings: &Settings) -> Option<(Client, OutboxTable)> {
+    let client = postgres::connect(&settings.database_url, &settings.url_env, &settings.pg_tls)
+        .await
+        .ok()?;
+    let valid = &settings.valid;
+    let t = &valid.table;
+    let after_publish = match &valid.mode {
+        crate::spec::ValidMode::Polling(p) => p.after_publish,
+        crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
+    };
+    let columns = Columns {
+        id: t.columns.id.clone(),
+        aggregate_type: t.columns.aggregate_type.clone(),
+        aggregate_id: t.columns.aggregate_id.clone(),
+        event_type: t.columns.event_type.clone(),
+        payload: t.columns.payload.clone(),
+        created_at: Some(t.columns.created_at.clone()),
+        published_at: t.columns.published_at.clone(),
+        headers: t.headers.clone(),
+    };
+    let table = OutboxTable::inspect(
+        &client,
+        &t.schema,
+        &t.name,
+        &settings.dead_letter_table,
+        columns,
+        after_publish,
+        valid.partitions,
+    )
+    .await
+    .ok()?;
+    Some((client, table))
+}
+
+/// Deletes published rows older than the retention, in chunks, while this session
+/// holds the table's retention lock.
+async fn retention(
+    client: &Client,
+    table: &OutboxTable,
+    class: i32,
+    holds: &mut bool,
+    settings: &Settings,
+    stop: &watch::Receiver<bool>,
+) -> Result<(), PgError> {
+    if !*holds {
+        *holds = postgres::try_lock(client, class, RETENTION_KEY).await?;
+    }
+    if !*holds {
+        return Ok(());
+    }
+    loop {
+        let deleted = table
+            .delete_published_before(client, settings.retention, RETENTION_CHUNK)
+            .await?;
+        if deleted > 0 {
+            tracing::debug!(deleted, "deleted old published rows");
+        }
+        if deleted < u64::try_from(RETENTION_CHUNK).unwrap_or(0) || *stop.borrow() {
+            return Ok(());
+        }
     }
 }

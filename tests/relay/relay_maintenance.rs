@@ -81,6 +81,101 @@ async fn retention_deletes_old_published_rows_in_chunks_and_never_unpublished_on
 }
 
 /// `# TYPE` lines: metric family → type.
+/// Retention blocked for as long as a lock is held (here a trigger waits on an advisory
+/// lock the test holds) does not hold up publishing: it runs on a connection of its
+/// own. (Before, it ran on the publishing session, and the relay published nothing
+/// until the lock went.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_retention_does_not_hold_up_publishing() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let c = &db.client;
+    let key: i64 = 4_242_000 + i64::from(rand::random::<u16>());
+    c.batch_execute(&format!(
+        "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, created_at, published_at)
+           SELECT 'Order', 'old-' || g, 'Happened', '{{}}', now() - interval '2 hours', now() - interval '1 hour'
+           FROM generate_series(1, 20) g;
+         CREATE FUNCTION public.hold_delete() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN OLD; END $$;
+         CREATE TRIGGER hold_delete BEFORE DELETE ON public.outbox
+           FOR EACH ROW EXECUTE FUNCTION public.hold_delete();"
+    ))
+    .await
+    .unwrap();
+    let holder = common::pg_connect(&db.url).await.unwrap();
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&key])
+        .await
+        .unwrap();
+    let stream = common::fresh_stream().await;
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: format!("{}.orders", stream.subject_prefix),
+    };
+    let options = RelayOptions {
+        retention: "4s",
+        ..RelayOptions::default()
+    };
+    let relay = RelayProcess::start(
+        &common::relay_config_yaml(&broker, &options),
+        &db.url,
+        &broker,
+    );
+    // Retention runs a second after start (a quarter of 4 s) and blocks on the lock.
+    common::wait_for_relays(
+        "retention to wait on the lock",
+        Duration::from_secs(30),
+        &[&relay],
+        || async {
+            count(
+                c,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE 'DELETE%'",
+            )
+            .await
+                >= 1
+        },
+    )
+    .await;
+    for i in 0..10 {
+        common::insert_row(
+            c,
+            "order",
+            &format!("new-{}", i % 3),
+            &serde_json::json!({"i": i}),
+        )
+        .await;
+    }
+    common::wait_for_relays(
+        "rows written while retention waits to be published",
+        Duration::from_secs(20),
+        &[&relay],
+        || async { common::unpublished_rows(c).await == 0 },
+    )
+    .await;
+    holder
+        .execute("SELECT pg_advisory_unlock($1)", &[&key])
+        .await
+        .unwrap();
+    common::wait_for_relays(
+        "retention to go on once the lock is gone",
+        Duration::from_secs(30),
+        &[&relay],
+        || async {
+            count(
+                c,
+                "SELECT count(*) FROM public.outbox WHERE aggregateid LIKE 'old-%'",
+            )
+            .await
+                == 0
+        },
+    )
+    .await;
+    drop(relay);
+    db.drop_database().await;
+}
+
 fn families(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
