@@ -209,31 +209,7 @@ impl Publisher {
         backoff: &mut Backoff,
     ) -> Result<(), SessionEnd> {
         let valid = &self.settings.valid;
-        let t = &valid.table;
-        let columns = Columns {
-            id: t.columns.id.clone(),
-            aggregate_type: t.columns.aggregate_type.clone(),
-            aggregate_id: t.columns.aggregate_id.clone(),
-            event_type: t.columns.event_type.clone(),
-            payload: t.columns.payload.clone(),
-            created_at: Some(t.columns.created_at.clone()),
-            published_at: t.columns.published_at.clone(),
-            headers: t.headers.clone(),
-        };
-        let after_publish = match &valid.mode {
-            crate::spec::ValidMode::Polling(p) => p.after_publish,
-            crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
-        };
-        let table = OutboxTable::inspect(
-            client,
-            &t.schema,
-            &t.name,
-            &self.settings.dead_letter_table,
-            columns,
-            after_publish,
-            valid.partitions,
-        )
-        .await?;
+        let table = inspect_table(client, &self.settings).await?;
         if valid.failure.dead_letter_table.is_some() {
             table.ensure_dead_letter_table(client).await?;
         }
@@ -571,12 +547,15 @@ async fn housekeeping_session(settings: &Settings) -> Option<(Client, OutboxTabl
     let client = postgres::connect(&settings.database_url, &settings.url_env, &settings.pg_tls)
         .await
         .ok()?;
+    let table = inspect_table(&client, settings).await.ok()?;
+    Some((client, table))
+}
+
+/// The outbox table as the polling relay of `settings` reads it: its columns checked
+/// and its queries built (the publishing session and housekeeping share this).
+async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTable, PgError> {
     let valid = &settings.valid;
     let t = &valid.table;
-    let after_publish = match &valid.mode {
-        crate::spec::ValidMode::Polling(p) => p.after_publish,
-        crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
-    };
     let columns = Columns {
         id: t.columns.id.clone(),
         aggregate_type: t.columns.aggregate_type.clone(),
@@ -587,8 +566,12 @@ async fn housekeeping_session(settings: &Settings) -> Option<(Client, OutboxTabl
         published_at: t.columns.published_at.clone(),
         headers: t.headers.clone(),
     };
-    let table = OutboxTable::inspect(
-        &client,
+    let after_publish = match &valid.mode {
+        crate::spec::ValidMode::Polling(p) => p.after_publish,
+        crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
+    };
+    OutboxTable::inspect(
+        client,
         &t.schema,
         &t.name,
         &settings.dead_letter_table,
@@ -597,8 +580,6 @@ async fn housekeeping_session(settings: &Settings) -> Option<(Client, OutboxTabl
         valid.partitions,
     )
     .await
-    .ok()?;
-    Some((client, table))
 }
 
 /// Deletes published rows older than the retention, in chunks, while this session
