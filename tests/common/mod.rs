@@ -800,6 +800,31 @@ listen: 127.0.0.1:0
     )
 }
 
+/// `yaml` (a [`relay_config_yaml`], one spec field a line) with the line of spec field
+/// `field` replaced by `field: value`.
+pub fn with_spec_line(yaml: &str, field: &str, value: &str) -> String {
+    let prefix = format!("  {field}:");
+    yaml.lines()
+        .map(|line| {
+            if line.starts_with(&prefix) {
+                format!("{prefix} {value}")
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The `mode` of a log-tailing relay on `slot` (publication of the same name), with
+/// 1 s heartbeats.
+pub fn log_tailing_mode(slot: &str, delete_after_publish: bool) -> String {
+    format!(
+        "{{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, \
+         deleteAfterPublish: {delete_after_publish}}}}}"
+    )
+}
+
 /// A running `outbox-operator relay` process; SIGKILLed when dropped (also on panic).
 pub struct RelayProcess {
     pub child: std::process::Child,

@@ -53,6 +53,26 @@ impl Drop for PrometheusFiles {
     }
 }
 
+/// The rig's Prometheus (its URL, once it answers), an HTTP client for its API, and
+/// the rule and target files of a test named by a fresh suffix (also returned).
+async fn prometheus() -> (String, reqwest::Client, PrometheusFiles, String) {
+    let rig = common::Rig::load();
+    let base = rig.prometheus_url().to_owned();
+    common::require_listening("Prometheus", common::host_port(&base)).await;
+    let prometheus_dir = PathBuf::from(rig.get("OUTBOX_RIG_PROMETHEUS_DIR"));
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let suffix = common::unique_suffix();
+    let files = PrometheusFiles {
+        base: base.clone(),
+        rules: prometheus_dir.join(format!("rules/alerts-{suffix}.yml")),
+        targets: prometheus_dir.join(format!("targets/alerts-{suffix}.json")),
+    };
+    (base, http, files, suffix)
+}
+
 fn reload_blocking(base: &str) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -135,23 +155,10 @@ fn now_unix() -> f64 {
 #[tokio::test]
 async fn relay_down_alert_fires_when_the_relay_stops_and_resolves_when_it_returns() {
     let rig = common::Rig::load();
-    let base = rig.prometheus_url().to_owned();
-    common::require_listening("Prometheus", common::host_port(&base)).await;
-    let prometheus_dir = PathBuf::from(rig.get("OUTBOX_RIG_PROMETHEUS_DIR"));
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
-
-    let suffix = common::unique_suffix();
+    let (base, http, files, suffix) = prometheus().await;
     let ns = format!("alerts-{suffix}");
     let name = format!("relay-{suffix}");
     let service = format!("{name}-relay");
-    let files = PrometheusFiles {
-        base: base.clone(),
-        rules: prometheus_dir.join(format!("rules/alerts-{suffix}.yml")),
-        targets: prometheus_dir.join(format!("targets/alerts-{suffix}.json")),
-    };
 
     // The rules exactly as the controller renders them for this relay, `for:` aside.
     let relay_yaml = format!(
@@ -390,22 +397,10 @@ spec:
 #[tokio::test]
 async fn the_oldest_unpublished_alert_fires_for_a_stalled_log_tailing_relay() {
     let rig = common::Rig::load();
-    let base = rig.prometheus_url().to_owned();
-    common::require_listening("Prometheus", common::host_port(&base)).await;
-    let prometheus_dir = PathBuf::from(rig.get("OUTBOX_RIG_PROMETHEUS_DIR"));
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
-    let suffix = common::unique_suffix();
+    let (base, http, files, suffix) = prometheus().await;
     let ns = format!("alerts-{suffix}");
     let name = format!("tail-{suffix}");
     let service = format!("{name}-relay");
-    let files = PrometheusFiles {
-        base: base.clone(),
-        rules: prometheus_dir.join(format!("rules/alerts-{suffix}.yml")),
-        targets: prometheus_dir.join(format!("targets/alerts-{suffix}.json")),
-    };
     let relay_yaml = format!(
         "apiVersion: outbox.dev/v1alpha1
 kind: OutboxRelay
@@ -437,23 +432,11 @@ spec:
         subject: format!("nowhere.{suffix}"),
     };
     let config_for = |slot: &str, delete: bool| {
-        common::relay_config_yaml(&broker, &RelayOptions::default())
-            .replace(
-                "relay: {namespace: test, name: relay}",
-                &format!("relay: {{namespace: {ns}, name: {name}}}"),
-            )
-            .lines()
-            .map(|line| {
-                if line.starts_with("  mode:") {
-                    format!(
-                        "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, deleteAfterPublish: {delete}}}}}"
-                    )
-                } else {
-                    line.to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        let yaml = common::relay_config_yaml(&broker, &RelayOptions::default()).replace(
+            "relay: {namespace: test, name: relay}",
+            &format!("relay: {{namespace: {ns}, name: {name}}}"),
+        );
+        common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(slot, delete))
     };
     let metric = |text: &str, family: &str| common::metric_value(text, family).unwrap_or(-1.0);
 

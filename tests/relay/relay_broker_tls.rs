@@ -45,9 +45,12 @@ pub fn tls_env(ca: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// `check`'s broker probes for a relay with `broker`, with Secret values and file
-/// copies from `env`.
-pub async fn probe(broker: Value, env: &[(&str, String)]) -> Vec<Probe> {
+/// The broker settings a relay with `broker` (JSON) resolves, with Secret values and
+/// file copies from `env`.
+pub fn broker_settings(
+    broker: Value,
+    env: &[(&str, String)],
+) -> outbox_operator::broker::BrokerSettings {
     let relay: OutboxRelay = serde_json::from_value(json!({
         "apiVersion": "outbox.dev/v1alpha1",
         "kind": "OutboxRelay",
@@ -61,9 +64,13 @@ pub async fn probe(broker: Value, env: &[(&str, String)]) -> Vec<Probe> {
     .unwrap();
     let valid = outbox_operator::spec::parse(&relay).unwrap_or_else(|p| panic!("{p}"));
     let lookup = |name: &str| env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
-    let settings = outbox_operator::spec::config::read_broker(&valid, &lookup)
-        .unwrap_or_else(|e| panic!("{e}"));
-    settings.probe().await
+    outbox_operator::spec::config::read_broker(&valid, &lookup).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `check`'s broker probes for a relay with `broker`, with Secret values and file
+/// copies from `env`.
+pub async fn probe(broker: Value, env: &[(&str, String)]) -> Vec<Probe> {
+    broker_settings(broker, env).probe().await
 }
 
 /// The first probe (the connection) passed.
@@ -108,23 +115,15 @@ pub fn relay_yaml(broker: &Value, files: &[(&str, String)], slot: Option<&str>) 
         url: "nats://127.0.0.1:1".to_owned(),
         subject: "x".to_owned(),
     };
-    let yaml = common::relay_config_yaml(&placeholder, &RelayOptions::default());
-    let mut lines: Vec<String> = yaml
-        .lines()
-        .map(|line| {
-            if line.starts_with("  broker:") {
-                format!("  broker: {broker}")
-            } else if line.starts_with("  mode:")
-                && let Some(slot) = slot
-            {
-                format!(
-                    "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, deleteAfterPublish: true}}}}"
-                )
-            } else {
-                line.to_owned()
-            }
-        })
-        .collect();
+    let mut yaml = common::with_spec_line(
+        &common::relay_config_yaml(&placeholder, &RelayOptions::default()),
+        "broker",
+        &broker.to_string(),
+    );
+    if let Some(slot) = slot {
+        yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(slot, true));
+    }
+    let mut lines = vec![yaml];
     if !files.is_empty() {
         let entries: Vec<String> = files
             .iter()
@@ -656,17 +655,8 @@ fn nats_config(cert: &str, verify: bool, auth: &str) -> String {
 
 /// A client of the relay's own making for `broker` (JSON) and `env`.
 async fn nats_client(broker: &Value, env: &[(&str, String)]) -> async_nats::Client {
-    let relay: OutboxRelay = serde_json::from_value(json!({
-        "apiVersion": "outbox.dev/v1alpha1", "kind": "OutboxRelay",
-        "metadata": {"name": "client", "namespace": "test"},
-        "spec": {"database": {"postgres": {"connectionSecretRef": {"name": "db"}}},
-                 "mode": {"polling": {}}, "broker": broker}
-    }))
-    .unwrap();
-    let valid = outbox_operator::spec::parse(&relay).unwrap_or_else(|p| panic!("{p}"));
-    let lookup = |name: &str| env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
     let outbox_operator::broker::BrokerSettings::Nats(settings) =
-        outbox_operator::spec::config::read_broker(&valid, &lookup).unwrap()
+        broker_settings(broker.clone(), env)
     else {
         panic!("not NATS");
     };

@@ -23,21 +23,11 @@ use rand::Rng;
 /// A log-tailing relay config: the polling config of tests/common with its mode line
 /// replaced.
 fn log_tailing_yaml(broker: &RelayBroker, slot: &str, delete_after_publish: bool) -> String {
-    let polling = common::relay_config_yaml(broker, &RelayOptions::default());
-    polling
-        .lines()
-        .map(|line| {
-            if line.starts_with("  mode:") {
-                format!(
-                    "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, \
-                     heartbeatInterval: 1s, deleteAfterPublish: {delete_after_publish}}}}}"
-                )
-            } else {
-                line.to_owned()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    common::with_spec_line(
+        &common::relay_config_yaml(broker, &RelayOptions::default()),
+        "mode",
+        &common::log_tailing_mode(slot, delete_after_publish),
+    )
 }
 
 /// The outbox table plus what writers need besides: the per-aggregate commit-order

@@ -42,29 +42,32 @@ fn url_for(db: &common::TestDatabase, user: &str, host: &str) -> String {
 /// A relay config with `sslMode` and the rig's CA as the mounted CA file.
 fn tls_yaml(broker: &RelayBroker, mode: &str, log_tailing_slot: Option<&str>) -> String {
     let ca = common::Rig::load().get("OUTBOX_RIG_PG_CA").to_owned();
-    let yaml = common::relay_config_yaml(broker, &RelayOptions::default());
-    let mut lines: Vec<String> = yaml
-        .lines()
-        .map(|line| {
-            if line.starts_with("  database:") {
-                format!(
-                    "  database: {{postgres: {{connectionSecretRef: {{name: db}}, sslMode: {mode}, caSecretRef: {{name: pg-ca, key: ca.crt}}}}}}"
-                )
-            } else if line.starts_with("  mode:")
-                && let Some(slot) = log_tailing_slot
-            {
-                format!(
-                    "  mode: {{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, deleteAfterPublish: true}}}}"
-                )
-            } else {
-                line.to_owned()
-            }
-        })
-        .collect();
+    let mut yaml = common::with_spec_line(
+        &common::relay_config_yaml(broker, &RelayOptions::default()),
+        "database",
+        &format!(
+            "{{postgres: {{connectionSecretRef: {{name: db}}, sslMode: {mode}, caSecretRef: {{name: pg-ca, key: ca.crt}}}}}}"
+        ),
+    );
+    if let Some(slot) = log_tailing_slot {
+        yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(slot, true));
+    }
+    let mut lines = vec![yaml];
     lines.push(format!(
         "secretFiles: {{spec.database.postgres.caSecretRef: \"{ca}\"}}"
     ));
     lines.join("\n")
+}
+
+/// An error and every cause under it, as one line.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
 }
 
 /// `(encrypted, all)` sessions of `user`, optionally only walsenders.
@@ -228,15 +231,7 @@ async fn wrong_tls_settings_are_refused_clearly_and_never_fall_back_to_plaintext
         )
         .await
         .map(|_| ())
-        .map_err(|e| {
-            let mut text = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                text.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            text
-        })
+        .map_err(|e| error_chain(&e))
     };
     let localhost = url_for(&db, &user, "localhost");
     let by_ip = url_for(&db, &user, "127.0.0.1");
@@ -355,24 +350,20 @@ async fn relays_log_in_with_a_client_certificate_on_every_connection() {
         subject: format!("{}.orders", stream.subject_prefix),
     };
     let yaml = |slot: Option<&str>| {
-        let base = tls_yaml(&broker, "verify-full", slot);
-        base.lines()
-            .map(|line| {
-                if line.starts_with("  database:") {
-                    "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: verify-full, caSecretRef: {name: pg, key: ca.crt}, clientCertSecretRef: {name: pg, key: tls.crt}, clientKeySecretRef: {name: pg, key: tls.key}}}".to_owned()
-                } else if line.starts_with("secretFiles:") {
-                    format!(
-                        "secretFiles: {{spec.database.postgres.caSecretRef: \"{}\", spec.database.postgres.clientCertSecretRef: \"{}\", spec.database.postgres.clientKeySecretRef: \"{}\"}}",
-                        file("ca.crt"),
-                        file("client.crt"),
-                        file("client.key")
-                    )
-                } else {
-                    line.to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        let mut yaml = common::with_spec_line(
+            &common::relay_config_yaml(&broker, &RelayOptions::default()),
+            "database",
+            "{postgres: {connectionSecretRef: {name: db}, sslMode: verify-full, caSecretRef: {name: pg, key: ca.crt}, clientCertSecretRef: {name: pg, key: tls.crt}, clientKeySecretRef: {name: pg, key: tls.key}}}",
+        );
+        if let Some(slot) = slot {
+            yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(slot, true));
+        }
+        format!(
+            "{yaml}\nsecretFiles: {{spec.database.postgres.caSecretRef: \"{}\", spec.database.postgres.clientCertSecretRef: \"{}\", spec.database.postgres.clientKeySecretRef: \"{}\"}}",
+            file("ca.crt"),
+            file("client.crt"),
+            file("client.key")
+        )
     };
     // Sessions of outbox_cert that presented the rig's client certificate.
     let by_cert = |walsender: bool| {
@@ -483,12 +474,7 @@ async fn relays_log_in_with_a_client_certificate_on_every_connection() {
     let Err(err) = refused else {
         panic!("outbox_cert logged in without a certificate");
     };
-    let mut text = err.to_string();
-    let mut source = std::error::Error::source(&err);
-    while let Some(s) = source {
-        text.push_str(&format!(": {s}"));
-        source = s.source();
-    }
+    let text = error_chain(&err);
     assert!(text.contains("certificate"), "{text}");
     println!("without the client certificate: {text}");
     db.client
