@@ -44,8 +44,8 @@ impl LogTailer {
     ) -> Result<(), SessionEnd> {
         let t = self.settings.valid.table.clone();
         let mut relations: HashMap<u32, Option<Layout>> = HashMap::new();
-        // The commit time (Unix seconds) of the transaction being received.
-        let mut open: Option<f64> = None;
+        // The transaction being received: its commit time (Unix seconds) and xid.
+        let mut open: Option<(f64, u32)> = None;
         let mut last_progress = Instant::now();
         let mut stop = self.stop.clone();
         loop {
@@ -73,9 +73,17 @@ impl LogTailer {
                     return Err(SessionEnd::Stream("the server ended the stream".to_owned()));
                 };
                 self.receive(ev, &t, &mut relations, &mut open, &mut batch)?;
-                // Inside a transaction, read on to its commit; between transactions,
-                // take only what has already arrived.
-                event = if open.is_some() {
+                // Inside a transaction, read on to its commit, publishing it in chunks
+                // of MAX_BATCH_ROWS (unconfirmed until its commit) so that memory stays
+                // bounded whatever its size; between transactions, take only what has
+                // already arrived.
+                event = if let Some((_, xid)) = open {
+                    if batch.rows.len() >= MAX_BATCH_ROWS {
+                        let chunk = std::mem::take(&mut batch);
+                        self.publish(chunk.rows, chunk.xids, stream, chunk.confirm)
+                            .await?;
+                        batch.xids.push(xid);
+                    }
                     stream.recv().await
                 } else if batch.rows.len() >= MAX_BATCH_ROWS {
                     break;
@@ -86,8 +94,9 @@ impl LogTailer {
                     }
                 };
             }
-            if let Some(lsn) = batch.confirm {
-                self.publish(batch.rows, batch.xids, stream, lsn).await?;
+            if batch.confirm.is_some() {
+                self.publish(batch.rows, batch.xids, stream, batch.confirm)
+                    .await?;
                 last_progress = Instant::now();
             }
         }
@@ -99,7 +108,7 @@ impl LogTailer {
         event: ReplicationEvent,
         t: &crate::spec::Table,
         relations: &mut HashMap<u32, Option<Layout>>,
-        open: &mut Option<f64>,
+        open: &mut Option<(f64, u32)>,
         batch: &mut Batch,
     ) -> Result<(), SessionEnd> {
         match event {
@@ -113,7 +122,7 @@ impl LogTailer {
                 // Microseconds to seconds for the lag metric; precision loss is irrelevant.
                 #[allow(clippy::cast_precision_loss)]
                 let secs = micros as f64 / 1e6;
-                *open = Some(secs);
+                *open = Some((secs, xid));
             }
             ReplicationEvent::XLogData { data, .. } => {
                 let message = repl::decode(&data)
@@ -131,7 +140,7 @@ impl LogTailer {
                             ))
                         })?;
                         if let Some(layout) = layout {
-                            let commit = open.unwrap_or_else(unix_now);
+                            let commit = open.map_or_else(unix_now, |(secs, _)| secs);
                             let row = layout.row(&tuple, commit).map_err(|e| {
                                 SessionEnd::Stream(format!("an outbox insert: {e}"))
                             })?;
@@ -160,13 +169,15 @@ impl LogTailer {
         Ok(())
     }
 
-    /// Publishes a batch until every message is acknowledged, then confirms `confirm`.
+    /// Publishes a batch until every message is acknowledged, then confirms `confirm`
+    /// (`None` for a chunk of a transaction whose commit has not arrived yet and no
+    /// earlier commit in the chunk: nothing new to confirm).
     async fn publish(
         &mut self,
         rows: Vec<OutboxRow>,
         xids: Vec<u32>,
         stream: &ReplicationClient,
-        confirm: Lsn,
+        confirm: Option<Lsn>,
     ) -> Result<(), SessionEnd> {
         let started = Instant::now();
         let per_aggregate = self.settings.valid.per_aggregate;
@@ -237,17 +248,20 @@ impl LogTailer {
         // Every message of every transaction up to `confirm` is acknowledged: confirm
         // it now, or, deleting what is published, once its rows are deleted.
         if self.deleter.is_some() {
-            self.handed = self.handed.max(confirm);
+            if let Some(confirm) = confirm {
+                self.handed = self.handed.max(confirm);
+            }
+            let through = self.handed;
             if let Some(deleter) = &self.deleter {
                 // A closed channel means the delete task is gone (shutdown): nothing
                 // more is confirmed, and the server streams those commits again.
                 let _ = deleter.send(Handed {
-                    through: confirm,
+                    through,
                     ids: ids.clone(),
                     xids,
                 });
             }
-        } else {
+        } else if let Some(confirm) = confirm {
             stream.update_applied_lsn(confirm);
         }
         self.confirm_deleted(stream);

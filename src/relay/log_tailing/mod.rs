@@ -14,12 +14,22 @@
 //! # Order
 //!
 //! Transactions arrive in commit order. Whole transactions are collected into a batch
-//! (the ones already received, up to [`MAX_BATCH_ROWS`] rows; a transaction is never
-//! split), the batch's rows form one chain per aggregate in commit order, chains run
-//! concurrently, and each chain publishes one message at a time, waiting for its
-//! acknowledgement. A failed message is retried, with the rest of its chain behind it,
-//! until it goes through; only then is the batch's last commit confirmed and the next
-//! batch read. So per-aggregate order holds across transactions and across restarts.
+//! (the ones already received, up to [`MAX_BATCH_ROWS`] rows), the batch's rows form
+//! one chain per aggregate in commit order, chains run concurrently, and each chain
+//! publishes one message at a time, waiting for its acknowledgement. A failed message
+//! is retried, with the rest of its chain behind it, until it goes through; only then
+//! is the batch's last commit confirmed and the next batch read. So per-aggregate
+//! order holds across transactions and across restarts.
+//!
+//! # Bounded memory
+//!
+//! A transaction larger than [`MAX_BATCH_ROWS`] (a backfill of millions of rows) is
+//! published in chunks of that size as it streams in, each acknowledged before the
+//! next is read; its commit is confirmed only once its last chunk is acknowledged. A
+//! crash in between streams the whole transaction again (duplicates, nothing lost).
+//! The replication client buffers a bounded number of messages and PostgreSQL spills
+//! large transactions to disk before sending them, so the relay's memory does not
+//! depend on transaction size.
 //!
 //! # Heartbeats
 //!
