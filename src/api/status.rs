@@ -66,6 +66,12 @@ pub struct SlotStatus {
     /// `outbox.dev/slot-of-<relay>` until the slot is dropped.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub protected_secrets: Vec<String>,
+    /// While a relay switches from polling to log tailing: the snapshot taken right after
+    /// the slot was created. The polling relay keeps running until every row committed
+    /// by a transaction visible in it is published (the slot streams only what commits
+    /// later); then the log-tailing relay replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover_snapshot: Option<String>,
 }
 
 /// How many partitions exist and how many are owned by a live relay.

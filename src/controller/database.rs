@@ -274,7 +274,27 @@ pub(super) async fn observe(
         }
     };
     match admin::gather(&client, &plan).await {
-        Ok(facts) => DatabaseSeen::Seen(Box::new(facts)),
+        Ok(mut facts) => {
+            let snapshot = relay
+                .status
+                .as_ref()
+                .and_then(|s| s.slot.as_ref())
+                .and_then(|s| s.handover_snapshot.as_deref());
+            if let (Some(snapshot), Some(_)) = (snapshot, &plan.log_tailing) {
+                facts.unpublished_before_slot = match admin::unpublished_before(
+                    &client, &plan, snapshot,
+                )
+                .await
+                {
+                    Ok(n) => Some(n),
+                    Err(err) => {
+                        warn!(relay = %relay.name_any(), error = %err, "counting the rows committed before the slot failed");
+                        None
+                    }
+                };
+            }
+            DatabaseSeen::Seen(Box::new(facts))
+        }
         Err(err) => DatabaseSeen::Unusable {
             reason: "QueryFailed",
             message: format!("checking the database failed: {err}"),
@@ -302,6 +322,26 @@ pub(super) async fn provision(
         .await
         .map_err(|e| e.to_string())?;
     crate::postgres::provision::execute(&client, actions)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The snapshot a switch from polling to log tailing hands over at, read right after
+/// the slot was created.
+pub(super) async fn handover_snapshot(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> Result<String, String> {
+    let conn = read_connection(relay, ctx)
+        .await
+        .map_err(|e| format!("reading {}: {e}", secret_name(relay)))?
+        .ok_or_else(|| format!("{} is missing or empty", secret_name(relay)))?;
+    let client = ctx
+        .pools
+        .get(relay, &conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    admin::handover_snapshot(&client)
         .await
         .map_err(|e| e.to_string())
 }

@@ -23,6 +23,8 @@ pub(super) enum Next {
     SecretRetry,
     /// After the status interval: the database is checked again.
     Refresh,
+    /// In a moment: a handover from polling to log tailing is waiting on the database.
+    Soon,
 }
 
 /// What one reconcile should make true.
@@ -36,6 +38,9 @@ pub(super) struct Decision {
     pub apply_children: bool,
     /// The slot and publication status names (`None`: none).
     pub slot: Option<SlotStatus>,
+    /// Take the handover snapshot once the provisioning ran (a switch from polling to
+    /// log tailing has just created the slot) and record it in the slot status.
+    pub take_snapshot: bool,
     /// When to look again.
     pub next: Next,
 }
@@ -91,6 +96,7 @@ pub(super) fn decide(
             provision: Vec::new(),
             apply_children: false,
             slot: kept_slot,
+            take_snapshot: false,
             next: Next::SecretRetry,
         };
     }
@@ -186,6 +192,33 @@ pub(super) fn decide(
             ..SlotStatus::default()
         });
         actions = planned.actions;
+        if observed.children.runs_polling
+            && let Some(waiting) = handover_pending(lt, last_slot, facts)
+        {
+            // Polling pods still run: they keep publishing until nothing the slot
+            // cannot stream is left, and only then does the log-tailing relay replace
+            // them.
+            let snapshot = last_slot.and_then(|s| s.handover_snapshot.clone());
+            let take_snapshot = snapshot.is_none();
+            let mut conditions = vec![
+                Cond::no(CONDITION_READY, "SwitchingToLogTailing", waiting.clone()),
+                Cond::no(CONDITION_DEGRADED, "SwitchingToLogTailing", waiting),
+                database,
+                secrets.broker.clone(),
+            ];
+            conditions.extend(slot_cond);
+            return Decision {
+                conditions,
+                provision: actions,
+                apply_children: false,
+                slot: slot.map(|s| SlotStatus {
+                    handover_snapshot: snapshot,
+                    ..s
+                }),
+                take_snapshot,
+                next: Next::Soon,
+            };
+        }
     } else if let Some(kept) = kept_slot.as_ref().filter(|_| observed.children.rolled_out) {
         // Switched to polling, and no pod tails the log any more: the slot would only
         // retain WAL. Rows it had not streamed are in the table, where polling finds
@@ -266,7 +299,33 @@ pub(super) fn decide(
         provision: actions,
         apply_children: true,
         slot,
+        take_snapshot: false,
         next: Next::Refresh,
+    }
+}
+
+/// While a switch from polling to log tailing waits: why (`None`: nothing left that
+/// the slot cannot stream, so the log-tailing relay may start).
+fn handover_pending(
+    lt: &admin::SlotPlan,
+    last_slot: Option<&SlotStatus>,
+    facts: &admin::Facts,
+) -> Option<String> {
+    let snapshot = last_slot.and_then(|s| s.handover_snapshot.as_ref());
+    match (snapshot, facts.unpublished_before_slot) {
+        (Some(_), Some(0)) => None,
+        (None, _) => Some(format!(
+            "switching from polling to log tailing: slot {} is created while the polling relay keeps running; log tailing starts once the rows committed before it are published",
+            lt.slot
+        )),
+        (Some(_), Some(rows)) => Some(format!(
+            "switching from polling to log tailing: {rows} rows committed before slot {} was created are not published yet; the polling relay keeps running until they are (the slot streams only later commits)",
+            lt.slot
+        )),
+        (Some(_), None) => Some(format!(
+            "switching from polling to log tailing: the rows committed before slot {} was created could not be counted; looking again",
+            lt.slot
+        )),
     }
 }
 
@@ -302,6 +361,7 @@ pub(super) fn provisioning_failed(
         provision: Vec::new(),
         apply_children: false,
         slot: last_slot.cloned(),
+        take_snapshot: false,
         next: Next::Refresh,
     }
 }
@@ -326,6 +386,7 @@ fn invalid(problems: &[Problem], slot: Option<SlotStatus>, next: Next) -> Decisi
         provision: Vec::new(),
         apply_children: false,
         slot,
+        take_snapshot: false,
         next,
     }
 }
@@ -348,6 +409,7 @@ fn not_ready(
         provision: Vec::new(),
         apply_children: false,
         slot,
+        take_snapshot: false,
         next,
     }
 }

@@ -222,6 +222,7 @@ mod tests {
                 wal_status: Some("reserved".into()),
                 active: Some(true),
                 protected_secrets: Vec::new(),
+                handover_snapshot: None,
             }),
             ..OutboxRelayStatus::default()
         };

@@ -50,6 +50,9 @@ pub(super) struct ChildrenSeen {
     /// desired config hash and its rollout is complete (no pod of an older template
     /// left). Also true when there is no Deployment (no pods).
     pub rolled_out: bool,
+    /// The Deployment's pods poll (its mode annotation says so; Deployments made before
+    /// the annotation: a rolling update strategy, as only polling has).
+    pub runs_polling: bool,
     /// The ConfigMap's `resourceVersion`.
     pub config_map_version: Option<String>,
     /// The Service's `resourceVersion`.
@@ -230,8 +233,24 @@ async fn children(
     let rolled_out = deployment
         .as_ref()
         .is_none_or(|d| rolled_out(d, &desired.deployment));
+    let runs_polling = deployment.as_ref().is_some_and(|d| {
+        match d
+            .annotations()
+            .get(crate::resources::MODE_ANNOTATION)
+            .map(String::as_str)
+        {
+            Some(mode) => mode == crate::resources::MODE_POLLING,
+            None => d
+                .spec
+                .as_ref()
+                .and_then(|s| s.strategy.as_ref())
+                .and_then(|s| s.type_.as_deref())
+                .is_some_and(|t| t != "Recreate"),
+        }
+    });
     Ok(ChildrenSeen {
         rolled_out,
+        runs_polling,
         deployment,
         config_map_version: config_map.and_then(|c| c.metadata.resource_version),
         service_version: service.and_then(|s| s.metadata.resource_version),

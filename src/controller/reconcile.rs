@@ -36,6 +36,9 @@ const SECRET_RETRY: Duration = Duration::from_secs(15);
 const ERROR_RETRY: Duration = Duration::from_secs(15);
 /// How soon the finalizer looks again while the relay's pods are still stopping.
 const CLEANUP_POLL: Duration = Duration::from_secs(2);
+/// How soon a switch from polling to log tailing looks again whether the polling relay
+/// has published what the new slot cannot stream.
+const HANDOVER_POLL: Duration = Duration::from_secs(2);
 
 /// The controller's reconcile function: everything runs inside the finalizer helper.
 pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -194,10 +197,48 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             }
         }
     }
+    if decision.take_snapshot {
+        // The slot exists now: every transaction committed before it is visible in a
+        // snapshot taken from here on.
+        match database::handover_snapshot(relay, ctx).await {
+            Ok(snapshot) => {
+                if let Some(slot) = decision.slot.as_mut() {
+                    ctx.publish(
+                        relay,
+                        EventType::Normal,
+                        "SwitchingToLogTailing",
+                        format!(
+                            "replication slot {} exists; the polling relay keeps running until every row committed before it is published, then log tailing takes over",
+                            slot.name
+                        ),
+                    )
+                    .await;
+                    slot.handover_snapshot = Some(snapshot);
+                }
+            }
+            Err(err) => {
+                warn!(relay = %relay.name_any(), error = %err, "taking the handover snapshot failed; retrying");
+            }
+        }
+    }
+    let handing_over = decision.apply_children
+        && last_slot
+            .as_ref()
+            .is_some_and(|s| s.handover_snapshot.is_some())
+        && observed.as_ref().is_some_and(|o| o.children.runs_polling);
     if decision.apply_children
         && let (Some(desired), Some(observed)) = (&built, &observed)
     {
         apply_if_changed(relay, ctx, desired, observed).await?;
+        if handing_over {
+            ctx.publish(
+                relay,
+                EventType::Normal,
+                "LogTailingStarted",
+                "every row committed before the slot was created is published: the log-tailing relay replaces the polling relay".to_owned(),
+            )
+            .await;
+        }
     }
     if let Some(slot) = decision.slot.as_mut() {
         slot.protected_secrets = protected;
@@ -208,6 +249,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         decide::Next::AwaitChange => Action::await_change(),
         decide::Next::SecretRetry => Action::requeue(SECRET_RETRY),
         decide::Next::Refresh => Action::requeue(ctx.status_interval.min(ctx.resync)),
+        decide::Next::Soon => Action::requeue(HANDOVER_POLL.min(ctx.status_interval)),
     })
 }
 
@@ -422,6 +464,7 @@ async fn update_status(
             name: s.name,
             publication: s.publication,
             protected_secrets: s.protected_secrets,
+            handover_snapshot: s.handover_snapshot,
             ..SlotStatus::default()
         }),
         ..OutboxRelayStatus::default()
@@ -433,6 +476,7 @@ async fn update_status(
                 s.name.clone(),
                 s.publication.clone(),
                 s.protected_secrets.clone(),
+                s.handover_snapshot.clone(),
             )
         })
     };

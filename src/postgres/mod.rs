@@ -28,6 +28,7 @@
 pub mod admin;
 pub mod provision;
 pub mod replication;
+pub mod snapshot;
 pub mod tls;
 
 use std::collections::BTreeSet;

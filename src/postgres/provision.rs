@@ -218,6 +218,7 @@ mod tests {
             columns: Vec::new(),
             created_at: "created_at".into(),
             published_at: None,
+            marker: "published_at".into(),
             privileges: Vec::new(),
             log_tailing: Some(SlotPlan {
                 slot: "s".into(),
@@ -264,6 +265,7 @@ mod tests {
                 has_table: true,
                 comment,
             }),
+            unpublished_before_slot: None,
         }
     }
 

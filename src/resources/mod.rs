@@ -43,6 +43,13 @@ pub const CONFIG_HASH_ANNOTATION: &str = "outbox.dev/config-hash";
 /// Pod-template annotation holding a hash of the referenced Secrets' names and
 /// `resourceVersion`s: a rotated Secret rolls the pods.
 pub const SECRETS_VERSION_ANNOTATION: &str = "outbox.dev/secrets-version";
+/// Deployment annotation naming the mode its pods run (`polling` or `logTailing`):
+/// the operator hands a switch from polling to log tailing over only once the polling
+/// pods have published what the new slot cannot stream.
+pub const MODE_ANNOTATION: &str = "outbox.dev/mode";
+/// The values of [`MODE_ANNOTATION`].
+pub const MODE_POLLING: &str = "polling";
+pub const MODE_LOG_TAILING: &str = "logTailing";
 /// The key of the config file in the ConfigMap.
 pub const CONFIG_KEY: &str = "relay.yaml";
 /// The API group and version of the Prometheus operator's CRDs.

@@ -19,8 +19,9 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
 use super::{
-    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, SECRETS_VERSION_ANNOTATION,
-    child_meta, config_map_name, labels, relay_object_name, selector_labels,
+    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, MODE_ANNOTATION,
+    MODE_LOG_TAILING, MODE_POLLING, SECRETS_VERSION_ANNOTATION, child_meta, config_map_name,
+    labels, relay_object_name, selector_labels,
 };
 use crate::secrets::Delivery;
 use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
@@ -233,8 +234,17 @@ pub fn deployment(
         }
     };
 
+    let mut metadata = child_meta(relay, relay_object_name(relay), "relay");
+    let mode = match valid.mode {
+        ValidMode::LogTailing(_) => MODE_LOG_TAILING,
+        ValidMode::Polling(_) => MODE_POLLING,
+    };
+    metadata.annotations = Some(BTreeMap::from([(
+        MODE_ANNOTATION.to_owned(),
+        mode.to_owned(),
+    )]));
     Deployment {
-        metadata: child_meta(relay, relay_object_name(relay), "relay"),
+        metadata,
         spec: Some(DeploymentSpec {
             replicas: Some(valid.effective_replicas()),
             selector: LabelSelector {

@@ -1325,6 +1325,7 @@ pub async fn create_replication_for(
         columns: Vec::new(),
         created_at: "created_at".to_owned(),
         published_at: None,
+        marker: "published_at".to_owned(),
         privileges: Vec::new(),
         log_tailing: Some(SlotPlan {
             slot: slot.to_owned(),

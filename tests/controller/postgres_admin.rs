@@ -21,6 +21,7 @@ fn plan(slot: &str, delete_after_publish: bool) -> Plan {
         ],
         created_at: "created_at".to_owned(),
         published_at: None,
+        marker: "published_at".to_owned(),
         privileges: vec![("SELECT", "reads"), ("DELETE", "deletes")],
         log_tailing: Some(SlotPlan {
             slot: slot.to_owned(),

@@ -123,7 +123,10 @@ struct Scenario {
     edit: fn(&mut Value),
     /// Relay processes the Deployment runs.
     processes: usize,
+    /// Log tailing after the edit.
     log_tailing: bool,
+    /// Log tailing from the start (false: the edit switches a polling relay to it).
+    starts_tailing: bool,
 }
 
 /// Figures printed at the end of each test.
@@ -238,7 +241,7 @@ async fn body(
     wait_ready(&relays, name, runner, Some(1)).await;
 
     let slot = slot_of(scenario, ns);
-    if let Some((slot, publication)) = &slot {
+    if let Some((slot, publication)) = slot.as_ref().filter(|_| scenario.starts_tailing) {
         // Rows committed before the slot exists are never streamed.
         common::wait_for_some_or(
             &format!("{name}: slot {slot} streamed by the relay"),
@@ -419,10 +422,12 @@ async fn body(
     assert_eq!(aggregates.len(), AGGREGATES, "{name}: aggregates seen");
 
     // Nothing left to publish, as the database says ...
-    let left_sql = if scenario.log_tailing {
+    let left_sql = if scenario.starts_tailing {
         // deleteAfterPublish: published rows are deleted.
         "SELECT count(*) FROM public.outbox"
     } else {
+        // Polling marks rows; after a switch, log tailing deletes the rows it publishes
+        // and leaves those polling marked.
         "SELECT count(*) FROM public.outbox WHERE published_at IS NULL"
     };
     common::wait_for_some_or(
@@ -682,6 +687,7 @@ async fn polling_kafka_relay_runs_end_to_end_through_the_operator() {
         edit: |m| m["spec"]["mode"]["polling"]["batchSize"] = json!(150),
         processes: 2,
         log_tailing: false,
+        starts_tailing: false,
     };
     run(scenario, Sink::Kafka { topic }, db).await;
 }
@@ -712,6 +718,46 @@ async fn log_tailing_nats_relay_runs_end_to_end_through_the_operator() {
         edit: |m| m["spec"]["mode"]["logTailing"]["heartbeatInterval"] = json!("7s"),
         processes: 1,
         log_tailing: true,
+        starts_tailing: true,
     };
     run(scenario, Sink::Nats(Box::new(stream)), db).await;
+}
+
+/// A polling relay switched to log tailing while the application writes: the slot the
+/// switch creates streams only later commits, so the operator keeps the polling relay
+/// until it has published every row committed before the slot, then replaces it.
+/// Polling every 3 s, there are always such rows at the switch; before the handover
+/// they were never published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_relay_switched_to_log_tailing_loses_nothing() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    let topic = common::fresh_topic(4).await;
+    let manifest = json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": "switch"},
+        "spec": {
+            "database": {"postgres": {
+                "connectionSecretRef": {"name": "orders-db", "key": "uri"},
+                "sslMode": "disable"}},
+            "mode": {"polling": {"interval": "3s", "batchSize": 500, "afterPublish": "mark"}},
+            "broker": {"kafka": {"bootstrapServers": rig.kafka_bootstrap(), "topic": topic}},
+            "ordering": {"mode": "perAggregate", "partitions": 4},
+            "replicas": 1,
+        }
+    });
+    let scenario = Scenario {
+        name: "switch",
+        partitions: 4,
+        manifest,
+        edit: |m| {
+            m["spec"]["mode"] =
+                json!({"logTailing": {"heartbeatInterval": "5s", "deleteAfterPublish": true}});
+        },
+        processes: 1,
+        log_tailing: true,
+        starts_tailing: false,
+    };
+    run(scenario, Sink::Kafka { topic }, db).await;
 }

@@ -82,6 +82,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             has_table: true,
             comment,
         }),
+        unpublished_before_slot: None,
     }))
 }
 
@@ -272,6 +273,54 @@ fn a_switch_to_polling_keeps_the_old_slot_until_no_pod_tails_then_drops_it() {
     // A polling relay that never tailed has nothing to drop.
     let d = run(&relay("polling", 2), None, Some(&o));
     assert!(d.provision.is_empty());
+}
+
+#[test]
+fn a_switch_to_log_tailing_keeps_polling_until_what_the_slot_misses_is_published() {
+    let mut database = facts("logical", None, false);
+    let mut o = observed(secrets_ok(), database.clone(), 2);
+    o.children.runs_polling = true;
+    // The slot is created first, the polling pods stay, and a snapshot is asked for.
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(matches!(d.provision[1], Action::CreateSlot { .. }), "{d:?}");
+    assert!(!d.apply_children && d.take_snapshot);
+    assert_eq!(ready(&d), ("False", "SwitchingToLogTailing"));
+    assert_eq!(d.next, Next::Soon);
+    // Rows committed before the slot are waiting: keep the snapshot, keep polling.
+    let last = SlotStatus {
+        handover_snapshot: Some("100:110:".into()),
+        ..slot_status("outbox_shop_orders")
+    };
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = Some(7);
+    }
+    o.database = database.clone();
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(!d.apply_children && !d.take_snapshot);
+    assert_eq!(d.slot, Some(last.clone()));
+    let message = &d.conditions[0].message;
+    assert!(
+        message.contains("7 rows committed before slot"),
+        "{message}"
+    );
+    // Not countable right now: still waiting.
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = None;
+    }
+    o.database = database.clone();
+    assert!(!run(&relay("logTailing", 1), Some(&last), Some(&o)).apply_children);
+    // All published: the log-tailing Deployment is applied and the snapshot forgotten.
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = Some(0);
+    }
+    o.database = database;
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(d.apply_children && !d.take_snapshot);
+    assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
+    // No polling pods (a new relay, or log tailing already running): no handover.
+    o.children.runs_polling = false;
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(d.apply_children && !d.take_snapshot);
 }
 
 #[test]

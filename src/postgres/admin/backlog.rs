@@ -22,14 +22,47 @@ pub struct Backlog {
     pub oldest_age_seconds: Option<f64>,
 }
 
+/// The filter of the rows still to publish: every row in the table, except those with
+/// the published-at column set where the table has it (polling marks rows; rows it
+/// marked before a switch to log tailing are published too).
+pub(super) fn unpublished_filter(plan: &Plan, has_marker: bool) -> String {
+    if has_marker || plan.published_at.is_some() {
+        format!("WHERE {} IS NULL", quote(&plan.marker))
+    } else {
+        String::new()
+    }
+}
+
+/// Whether the outbox table has the created-at and the published-at column.
+pub(super) async fn optional_columns(
+    client: &Client,
+    plan: &Plan,
+) -> Result<(bool, bool), PgError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns                 WHERE table_schema = $1 AND table_name = $2 AND column_name = $3),              EXISTS (SELECT 1 FROM information_schema.columns                 WHERE table_schema = $1 AND table_name = $2 AND column_name = $4)",
+            &[&plan.schema, &plan.table, &plan.created_at, &plan.marker],
+        )
+        .await
+        .map_err(db("looking up the created-at and published-at columns"))?;
+    Ok((row.get(0), row.get(1)))
+}
+
 /// The backlog SQL for a plan: `None` when the table does not show it (log tailing
 /// that keeps rows: every row stays in the table, published or not).
-pub fn backlog_sql(plan: &Plan, has_created_at: bool) -> Option<(String, Option<String>)> {
-    let filter = match (&plan.log_tailing, &plan.published_at) {
-        (Some(lt), _) if !lt.delete_after_publish => return None,
-        (_, Some(published_at)) => format!("WHERE {} IS NULL", quote(published_at)),
-        _ => String::new(),
-    };
+pub fn backlog_sql(
+    plan: &Plan,
+    has_created_at: bool,
+    has_marker: bool,
+) -> Option<(String, Option<String>)> {
+    if plan
+        .log_tailing
+        .as_ref()
+        .is_some_and(|lt| !lt.delete_after_publish)
+    {
+        return None;
+    }
+    let filter = unpublished_filter(plan, has_marker);
     let table = plan.qualified();
     let count = format!(
         "SELECT count(*) FROM (SELECT 1 FROM {table} {filter} LIMIT {BACKLOG_COUNT_LIMIT}) b"
@@ -49,16 +82,8 @@ pub fn backlog_sql(plan: &Plan, has_created_at: bool) -> Option<(String, Option<
 /// Measures the backlog with short statement timeouts; `None` when the mode does not
 /// show one in the table.
 pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, PgError> {
-    let has_created_at = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
-             WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)",
-            &[&plan.schema, &plan.table, &plan.created_at],
-        )
-        .await
-        .map_err(db("looking up the created-at column"))?
-        .get(0);
-    let Some((count_sql, age_sql)) = backlog_sql(plan, has_created_at) else {
+    let (has_created_at, has_marker) = optional_columns(client, plan).await?;
+    let Some((count_sql, age_sql)) = backlog_sql(plan, has_created_at, has_marker) else {
         return Ok(None);
     };
     client
@@ -126,25 +151,29 @@ mod tests {
     #[test]
     fn backlog_queries_follow_the_mode() {
         let mark = relay(&TAILING.replace("{logTailing: {}}", "{polling: {}}"));
-        let (count, age) = backlog_sql(&Plan::for_relay(&mark), true).unwrap();
+        let (count, age) = backlog_sql(&Plan::for_relay(&mark), true, true).unwrap();
         assert!(
             count.contains("WHERE \"published_at\" IS NULL LIMIT 100000"),
             "{count}"
         );
         assert!(age.unwrap().contains("ORDER BY \"id\" LIMIT 1"));
-        let (_, age) = backlog_sql(&Plan::for_relay(&mark), false).unwrap();
+        let (_, age) = backlog_sql(&Plan::for_relay(&mark), false, true).unwrap();
         assert!(age.is_none());
         let delete =
             relay(&TAILING.replace("{logTailing: {}}", "{polling: {afterPublish: delete}}"));
-        let (count, _) = backlog_sql(&Plan::for_relay(&delete), true).unwrap();
+        let (count, _) = backlog_sql(&Plan::for_relay(&delete), true, false).unwrap();
         assert!(!count.contains("WHERE"), "{count}");
-        // Log tailing that deletes rows: the table is the backlog.
-        assert!(backlog_sql(&Plan::for_relay(&relay(TAILING)), true).is_some());
+        // Log tailing that deletes rows: the table is the backlog, except rows polling
+        // marked published before a switch.
+        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, false).unwrap();
+        assert!(!count.contains("WHERE"), "{count}");
+        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, true).unwrap();
+        assert!(count.contains("WHERE \"published_at\" IS NULL"), "{count}");
         let keep = relay(&TAILING.replace(
             "{logTailing: {}}",
             "{logTailing: {deleteAfterPublish: false}}",
         ));
-        assert!(backlog_sql(&Plan::for_relay(&keep), true).is_none());
+        assert!(backlog_sql(&Plan::for_relay(&keep), true, true).is_none());
     }
 
     #[test]

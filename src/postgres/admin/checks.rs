@@ -279,6 +279,7 @@ mod tests {
             },
             slot: None,
             publication: None,
+            unpublished_before_slot: None,
         }
     }
 

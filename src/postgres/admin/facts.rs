@@ -106,6 +106,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         table,
         slot,
         publication,
+        unpublished_before_slot: None,
     })
 }
 

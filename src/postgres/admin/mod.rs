@@ -30,6 +30,7 @@ mod backlog;
 mod checks;
 mod drop;
 mod facts;
+mod handover;
 mod orphans;
 mod slot;
 
@@ -37,6 +38,7 @@ pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, backlog, backlog_sql, human_age}
 pub use checks::{evaluate, first_failure};
 pub use drop::{Dropped, database_is_gone, drop_owned};
 pub use facts::gather;
+pub use handover::{handover_snapshot, unpublished_before};
 pub use orphans::{Marked, list_marked};
 pub use slot::{replication_objects_exist, slot_state};
 
@@ -121,6 +123,10 @@ pub struct Plan {
     pub created_at: String,
     /// The published-at column when polling marks rows.
     pub published_at: Option<String>,
+    /// The published-at column's name whatever the mode: where the table has it, a row
+    /// with it set is published (rows polling marked before a switch to log tailing),
+    /// and the backlog and the handover count only rows where it is NULL.
+    pub marker: String,
     /// Table privileges the relay uses, with why.
     pub privileges: Vec<(&'static str, &'static str)>,
     /// Log tailing's slot and publication; `None` for polling.
@@ -186,6 +192,7 @@ impl Plan {
             columns,
             created_at: t.columns.created_at.clone(),
             published_at,
+            marker: t.columns.published_at.clone(),
             privileges,
             log_tailing,
         }
@@ -345,6 +352,9 @@ pub struct Facts {
     pub slot: Option<SlotFacts>,
     /// The publication, when one of that name exists (log tailing only).
     pub publication: Option<PublicationFacts>,
+    /// While switching from polling to log tailing: unpublished rows committed before
+    /// the slot was created (`None`: not counted).
+    pub unpublished_before_slot: Option<i64>,
 }
 
 #[cfg(test)]

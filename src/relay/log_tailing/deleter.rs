@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use super::DELETE_CHUNK;
+use crate::postgres::snapshot::all_visible;
 use crate::postgres::{self, replication as repl};
 use crate::relay::backoff::Backoff;
 
@@ -44,32 +45,6 @@ pub(super) struct Handed {
 /// How long the task waits for handed transactions to become visible before it
 /// deletes anyway (a wait this long means something else is wrong; it is logged).
 const VISIBLE_WAIT: Duration = Duration::from_secs(30);
-
-/// Whether every transaction of `xids` is visible in `snapshot` (`pg_current_snapshot()`
-/// as text, `xmin:xmax:xip,...`): before xmax and not in progress. xids compare
-/// modulo 2^32, as PostgreSQL's own `TransactionIdPrecedes` does; the transactions
-/// handed are recent, far within 2^31 of the snapshot.
-pub(super) fn all_visible(snapshot: &str, xids: &[u32]) -> Option<bool> {
-    let mut parts = snapshot.trim().split(':');
-    let (_xmin, xmax, xip) = (parts.next()?, parts.next()?, parts.next().unwrap_or(""));
-    // xid8 values: the low 32 bits are the xid.
-    let low = |v: &str| {
-        v.trim()
-            .parse::<u64>()
-            .ok()
-            .map(|x| (x & 0xFFFF_FFFF) as u32)
-    };
-    let xmax = low(xmax)?;
-    let in_progress: Vec<u32> = xip
-        .split(',')
-        .filter(|v| !v.is_empty())
-        .filter_map(low)
-        .collect();
-    Some(xids.iter().all(|&x| {
-        let precedes = (x.wrapping_sub(xmax) as i32) < 0;
-        precedes && !in_progress.contains(&x)
-    }))
-}
 
 /// Waits until every transaction of `xids` is visible to a new snapshot.
 async fn wait_visible(client: &Client, xids: &[u32]) -> Result<(), crate::postgres::PgError> {
@@ -172,28 +147,5 @@ pub(super) async fn delete_loop(
             }
         }
         deleted.send_replace(through);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::all_visible;
-
-    #[test]
-    fn transactions_are_visible_before_xmax_and_out_of_progress() {
-        // xmin 100, xmax 110, 105 in progress.
-        let snap = "100:110:105";
-        assert_eq!(all_visible(snap, &[99, 104, 109]), Some(true));
-        assert_eq!(all_visible(snap, &[104, 105]), Some(false));
-        assert_eq!(all_visible(snap, &[110]), Some(false));
-        assert_eq!(all_visible("100:110:", &[105]), Some(true));
-        // Full xid8 values with an epoch: the low 32 bits count, modulo 2^32.
-        let epoch = 3u64 << 32;
-        let snap = format!("{}:{}:", epoch + 5, epoch + 10);
-        assert_eq!(all_visible(&snap, &[9]), Some(true));
-        assert_eq!(all_visible(&snap, &[10]), Some(false));
-        // Just before the epoch turned: an xid near 2^32 precedes xmax 10.
-        assert_eq!(all_visible(&snap, &[u32::MAX - 3]), Some(true));
-        assert_eq!(all_visible("garbage", &[1]), None);
     }
 }
