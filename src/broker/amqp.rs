@@ -121,10 +121,28 @@ impl Broker for AmqpBroker {
                 )),
                 Err(err) => {
                     self.forget_channel().await;
-                    Err(PublishError::transient(format!("RabbitMQ: {err}")))
+                    Err(classify(&err, &message.id))
                 }
             }
         })
+    }
+}
+
+/// A publish that closed the channel. PRECONDITION_FAILED refuses this message as it is
+/// (larger than the broker's `max_message_size`, a header the broker rejects): a row
+/// fault, counted against `failure.maxAttempts`. Everything else (a lost connection, a
+/// missing exchange, access refused) concerns every row: an outage, retried without
+/// counting, so a misconfigured exchange never dead-letters the whole table.
+fn classify(err: &lapin::Error, id: &str) -> PublishError {
+    use lapin::ErrorKind;
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    match err.kind() {
+        ErrorKind::ProtocolError(amqp)
+            if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) =>
+        {
+            PublishError::row(format!("RabbitMQ: row {id} refused: {err}"))
+        }
+        _ => PublishError::transient(format!("RabbitMQ: {err}")),
     }
 }
 

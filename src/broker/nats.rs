@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use futures::future::BoxFuture;
 
@@ -29,6 +29,31 @@ pub struct NatsBroker {
 }
 
 impl NatsBroker {
+    /// Why no stream took a message for `subject`. JetStream answers "no responders"
+    /// both when no stream captures the subject (this row will never be accepted: a
+    /// row fault, counted against `failure.maxAttempts` and dead-lettered or blocked as
+    /// the spec says) and while it is starting or unreachable (an outage, retried
+    /// without counting). Asking JetStream which stream captures the subject tells the
+    /// two apart: an answer of "none" is the first, no answer the second.
+    async fn no_stream(&self, subject: &str, err: &impl std::fmt::Display) -> PublishError {
+        match self.jetstream.stream_by_subject(subject).await {
+            Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::NotFound => {
+                PublishError::row(format!(
+                    "NATS: no JetStream stream captures subject {subject} ({err})"
+                ))
+            }
+            Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::InvalidSubject => {
+                PublishError::row(format!("NATS: {subject} is not a valid subject ({err})"))
+            }
+            Ok(stream) => PublishError::transient(format!(
+                "NATS: stream {stream} captures subject {subject} now ({err}); retrying"
+            )),
+            Err(lookup) => PublishError::transient(format!(
+                "NATS: no stream answered for subject {subject} ({err}) and JetStream cannot be asked which would ({lookup})"
+            )),
+        }
+    }
+
     /// Starts connecting (in the background when the server is down at start).
     pub async fn new(config: &NatsSettings) -> Result<Self, PublishError> {
         let options = connect_options(config)
@@ -71,16 +96,13 @@ impl Broker for NatsBroker {
                     }
                     _ => PublishError::transient(format!("NATS: {err}")),
                 })?;
-            // A missing stream (no responders) is retried as an outage, not counted
-            // against the row: a JetStream server that is starting answers the same way.
-            ack.await.map_err(|err| match err.kind() {
-                PublishErrorKind::StreamNotFound => PublishError::transient(format!(
-                    "NATS: no JetStream stream captures subject {}: {err}",
-                    message.destination
-                )),
-                _ => PublishError::transient(format!("NATS: {err}")),
-            })?;
-            Ok(())
+            match ack.await {
+                Ok(_) => Ok(()),
+                Err(err) if err.kind() == PublishErrorKind::StreamNotFound => {
+                    Err(self.no_stream(&message.destination, &err).await)
+                }
+                Err(err) => Err(PublishError::transient(format!("NATS: {err}"))),
+            }
         })
     }
 }

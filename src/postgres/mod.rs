@@ -601,32 +601,58 @@ impl OutboxTable {
             .map_err(db("creating the dead-letter table"))
     }
 
-    /// Moves one row to the dead-letter table, in the batch's transaction.
+    /// Moves one row to the dead-letter table in one statement (so it is atomic on any
+    /// connection, in a transaction or not); returns how many rows moved (0 when the
+    /// row is no longer in the table).
     pub async fn dead_letter(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        id: i64,
+        reason: &str,
+    ) -> Result<u64, PgError> {
+        let cols = self.all_columns.join(", ");
+        let id_col = quote(&self.columns.id);
+        client
+            .execute(
+                &format!(
+                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = $1 RETURNING {cols}) \
+                     INSERT INTO {} ({cols}, dead_letter_reason) SELECT {cols}, $2 FROM moved",
+                    self.qualified, self.dead_letter
+                ),
+                &[&id, &reason],
+            )
+            .await
+            .map_err(db("moving a row to the dead-letter table"))
+    }
+
+    /// [`dead_letter`](Self::dead_letter) inside a batch's transaction, in a savepoint:
+    /// a dead-letter write that fails (the table dropped, a privilege revoked) is rolled
+    /// back alone (the inner error), and the batch's marks still commit, so the rows it
+    /// published are not published again. The outer error: the transaction itself
+    /// failed.
+    pub async fn dead_letter_in_batch(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
         id: i64,
         reason: &str,
-    ) -> Result<(), PgError> {
-        let cols = self.all_columns.join(", ");
-        let id_col = quote(&self.columns.id);
-        tx.execute(
-            &format!(
-                "INSERT INTO {} ({cols}, dead_letter_reason) \
-                 SELECT {cols}, $2 FROM {} WHERE {id_col} = $1",
-                self.dead_letter, self.qualified
-            ),
-            &[&id, &reason],
-        )
-        .await
-        .map_err(db("copying a row to the dead-letter table"))?;
-        tx.execute(
-            &format!("DELETE FROM {} WHERE {id_col} = $1", self.qualified),
-            &[&id],
-        )
-        .await
-        .map_err(db("deleting a dead-lettered row"))?;
-        Ok(())
+    ) -> Result<Result<u64, PgError>, PgError> {
+        tx.batch_execute("SAVEPOINT outbox_dead_letter")
+            .await
+            .map_err(db("starting the dead-letter savepoint"))?;
+        match self.dead_letter(tx, id, reason).await {
+            Ok(moved) => {
+                tx.batch_execute("RELEASE SAVEPOINT outbox_dead_letter")
+                    .await
+                    .map_err(db("releasing the dead-letter savepoint"))?;
+                Ok(Ok(moved))
+            }
+            Err(err) => {
+                tx.batch_execute("ROLLBACK TO SAVEPOINT outbox_dead_letter")
+                    .await
+                    .map_err(db("rolling back the dead-letter savepoint"))?;
+                Ok(Err(err))
+            }
+        }
     }
 
     /// Deletes up to `limit` rows published before `older_than`; returns how many. Each

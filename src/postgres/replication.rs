@@ -12,6 +12,7 @@
 //! Formats: <https://www.postgresql.org/docs/15/protocol-logicalrep-message-formats.html>
 //! (protocol version 1, text-format column values).
 
+use pgwire_replication::Lsn;
 use tokio_postgres::Client;
 
 use super::{PgError, db, quote};
@@ -305,6 +306,68 @@ pub async fn emit_heartbeat(client: &Client) -> Result<(), PgError> {
         .await
         .map_err(db("writing a heartbeat"))?;
     Ok(())
+}
+
+/// Whether publication `$1` publishes the inserts into table `$2.$3`: the table is
+/// listed, or (a partitioned table whose publication lacks `publish_via_partition_root`)
+/// its partitions are. The one definition of "covers", for the operator's checks and
+/// the relay's confirmation.
+pub const PUBLICATION_COVERS_TABLE: &str = "EXISTS (SELECT 1 FROM pg_publication_tables t \
+     JOIN pg_publication p ON p.pubname = t.pubname \
+     WHERE t.pubname = $1 AND p.pubinsert \
+       AND coalesce(pg_partition_root(format('%I.%I', t.schemaname, t.tablename)::regclass), \
+                    format('%I.%I', t.schemaname, t.tablename)::regclass) \
+           = to_regclass(format('%I.%I', $2::text, $3::text)))";
+
+/// What the relay may confirm: the WAL position read first, then whether the
+/// publication still publishes the table. Anything written before that position was
+/// decoded with the table in the publication (a change to the publication committed
+/// before the position is visible to the later check), so it was streamed; a position
+/// past a change that removed the table is never confirmed.
+pub async fn publication_covers(
+    client: &Client,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<(Lsn, bool), PgError> {
+    let lsn: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .map_err(db("reading the WAL position"))?
+        .get(0);
+    let lsn =
+        Lsn::parse(&lsn).map_err(|e| PgError::Replication(format!("WAL position {lsn:?}: {e}")))?;
+    let covered: bool = client
+        .query_one(
+            &format!("SELECT {PUBLICATION_COVERS_TABLE}"),
+            &[&publication, &schema, &table],
+        )
+        .await
+        .map_err(db(
+            "checking that the publication publishes the outbox table",
+        ))?
+        .get(0);
+    Ok((lsn, covered))
+}
+
+/// Whether relation `oid` (a table the stream names) is a partition of table
+/// `schema.table`: a publication without `publish_via_partition_root` streams a
+/// partitioned table's rows under each partition's name.
+pub async fn is_partition_of(
+    client: &Client,
+    oid: u32,
+    schema: &str,
+    table: &str,
+) -> Result<bool, PgError> {
+    Ok(client
+        .query_one(
+            "SELECT coalesce(pg_partition_root($1::oid::regclass) \
+                 = to_regclass(format('%I.%I', $2::text, $3::text)), false)",
+            &[&oid, &schema, &table],
+        )
+        .await
+        .map_err(db("looking up a streamed table's partition root"))?
+        .get(0))
 }
 
 /// The current snapshot as text (`xmin:xmax:xip,...`, xid8 values).

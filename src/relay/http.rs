@@ -11,6 +11,9 @@ pub struct Health {
     pub metrics: Metrics,
     /// True while the relay has a working database session.
     pub ready: AtomicBool,
+    /// Log tailing: the publication no longer publishes the outbox table, so nothing
+    /// past that point is confirmed (and the relay is not ready).
+    pub uncovered: AtomicBool,
 }
 
 impl crate::http::Probe for Health {
@@ -19,7 +22,9 @@ impl crate::http::Probe for Health {
     }
 
     fn readiness(&self) -> Result<(), &'static str> {
-        if self.ready.load(Ordering::Relaxed) {
+        if self.uncovered.load(Ordering::Relaxed) {
+            Err("the publication no longer publishes the outbox table")
+        } else if self.ready.load(Ordering::Relaxed) {
             Ok(())
         } else {
             Err("not connected to PostgreSQL")

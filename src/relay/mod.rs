@@ -53,6 +53,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
             settings.log_tailing.is_some(),
         ),
         ready: AtomicBool::new(false),
+        uncovered: AtomicBool::new(false),
     });
     let addr = crate::http::serve(settings.listen, health.clone(), std::future::pending())
         .await

@@ -460,17 +460,43 @@ impl Publisher {
         }
         match self.settings.on_exhausted() {
             OnExhausted::DeadLetter => {
-                table.dead_letter(tx, row.id, &err.message).await?;
-                self.attempts.remove(&row.id);
-                m.dead_lettered.inc();
-                tracing::error!(
-                    row = row.id,
-                    partition = row.partition,
-                    attempts,
-                    error = %err,
-                    dead_letter_table = %self.settings.dead_letter_table,
-                    "row exhausted its attempts; moved to the dead-letter table"
-                );
+                // In a savepoint: a dead-letter write that fails (the table dropped, a
+                // privilege revoked) must not roll back the batch's marks, or every row
+                // the batch published would be published again on each attempt.
+                match table.dead_letter_in_batch(tx, row.id, &err.message).await? {
+                    Ok(_) => {
+                        self.attempts.remove(&row.id);
+                        m.dead_lettered.inc();
+                        tracing::error!(
+                            row = row.id,
+                            partition = row.partition,
+                            attempts,
+                            error = %err,
+                            dead_letter_table = %self.settings.dead_letter_table,
+                            "row exhausted its attempts; moved to the dead-letter table"
+                        );
+                    }
+                    Err(dead) => {
+                        m.publish_errors
+                            .get_or_create(&ErrorLabels {
+                                kind: "dead_letter",
+                            })
+                            .inc();
+                        tracing::error!(
+                            row = row.id,
+                            partition = row.partition,
+                            error = %dead,
+                            "row exhausted its attempts and cannot be dead-lettered; its partition is blocked until it can"
+                        );
+                        self.paused.insert(
+                            row.partition,
+                            Pause {
+                                until: Instant::now() + BLOCKED_RETRY,
+                                exhausted: true,
+                            },
+                        );
+                    }
+                }
             }
             OnExhausted::Block => {
                 tracing::error!(

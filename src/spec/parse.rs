@@ -174,13 +174,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                     &l.heartbeat_interval,
                     MIN_HEARTBEAT,
                 );
-                if spec.failure.on_exhausted == OnExhausted::DeadLetter {
-                    p.push(
-                        "spec.failure.onExhausted",
-                        "deadLetter is not supported with logTailing yet: a refused row would block the stream",
-                        "use block with logTailing, or polling for a dead-letter table",
-                    );
-                }
                 Some(ValidMode::LogTailing(LogTailing {
                     slot,
                     publication,

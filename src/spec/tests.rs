@@ -92,11 +92,6 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         &["spec.mode.logTailing.publicationName"],
     ),
     (
-        "deadLetter with logTailing",
-        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  failure: {onExhausted: deadLetter}",
-        &["spec.failure.onExhausted"],
-    ),
-    (
         "both modes",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}, logTailing: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
         &["spec.mode"],

@@ -118,14 +118,6 @@ const CASES: &[Case] = &[
         expect: &["slotName"],
     },
     Case {
-        what: "deadLetter with logTailing",
-        edit: |s| {
-            log_tailing(s);
-            s["failure"] = json!({"onExhausted": "deadLetter"});
-        },
-        expect: &["deadLetter"],
-    },
-    Case {
         what: "both modes",
         edit: |s| s["mode"] = json!({"polling": {}, "logTailing": {}}),
         expect: &["exactly one of mode.polling and mode.logTailing"],

@@ -72,6 +72,12 @@ struct Rows {
 /// Topics `<prefix>.Order` and `<prefix>.Big` (max.message.bytes 1024), the outbox
 /// table, two bad rows in two partitions, a follower each, and good rows elsewhere.
 async fn setup(db: &common::TestDatabase) -> (RelayBroker, Rows) {
+    setup_with_slot(db, None).await
+}
+
+/// [`setup`], with a log-tailing slot (and publication) of that name created before the
+/// rows are written.
+async fn setup_with_slot(db: &common::TestDatabase, slot: Option<&str>) -> (RelayBroker, Rows) {
     let rig = common::Rig::load();
     let prefix = format!("test-{}", common::unique_suffix());
     let order_topic = format!("{prefix}.Order");
@@ -84,6 +90,9 @@ async fn setup(db: &common::TestDatabase) -> (RelayBroker, Rows) {
     )
     .await;
     common::create_outbox_table(&db.client, PARTITIONS).await;
+    if let Some(slot) = slot {
+        common::create_replication(&db.client, slot, slot).await;
+    }
     let c = &db.client;
     let (big_agg, p1) = aggregate_outside(c, "big", &BTreeSet::new()).await;
     let (bad_agg, p2) = aggregate_outside(c, "badname", &[p1].into()).await;
@@ -252,4 +261,218 @@ async fn exhausted_rows_are_dead_lettered_and_their_partition_goes_on() {
     println!("dead-letter delivery: {report:?}");
     assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
     assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+}
+
+/// Log tailing dead-letters too: a row the broker refuses moves to the dead-letter table
+/// after `maxAttempts`, the rest of its aggregate and every other row are published,
+/// and the stream confirms past it (the table drains, deleteAfterPublish). Before,
+/// `deadLetter` was refused with log tailing and a refused row held its aggregate
+/// forever.
+#[tokio::test]
+async fn log_tailing_dead_letters_refused_rows_and_streams_on() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    let guard = common::SlotGuard::new(rig.pg_url(), "dlq");
+    let (broker, rows) = setup_with_slot(&db, Some(&guard.slot)).await;
+    let yaml = common::with_spec_line(
+        &common::relay_config_yaml(&broker, &options("deadLetter")),
+        "mode",
+        &common::log_tailing_mode(&guard.slot, true),
+    );
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    let client = &db.client;
+    common::wait_for_relays(
+        "the outbox drained (bad rows dead-lettered, the rest published and deleted)",
+        Duration::from_secs(90),
+        &[&relay],
+        || async {
+            client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
+        },
+    )
+    .await;
+    let dead: Vec<i64> = client
+        .query("SELECT id FROM public.outbox_dead_letter ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(dead, vec![rows.oversized, rows.bad_topic]);
+    assert_eq!(
+        relay.metric("outbox_relay_dead_lettered_total").await,
+        Some(2.0)
+    );
+    let topic = rows.order_topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let expected: BTreeSet<i64> = rows.good.iter().chain(&rows.followers).copied().collect();
+    let report = common::check_delivery(&received, &expected, &BTreeSet::new());
+    println!("log tailing dead-letter delivery: {report:?}");
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+    drop(relay);
+    drop(guard);
+}
+
+/// A dead-letter table that refuses the row (here a CHECK no row passes; in life a
+/// dropped table or a revoked privilege) blocks the row's partition with an error
+/// counted as `kind="dead_letter"`, while rows written meanwhile in other partitions
+/// are published exactly once. Before, the failed move rolled back the whole batch, so
+/// every row the batch had just published was published again on each attempt.
+#[tokio::test]
+async fn a_failing_dead_letter_table_blocks_its_row_without_republishing_the_batch() {
+    let db = common::fresh_database().await;
+    let (broker, rows) = setup(&db).await;
+    let c = &db.client;
+    c.batch_execute(
+        "CREATE TABLE public.outbox_dead_letter (LIKE public.outbox,
+            dead_letter_reason text NOT NULL CHECK (dead_letter_reason = 'never'),
+            dead_lettered_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await
+    .unwrap();
+    let relay = RelayProcess::start(
+        &common::relay_config_yaml(&broker, &options("deadLetter")),
+        &db.url,
+        &broker,
+    );
+    // Rows keep arriving in the good partitions while the bad rows exhaust their
+    // attempts, so batches that publish good rows also try the failing move.
+    let (bad_partition_a, bad_partition_b) = (
+        partition_of(c, &aggregate_of_row(c, rows.oversized).await).await,
+        partition_of(c, &aggregate_of_row(c, rows.bad_topic).await).await,
+    );
+    let bad: BTreeSet<i64> = [bad_partition_a, bad_partition_b].into();
+    let mut written = rows.good.clone();
+    let mut n = 0;
+    let until = std::time::Instant::now() + Duration::from_secs(8);
+    while std::time::Instant::now() < until {
+        let (agg, _) = aggregate_outside(c, &format!("late{n}"), &bad).await;
+        written.push(
+            common::insert_row(c, "Order", &agg, &serde_json::json!({"aggregate": agg})).await,
+        );
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    common::wait_for_relays(
+        "every good row published and the failing move counted",
+        Duration::from_secs(60),
+        &[&relay],
+        || async {
+            let mut all = true;
+            for id in &written {
+                all &= is_published(c, *id).await == Some(true);
+            }
+            let text = relay.metrics().await.unwrap_or_default();
+            all && text.lines().any(|l| {
+                l.starts_with("outbox_relay_publish_errors_total{")
+                    && l.contains("kind=\"dead_letter\"")
+            })
+        },
+    )
+    .await;
+    for id in [rows.oversized, rows.bad_topic] {
+        assert_eq!(is_published(c, id).await, Some(false), "row {id} stays");
+    }
+    let topic = rows.order_topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let expected: BTreeSet<i64> = written.iter().copied().collect();
+    let report = common::check_delivery(&received, &expected, &BTreeSet::new());
+    println!(
+        "failing dead-letter table: {} good rows written, {report:?}",
+        written.len()
+    );
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    assert_eq!(
+        report.duplicates, 0,
+        "rows published again after the failed move rolled their batch back"
+    );
+}
+
+async fn aggregate_of_row(client: &tokio_postgres::Client, id: i64) -> String {
+    client
+        .query_one(
+            "SELECT aggregateid FROM public.outbox WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// NATS: a row whose subject no JetStream stream captures is refused for good (JetStream
+/// itself says no stream matches), so it is dead-lettered after `maxAttempts` while the
+/// other rows are published. Before, "no responders" always read as an outage, retried
+/// forever without counting, and the row held its partition for good.
+#[tokio::test]
+async fn a_nats_subject_no_stream_captures_is_a_refused_row() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, PARTITIONS).await;
+    let stream = common::fresh_stream().await;
+    let c = &db.client;
+    // The stream captures test.<suffix>.> ; the subject is test.<aggregate type>.events,
+    // so aggregate type <suffix> is captured and Ghost is not.
+    let captured = stream
+        .subject_prefix
+        .strip_prefix("test.")
+        .unwrap_or_else(|| panic!("stream prefix {}", stream.subject_prefix))
+        .to_owned();
+    let ghost_agg = "ghost-1";
+    let ghost = common::insert_row(
+        c,
+        "Ghost",
+        ghost_agg,
+        &serde_json::json!({"aggregate": ghost_agg}),
+    )
+    .await;
+    let mut good = BTreeSet::new();
+    for i in 0..20 {
+        let agg = format!("agg-{i}");
+        good.insert(
+            common::insert_row(c, &captured, &agg, &serde_json::json!({"aggregate": agg})).await,
+        );
+    }
+    let broker = RelayBroker::Nats {
+        url: rig.nats_url().to_owned(),
+        subject: "test.{aggregateType}.events".to_owned(),
+    };
+    let relay = RelayProcess::start(
+        &common::relay_config_yaml(&broker, &options("deadLetter")),
+        &db.url,
+        &broker,
+    );
+    common::wait_for_relays(
+        "the outbox drained (the ghost row dead-lettered, the rest published)",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { common::unpublished_rows(c).await == 0 },
+    )
+    .await;
+    let dead: Vec<(i64, String)> = c
+        .query(
+            "SELECT id, dead_letter_reason FROM public.outbox_dead_letter",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    println!("NATS refused row: {dead:?}");
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].0, ghost);
+    assert!(
+        dead[0].1.contains("no JetStream stream captures"),
+        "{dead:?}"
+    );
+    let received = common::consume_nats(&stream).await;
+    let report = common::check_delivery(&received, &good, &BTreeSet::new());
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
 }

@@ -2,7 +2,7 @@
 //! tests rely on answers and behaves as they assume, plus the pure helpers of
 //! tests/common.
 //!
-//! One test binary per area (smoke, relay, controller, packaging, e2e) instead of one
+//! One test binary per area (smoke, relay, controller, packaging, e2e, memory) instead of one
 //! per file: each binary links the whole crate and its heavy dependencies, so fewer
 //! binaries link far less. Run one file's tests with e.g.
 //! `cargo test --test smoke rig_kafka`.

@@ -117,10 +117,11 @@ async fn read_publication(
 ) -> Result<Option<PublicationFacts>, PgError> {
     Ok(client
         .query_opt(
-            "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
-                 WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3), \
-                 obj_description(p.oid, 'pg_publication') \
-             FROM pg_publication p WHERE p.pubname = $1",
+            &format!(
+                "SELECT p.pubinsert, {}, obj_description(p.oid, 'pg_publication') \
+                 FROM pg_publication p WHERE p.pubname = $1",
+                crate::postgres::replication::PUBLICATION_COVERS_TABLE
+            ),
             &[&publication, &plan.schema, &plan.table],
         )
         .await

@@ -261,10 +261,12 @@ pub fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// `CREATE PUBLICATION` for inserts into the outbox table only.
+/// `CREATE PUBLICATION` for inserts into the outbox table only. A partitioned table's
+/// rows are published under the table's own name (`publish_via_partition_root`), not
+/// under each partition's.
 pub fn create_publication_sql(publication: &str, schema: &str, table: &str) -> String {
     format!(
-        "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert')",
+        "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert', publish_via_partition_root = true)",
         quote(publication),
         quote(schema),
         quote(table)
@@ -405,7 +407,7 @@ spec:
         );
         assert_eq!(
             create_publication_sql("p", "public", "outbox"),
-            "CREATE PUBLICATION \"p\" FOR TABLE \"public\".\"outbox\" WITH (publish = 'insert')"
+            "CREATE PUBLICATION \"p\" FOR TABLE \"public\".\"outbox\" WITH (publish = 'insert', publish_via_partition_root = true)"
         );
     }
 }

@@ -15,6 +15,7 @@ use super::{
     DELETE_POLL, LogTailer, MAX_BATCH_ROWS, PG_EPOCH_UNIX_MICROS, SHUTDOWN_GRACE, SessionEnd,
     stream_error,
 };
+use crate::api::OnExhausted;
 use crate::broker::PublishError;
 use crate::postgres::replication::{self as repl, HEARTBEAT_PREFIX, PgOutput};
 use crate::postgres::{OutboxRow, PgError};
@@ -53,7 +54,7 @@ impl LogTailer {
             // Wait for the first event, writing heartbeats while idle.
             let first = loop {
                 let heartbeat_due = last_progress + self.lt.heartbeat;
-                let deletes_pending = self.deleted_through() < self.handed;
+                let unconfirmed = self.wanted() > stream.metrics().last_applied_lsn();
                 tokio::select! {
                     biased;
                     _ = stop.wait_for(|s| *s) => return Ok(()),
@@ -62,8 +63,8 @@ impl LogTailer {
                         repl::emit_heartbeat(client).await?;
                         last_progress = Instant::now();
                     }
-                    () = tokio::time::sleep(DELETE_POLL), if deletes_pending => {
-                        self.confirm_deleted(stream);
+                    () = tokio::time::sleep(DELETE_POLL), if unconfirmed => {
+                        self.confirm(stream);
                     }
                 }
             };
@@ -72,7 +73,8 @@ impl LogTailer {
                 let Some(ev) = event.map_err(stream_error)? else {
                     return Err(SessionEnd::Stream("the server ended the stream".to_owned()));
                 };
-                self.receive(ev, &t, &mut relations, &mut open, &mut batch)?;
+                self.receive(client, ev, &t, &mut relations, &mut open, &mut batch)
+                    .await?;
                 // Inside a transaction, read on to its commit, publishing it in chunks
                 // of MAX_BATCH_ROWS (unconfirmed until its commit) so that memory stays
                 // bounded whatever its size; between transactions, take only what has
@@ -80,7 +82,7 @@ impl LogTailer {
                 event = if let Some((_, xid)) = open {
                     if batch.rows.len() >= MAX_BATCH_ROWS {
                         let chunk = std::mem::take(&mut batch);
-                        self.publish(chunk.rows, chunk.xids, stream, chunk.confirm)
+                        self.publish(client, chunk.rows, chunk.xids, stream, chunk.confirm)
                             .await?;
                         batch.xids.push(xid);
                     }
@@ -95,7 +97,7 @@ impl LogTailer {
                 };
             }
             if batch.confirm.is_some() {
-                self.publish(batch.rows, batch.xids, stream, batch.confirm)
+                self.publish(client, batch.rows, batch.xids, stream, batch.confirm)
                     .await?;
                 last_progress = Instant::now();
             }
@@ -103,8 +105,9 @@ impl LogTailer {
     }
 
     /// Applies one replication event to the open transaction and the batch.
-    fn receive(
+    async fn receive(
         &mut self,
+        client: &Client,
         event: ReplicationEvent,
         t: &crate::spec::Table,
         relations: &mut HashMap<u32, Option<Layout>>,
@@ -129,7 +132,19 @@ impl LogTailer {
                     .map_err(|e| SessionEnd::Stream(format!("decoding the stream: {e}")))?;
                 match message {
                     PgOutput::Relation(relation) => {
-                        let layout = Layout::of(&relation, &t.schema, &t.name, &self.columns)
+                        // A partitioned outbox table under a publication without
+                        // publish_via_partition_root streams each partition's rows
+                        // under the partition's name: those rows are ours too.
+                        let ours = Layout::names_table(&relation, &t.schema, &t.name)
+                            || repl::is_partition_of(client, relation.oid, &t.schema, &t.name)
+                                .await?;
+                        if ours && !Layout::names_table(&relation, &t.schema, &t.name) {
+                            tracing::info!(
+                                partition = format!("{}.{}", relation.namespace, relation.name),
+                                "streaming a partition of the outbox table"
+                            );
+                        }
+                        let layout = Layout::of(&relation, ours, &t.schema, &t.name, &self.columns)
                             .map_err(|e| SessionEnd::Db(PgError::Schema(e)))?;
                         relations.insert(relation.oid, layout);
                     }
@@ -174,6 +189,7 @@ impl LogTailer {
     /// earlier commit in the chunk: nothing new to confirm).
     async fn publish(
         &mut self,
+        client: &Client,
         rows: Vec<OutboxRow>,
         xids: Vec<u32>,
         stream: &ReplicationClient,
@@ -221,9 +237,16 @@ impl LogTailer {
                         lags.push((now_unix - created).max(0.0));
                     }
                 }
-                if let Some((rest, err)) = result.failed {
-                    self.count_failure(&rest, &err);
-                    pending.push(rest);
+                if let Some((mut rest, err)) = result.failed {
+                    if self.count_failure(&rest, &err)
+                        && self.dead_letter(client, &rest[0], &err).await
+                    {
+                        // Out of the stream's way: the rest of its aggregate goes on.
+                        rest.remove(0);
+                    }
+                    if !rest.is_empty() {
+                        pending.push(rest);
+                    }
                 }
             }
             if pending.is_empty() {
@@ -262,9 +285,9 @@ impl LogTailer {
                 });
             }
         } else if let Some(confirm) = confirm {
-            stream.update_applied_lsn(confirm);
+            self.acked = self.acked.max(confirm);
         }
-        self.confirm_deleted(stream);
+        self.confirm(stream);
         let m = &self.health.metrics;
         m.published.inc_by(u64::try_from(ids.len()).unwrap_or(0));
         for lag in lags {
@@ -283,9 +306,11 @@ impl LogTailer {
         Ok(())
     }
 
-    fn count_failure(&mut self, rest: &[OutboxRow], err: &PublishError) {
+    /// Counts a failed message; true when it is a row the broker refused that has
+    /// exhausted `failure.maxAttempts` under `onExhausted: deadLetter`.
+    fn count_failure(&mut self, rest: &[OutboxRow], err: &PublishError) -> bool {
         let Some(row) = rest.first() else {
-            return;
+            return false;
         };
         let m = &self.health.metrics;
         if err.row_fault {
@@ -294,13 +319,20 @@ impl LogTailer {
                 .inc();
             let attempts = self.attempts.entry(row.id).or_insert(0);
             *attempts += 1;
-            // The stream cannot go past a row without losing it or breaking its
-            // aggregate's order: a refused row blocks, like `onExhausted: block`.
+            let attempts = *attempts;
+            if attempts >= self.settings.max_attempts
+                && self.settings.on_exhausted() == OnExhausted::DeadLetter
+            {
+                return true;
+            }
+            // The stream does not go past a refused row before it is published (or,
+            // under `onExhausted: deadLetter`, dead-lettered): a position is confirmed
+            // only once everything before it is, so the whole stream waits.
             tracing::error!(
                 row = row.id,
-                attempts = *attempts,
+                attempts,
                 error = %err,
-                "row refused by the broker; the stream waits until it can be published"
+                "row refused by the broker; the stream waits until it is published or dead-lettered"
             );
         } else {
             m.publish_errors
@@ -310,6 +342,53 @@ impl LogTailer {
                 .inc();
             tracing::warn!(row = row.id, error = %err, "broker unavailable; will retry");
         }
+        false
+    }
+
+    /// Moves a row that exhausted its attempts to the dead-letter table (from the outbox
+    /// table, where it still is: rows are deleted only after their commit is
+    /// published). True when it is out of the way: moved, or no longer in the table. A
+    /// failed move leaves it in the stream (which waits), retried after the usual pause,
+    /// and counted.
+    async fn dead_letter(&mut self, client: &Client, row: &OutboxRow, err: &PublishError) -> bool {
+        let m = &self.health.metrics;
+        let Some(table) = &self.table else {
+            return false;
+        };
+        match table.dead_letter(client, row.id, &err.message).await {
+            Ok(moved) => {
+                self.attempts.remove(&row.id);
+                m.dead_lettered.inc();
+                if moved == 0 {
+                    tracing::error!(
+                        row = row.id,
+                        error = %err,
+                        "row exhausted its attempts but is no longer in the outbox table; skipped"
+                    );
+                } else {
+                    tracing::error!(
+                        row = row.id,
+                        error = %err,
+                        dead_letter_table = %self.settings.dead_letter_table,
+                        "row exhausted its attempts; moved to the dead-letter table"
+                    );
+                }
+                true
+            }
+            Err(dead) => {
+                m.publish_errors
+                    .get_or_create(&ErrorLabels {
+                        kind: "dead_letter",
+                    })
+                    .inc();
+                tracing::error!(
+                    row = row.id,
+                    error = %dead,
+                    "row exhausted its attempts and cannot be dead-lettered; the stream waits until it can"
+                );
+                false
+            }
+        }
     }
 
     /// Through which position the delete task has deleted; with nothing to delete,
@@ -318,13 +397,29 @@ impl LogTailer {
         self.deleted.as_ref().map_or(self.handed, |rx| *rx.borrow())
     }
 
-    /// Confirms to the server what the delete task has deleted.
-    pub(super) fn confirm_deleted(&self, stream: &ReplicationClient) {
+    /// The position to confirm once nothing else holds it back: everything acknowledged,
+    /// or, deleting what is published, everything handed to the delete task.
+    pub(super) fn wanted(&self) -> Lsn {
         if self.deleted.is_some() {
-            let through = self.deleted_through();
-            if through > stream.metrics().last_applied_lsn() {
-                stream.update_applied_lsn(through);
-            }
+            self.handed
+        } else {
+            self.acked
+        }
+    }
+
+    /// Confirms to the server what is acknowledged (and deleted, with
+    /// `deleteAfterPublish`), but never past the last position at which the publication
+    /// was seen to publish the table: past a change that removed it, rows were skipped
+    /// by the server, and confirming would lose them for good.
+    pub(super) fn confirm(&self, stream: &ReplicationClient) {
+        let done = if self.deleted.is_some() {
+            self.deleted_through()
+        } else {
+            self.acked
+        };
+        let through = done.min(*self.covered.borrow());
+        if through > stream.metrics().last_applied_lsn() {
+            stream.update_applied_lsn(through);
         }
     }
 }

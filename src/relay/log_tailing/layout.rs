@@ -17,15 +17,23 @@ pub(super) struct Layout {
 }
 
 impl Layout {
-    /// The layout of `relation` when it is the outbox table; `Ok(None)` for any other
-    /// table; an error when the outbox table lacks a configured column.
+    /// Whether `relation` is the outbox table by name (a partition of it streams under
+    /// its own name; the caller asks the database about those).
+    pub(super) fn names_table(relation: &Relation, schema: &str, table: &str) -> bool {
+        relation.namespace == schema && relation.name == table
+    }
+
+    /// The layout of `relation` when it is the outbox table or one of its partitions
+    /// (`ours`); `Ok(None)` for any other table; an error when it lacks a configured
+    /// column. Columns are found by name: a partition may order them differently.
     pub(super) fn of(
         relation: &Relation,
+        ours: bool,
         schema: &str,
         table: &str,
         columns: &Columns,
     ) -> Result<Option<Self>, String> {
-        if relation.namespace != schema || relation.name != table {
+        if !ours {
             return Ok(None);
         }
         let find = |name: &str| {
@@ -136,7 +144,7 @@ mod tests {
 
     #[test]
     fn an_inserted_tuple_becomes_the_row_polling_would_read() {
-        let layout = Layout::of(&relation(3802), "public", "outbox", &columns())
+        let layout = Layout::of(&relation(3802), true, "public", "outbox", &columns())
             .unwrap()
             .unwrap();
         let tuple = [
@@ -164,7 +172,7 @@ mod tests {
 
     #[test]
     fn bytea_payloads_are_published_as_bytes() {
-        let layout = Layout::of(&relation(BYTEA_OID), "public", "outbox", &columns())
+        let layout = Layout::of(&relation(BYTEA_OID), true, "public", "outbox", &columns())
             .unwrap()
             .unwrap();
         let tuple = [
@@ -180,13 +188,23 @@ mod tests {
 
     #[test]
     fn other_tables_are_skipped_and_missing_columns_named() {
+        let r = relation(25);
+        assert!(Layout::names_table(&r, "public", "outbox"));
+        assert!(!Layout::names_table(&r, "public", "other"));
+        assert!(!Layout::names_table(&r, "audit", "outbox"));
         assert_eq!(
-            Layout::of(&relation(25), "public", "other", &columns()).unwrap(),
+            Layout::of(&r, false, "public", "other", &columns()).unwrap(),
             None
         );
+        // A partition (another name) is read by column name like the table.
+        let mut partition = relation(25);
+        partition.name = "outbox_2026".into();
+        partition.columns.reverse();
+        let layout = Layout::of(&partition, true, "public", "outbox", &columns()).unwrap();
+        assert!(layout.is_some());
         let mut r = relation(25);
         r.columns.pop();
-        let err = Layout::of(&r, "public", "outbox", &columns()).unwrap_err();
+        let err = Layout::of(&r, true, "public", "outbox", &columns()).unwrap_err();
         assert!(err.contains("traceparent"), "{err}");
     }
 }

@@ -60,6 +60,17 @@
 //! only checks they exist; when they do not, it reports not ready and retries with
 //! backoff, so a relay still running during a delete cannot re-create a dropped slot.
 //!
+//! The server decodes each change with the publication as it was at that point of the
+//! WAL: inserts made while the table is out of the publication are never streamed. So
+//! the statistics task checks every [`COVERAGE_EVERY`] that the publication still
+//! publishes the table (reading the WAL position first), and nothing past the last
+//! position seen covered is ever confirmed: a publication altered under the relay makes
+//! it stop confirming, log an error and report not ready, instead of confirming past
+//! rows it never saw. A partitioned outbox table is streamed under its own name
+//! (`publish_via_partition_root`, as the operator creates publications) or, under a
+//! publication without it, under each partition's name; a relation the stream names
+//! is asked about once (`pg_partition_root`), and a partition's rows are the table's.
+//!
 //! # Submodules
 //!
 //! This module holds the relay loop (sessions, reconnects, the tasks beside the stream)
@@ -91,7 +102,7 @@ use crate::postgres::replication as repl;
 use crate::postgres::{self, Columns, OutboxTable, PgError, admin};
 use crate::spec::LogTailing as LogTailingSettings;
 use deleter::{DeleteTarget, delete_loop};
-use stats::slot_stats_loop;
+use stats::{StatsTarget, slot_stats_loop};
 
 /// How often a newly confirmed position is sent to the server (standby status update).
 /// Short, because a crash re-publishes whatever was acknowledged but not yet reported.
@@ -100,6 +111,9 @@ const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 const MAX_BATCH_ROWS: usize = 1000;
 /// How often the slot's statistics are read.
 const STATS_EVERY: Duration = Duration::from_secs(3);
+/// How often the publication is checked to still publish the table (what may be
+/// confirmed trails the acknowledgements by up to this).
+const COVERAGE_EVERY: Duration = Duration::from_secs(1);
 /// How long the replication connection may take to start streaming.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an unfinished batch may keep retrying after SIGTERM before it is abandoned
@@ -154,8 +168,17 @@ pub(super) struct LogTailer {
     deleted: Option<watch::Receiver<Lsn>>,
     /// The last position handed to the delete task.
     handed: Lsn,
-    /// Failed attempts per row id (for logs; rows are retried until they go through).
+    /// The last commit (or heartbeat) position whose rows are all acknowledged (without
+    /// `deleteAfterPublish`).
+    acked: Lsn,
+    /// The last WAL position at which the publication was seen to publish the table
+    /// (from the statistics task): confirmation never goes past it.
+    covered: watch::Receiver<Lsn>,
+    covered_tx: Option<watch::Sender<Lsn>>,
+    /// Failed attempts per row id, against `failure.maxAttempts`.
     attempts: HashMap<i64, u32>,
+    /// The outbox table as the session inspected it (for dead-lettering).
+    table: Option<OutboxTable>,
 }
 
 impl LogTailer {
@@ -179,6 +202,7 @@ impl LogTailer {
             published_at: t.columns.published_at.clone(),
             headers: t.headers.clone(),
         };
+        let (covered_tx, covered) = watch::channel(Lsn(0));
         Self {
             settings,
             lt,
@@ -191,7 +215,11 @@ impl LogTailer {
             deleter: None,
             deleted: None,
             handed: Lsn(0),
+            acked: Lsn(0),
+            covered,
+            covered_tx: Some(covered_tx),
             attempts: HashMap::new(),
+            table: None,
         }
     }
 
@@ -220,13 +248,20 @@ impl LogTailer {
     /// Runs sessions and reconnects with backoff until shutdown.
     pub(super) async fn run(mut self) -> Result<(), RelayError> {
         let stats = tokio::spawn(slot_stats_loop(
-            self.settings.database_url.clone(),
-            self.settings.url_env.clone(),
-            self.settings.pg_tls.clone(),
-            self.lt.slot.clone(),
-            self.lt
-                .delete_after_publish
-                .then(|| admin::Plan::for_relay(&self.settings.valid)),
+            StatsTarget {
+                url: self.settings.database_url.clone(),
+                env: self.settings.url_env.clone(),
+                tls: self.settings.pg_tls.clone(),
+                slot: self.lt.slot.clone(),
+                publication: self.lt.publication.clone(),
+                schema: self.settings.valid.table.schema.clone(),
+                table: self.settings.valid.table.name.clone(),
+                backlog: self
+                    .lt
+                    .delete_after_publish
+                    .then(|| admin::Plan::for_relay(&self.settings.valid)),
+            },
+            self.covered_tx.take(),
             self.health.clone(),
             self.stop.clone(),
         ));
@@ -295,7 +330,7 @@ impl LogTailer {
         let client = self.connect().await?;
         let t = &self.settings.valid.table;
         // Fails with one line naming a missing table or column.
-        OutboxTable::inspect(
+        let table = OutboxTable::inspect(
             &client,
             &t.schema,
             &t.name,
@@ -305,6 +340,10 @@ impl LogTailer {
             1,
         )
         .await?;
+        if self.settings.on_exhausted() == crate::api::OnExhausted::DeadLetter {
+            table.ensure_dead_letter_table(&client).await?;
+        }
+        self.table = Some(table);
         // The operator creates slot and publication once its checks pass (and drops them
         // when the OutboxRelay goes); the relay never does, so a relay still running
         // after a delete cannot bring a dropped slot back.
@@ -365,7 +404,7 @@ impl LogTailer {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             let before = stream.metrics().last_applied_lsn();
-            self.confirm_deleted(&stream);
+            self.confirm(&stream);
             if stream.metrics().last_applied_lsn() > before {
                 tokio::time::sleep(CONFIRM_EVERY + Duration::from_millis(300)).await;
             }

@@ -3,34 +3,91 @@
 //! the table's backlog for the backlog metrics, for the life of the relay.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
+use pgwire_replication::Lsn;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use super::STATS_EVERY;
+use super::{COVERAGE_EVERY, STATS_EVERY};
 use crate::postgres::{self, replication as repl};
 use crate::relay::http::Health;
 use crate::relay::metrics::{WAL_STATUSES, WalStatusLabels};
 
+/// Where the statistics task looks.
+pub(super) struct StatsTarget {
+    pub(super) url: String,
+    pub(super) env: String,
+    pub(super) tls: crate::postgres::tls::PgTls,
+    pub(super) slot: String,
+    pub(super) publication: String,
+    pub(super) schema: String,
+    pub(super) table: String,
+    /// With `deleteAfterPublish`: the plan whose backlog the table shows.
+    pub(super) backlog: Option<crate::postgres::admin::Plan>,
+}
+
 /// Reads the slot's statistics every [`STATS_EVERY`] on its own connection, for the
 /// slot metrics; runs for the life of the relay, also while the stream is down (then
-/// the slot shows as inactive, which is what the alert is for).
+/// the slot shows as inactive, which is what the alert is for). Also checks that the
+/// publication still publishes the table and reports through `covered` the WAL position
+/// up to which it did: the relay confirms nothing past it.
 pub(super) async fn slot_stats_loop(
-    url: String,
-    env: String,
-    tls: crate::postgres::tls::PgTls,
-    slot: String,
-    backlog: Option<crate::postgres::admin::Plan>,
+    target: StatsTarget,
+    covered: Option<watch::Sender<Lsn>>,
     health: Arc<Health>,
     mut stop: watch::Receiver<bool>,
 ) {
     let m = &health.metrics;
+    let StatsTarget {
+        url,
+        env,
+        tls,
+        slot,
+        publication,
+        schema,
+        table,
+        backlog,
+    } = target;
     let mut client: Option<Client> = None;
+    let mut last_stats: Option<Instant> = None;
     loop {
         if client.as_ref().is_none_or(Client::is_closed) {
             client = postgres::connect(&url, &env, &tls).await.ok();
         }
-        if let Some(c) = &client {
+        if let (Some(c), Some(covered)) = (&client, &covered) {
+            match repl::publication_covers(c, &publication, &schema, &table).await {
+                Ok((lsn, true)) => {
+                    if health.uncovered.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(
+                            publication,
+                            "the publication publishes the outbox table again; confirming from here on (rows inserted while it did not were not streamed: they are still in the table)"
+                        );
+                    }
+                    covered.send_replace(lsn);
+                }
+                Ok((lsn, false)) => {
+                    if !health.uncovered.swap(true, Ordering::Relaxed) {
+                        tracing::error!(
+                            publication,
+                            table = format!("{schema}.{table}"),
+                            wal = %lsn,
+                            "the publication no longer publishes inserts into the outbox table: nothing past this position is confirmed, so the slot keeps the WAL; add the table back (ALTER PUBLICATION ... ADD TABLE) or let the operator re-create the publication"
+                        );
+                    }
+                }
+                Err(err) => {
+                    tracing::debug!(error = %err, "checking the publication failed");
+                    client = None;
+                }
+            }
+        }
+        let stats_due = last_stats.is_none_or(|at| at.elapsed() >= STATS_EVERY);
+        if stats_due {
+            last_stats = Some(Instant::now());
+        }
+        if let Some(c) = client.as_ref().filter(|_| stats_due) {
             match repl::slot_stats(c, &slot).await {
                 Ok(Some(stats)) => {
                     m.slot_retained_wal.set(stats.retained_wal_bytes);
@@ -50,7 +107,7 @@ pub(super) async fn slot_stats_loop(
                 }
             }
         }
-        if let (Some(c), Some(plan)) = (&client, &backlog) {
+        if let (Some(c), Some(plan), true) = (&client, &backlog, stats_due) {
             match crate::postgres::admin::backlog(c, plan).await {
                 Ok(Some(b)) => {
                     m.backlog_rows.set(b.rows);
@@ -65,7 +122,7 @@ pub(super) async fn slot_stats_loop(
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(STATS_EVERY) => {}
+            () = tokio::time::sleep(COVERAGE_EVERY) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
     }
