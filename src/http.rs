@@ -1,6 +1,6 @@
 //! The small HTTP server every long-running role (controller, relay) serves:
-//! `/metrics` (OpenMetrics), `/healthz` (the process answers) and `/readyz` (the role's
-//! own notion of ready). Written on hyper, which kube already brings, since three fixed
+//! `/metrics` (OpenMetrics), `/healthz` (the role's work loop turns) and `/readyz` (the
+//! role's own notion of ready). Written on hyper, which kube already brings, since three fixed
 //! routes need no router.
 
 use std::convert::Infallible;
@@ -24,6 +24,11 @@ pub trait Probe: Send + Sync + 'static {
     fn metrics(&self) -> String;
     /// `Ok` when ready for traffic/work; otherwise why not, as the `/readyz` body.
     fn readiness(&self) -> Result<(), &'static str>;
+    /// `Ok` while the role's work loop turns; otherwise why not, as the `/healthz` body
+    /// (a failing liveness probe has the kubelet restart the container).
+    fn liveness(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Binds `addr` (so a port clash fails the start, not a background task) and serves
@@ -70,7 +75,10 @@ fn route(req: &Request<Incoming>, probe: &dyn Probe) -> Response<Full<Bytes>> {
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             probe.metrics(),
         ),
-        "/healthz" => (StatusCode::OK, text, "ok\n".to_owned()),
+        "/healthz" => match probe.liveness() {
+            Ok(()) => (StatusCode::OK, text, "ok\n".to_owned()),
+            Err(why) => (StatusCode::SERVICE_UNAVAILABLE, text, format!("{why}\n")),
+        },
         "/readyz" => match probe.readiness() {
             Ok(()) => (StatusCode::OK, text, "ready\n".to_owned()),
             Err(why) => (StatusCode::SERVICE_UNAVAILABLE, text, format!("{why}\n")),

@@ -6,6 +6,7 @@
 //! run concurrently.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use crate::broker::{Broker, BrokerKind, PublishError, build_message};
 use crate::postgres::OutboxRow;
@@ -45,33 +46,46 @@ pub fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> 
 /// acknowledgements per round trip instead of batching the whole poll, which held the
 /// polling relay to a fraction of the broker's produce rate (see the README's
 /// Performance section). Order is unaffected: it is kept inside each chain.
+///
+/// With a `fence`, no message is sent after it: the polling relay's partition locks
+/// are only known to be held up to then (see publisher.rs, "Fencing"); the rest of each
+/// chain comes back unsent, as after an outage.
 pub(super) async fn publish_chains(
     broker: &dyn Broker,
     kind: BrokerKind,
     template: &str,
     chains: Vec<Vec<OutboxRow>>,
+    fence: Option<Instant>,
 ) -> Vec<ChainResult> {
     futures::future::join_all(
         chains
             .into_iter()
-            .map(|chain| publish_chain(broker, kind, template, chain)),
+            .map(|chain| publish_chain(broker, kind, template, chain, fence)),
     )
     .await
 }
 
-/// Publishes a chain one message at a time, stopping at the first failure.
+/// Publishes a chain one message at a time, stopping at the first failure (or at the
+/// fence).
 pub(super) async fn publish_chain(
     broker: &dyn Broker,
     kind: BrokerKind,
     template: &str,
     chain: Vec<OutboxRow>,
+    fence: Option<Instant>,
 ) -> ChainResult {
     let mut published = Vec::with_capacity(chain.len());
     let mut rows = chain.into_iter();
     while let Some(row) = rows.next() {
-        let sent = match build_message(kind, template, &row) {
-            Ok(message) => broker.publish(&message).await,
-            Err(err) => Err(err),
+        let sent = if fence.is_some_and(|f| Instant::now() >= f) {
+            Err(PublishError::transient(
+                "not sent: the database session that holds this partition was last seen alive too long ago (fence)",
+            ))
+        } else {
+            match build_message(kind, template, &row) {
+                Ok(message) => broker.publish(&message).await,
+                Err(err) => Err(err),
+            }
         };
         match sent {
             Ok(()) => published.push((row.id, row.created_at)),
@@ -106,6 +120,61 @@ mod tests {
             partition: 0,
             created_at: None,
         }
+    }
+
+    /// Records what it is asked to publish; accepts everything.
+    #[derive(Default)]
+    struct Recorder(std::sync::Mutex<Vec<String>>);
+
+    impl Broker for Recorder {
+        fn publish<'a>(
+            &'a self,
+            message: &'a crate::broker::Message,
+        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(message.id.clone());
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn nothing_is_sent_past_the_fence() {
+        let broker = Recorder::default();
+        let rows = vec![row(1, "a"), row(2, "a"), row(3, "b")];
+        let open = Instant::now() + std::time::Duration::from_secs(60);
+        let results = publish_chains(
+            &broker,
+            BrokerKind::Nats,
+            "s",
+            chains(rows.clone(), true),
+            Some(open),
+        )
+        .await;
+        assert!(results.iter().all(|r| r.failed.is_none()));
+        assert_eq!(broker.0.lock().unwrap().len(), 3);
+        // Past the fence: every chain comes back whole and unsent, as after an outage.
+        let broker = Recorder::default();
+        let passed = Instant::now() - std::time::Duration::from_millis(1);
+        let results = publish_chains(
+            &broker,
+            BrokerKind::Nats,
+            "s",
+            chains(rows, true),
+            Some(passed),
+        )
+        .await;
+        assert!(broker.0.lock().unwrap().is_empty());
+        let unsent: usize = results
+            .iter()
+            .map(|r| {
+                let (rest, err) = r.failed.as_ref().unwrap();
+                assert!(!err.row_fault && err.message.contains("fence"), "{err}");
+                rest.len()
+            })
+            .sum();
+        assert_eq!(unsent, 3);
     }
 
     #[test]

@@ -11,7 +11,6 @@ mod publisher;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use tokio::sync::watch;
 
@@ -46,15 +45,11 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     let config = RelayConfig::load(path)?;
     let settings = Settings::from_config(&config)?;
     let identity = config.relay.clone();
-    let health = Arc::new(http::Health {
-        metrics: metrics::Metrics::new(
-            &identity.namespace,
-            &identity.name,
-            settings.log_tailing.is_some(),
-        ),
-        ready: AtomicBool::new(false),
-        uncovered: AtomicBool::new(false),
-    });
+    let health = Arc::new(http::Health::new(metrics::Metrics::new(
+        &identity.namespace,
+        &identity.name,
+        settings.log_tailing.is_some(),
+    )));
     let addr = crate::http::serve(settings.listen, health.clone(), std::future::pending())
         .await
         .map_err(|source| RelayError::Listen {
@@ -103,3 +98,29 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     tracing::info!("relay stopped");
     result
 }
+
+/// Sleeps for `pause`, waking early on shutdown, and counts as the work loop turning
+/// at least every [`TURN_EVERY`] meanwhile (a long poll interval is not a stuck loop).
+pub(crate) async fn nap(
+    stop: &watch::Receiver<bool>,
+    health: &http::Health,
+    pause: std::time::Duration,
+) {
+    let mut stop = stop.clone();
+    let until = tokio::time::Instant::now() + pause;
+    loop {
+        health.turned();
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until(until.min(now + TURN_EVERY)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// How often a waiting loop still counts as turning (well below
+/// [`http::STUCK_AFTER_SECONDS`]).
+pub(crate) const TURN_EVERY: std::time::Duration = std::time::Duration::from_secs(20);

@@ -10,6 +10,16 @@
 //! publish later rows of the same aggregates first). Locks are released only between
 //! batches, after the commit.
 //!
+//! # Fencing
+//!
+//! A relay cut off from its database (a partitioned network, a dead router) may not
+//! learn of it for a while, and the server, once its keepalive gives up, releases the
+//! relay's partition locks to the other replicas. Two rules keep an aggregate's events
+//! from coming from two relays at once: the server gives up on a silent client after
+//! about 25 s (this session's `tcp_keepalives_*`), and a batch is published only within
+//! [`FENCE`] (15 s) of the round trip that selected it; what is left goes back
+//! unpublished, as after an outage, and the next batch needs a fresh round trip.
+//!
 //! # Order inside a batch
 //!
 //! Rows of one aggregate form a chain that is published strictly one after the other:
@@ -51,6 +61,13 @@ use crate::postgres::{
     self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
 };
 
+/// How long after its last round trip a session's partition locks count as held: no
+/// message of a batch is sent later than this after the query that selected it. The
+/// server releases a vanished client's locks only once its TCP keepalive gives up
+/// (set per session to about 25 s, [`postgres::SERVER_KEEPALIVES`]), so a relay cut off
+/// from its database has stopped publishing before another replica can take its
+/// partitions over, and an aggregate's events never come from two relays at once.
+const FENCE: Duration = Duration::from_secs(15);
 /// How often ownership is rebalanced (and a dead replica's partitions taken over).
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
 /// How often backlog and oldest-age metrics are measured.
@@ -136,11 +153,7 @@ impl Publisher {
 
     /// Sleeps for `pause`, waking early on shutdown.
     async fn nap(&self, pause: Duration) {
-        let mut stop = self.stop.clone();
-        tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
-            _ = stop.wait_for(|s| *s) => {}
-        }
+        crate::relay::nap(&self.stop, &self.health, pause).await;
     }
 
     fn per_aggregate(&self) -> bool {
@@ -164,6 +177,7 @@ impl Publisher {
         let mut backoff = Backoff::new();
         let env = self.settings.url_env.clone();
         while !self.stopping() {
+            self.health.turned();
             let connected =
                 postgres::connect(&self.settings.database_url, &env, &self.settings.pg_tls).await;
             let mut client = match connected {
@@ -209,6 +223,7 @@ impl Publisher {
         backoff: &mut Backoff,
     ) -> Result<(), SessionEnd> {
         let valid = &self.settings.valid;
+        postgres::tighten_server_keepalives(client).await?;
         let table = inspect_table(client, &self.settings).await?;
         if valid.failure.dead_letter_table.is_some() {
             table.ensure_dead_letter_table(client).await?;
@@ -220,6 +235,7 @@ impl Publisher {
         let mut owned = BTreeSet::new();
         let mut next_rebalance = Instant::now();
         loop {
+            self.health.turned();
             if self.stopping() {
                 return Ok(());
             }
@@ -348,9 +364,14 @@ impl Publisher {
             what: "starting a batch",
             source,
         })?;
+        // The round trip that selects the batch also proves the session (and so its
+        // partition locks) alive as of `asked`: the batch is published only up to
+        // `asked + FENCE`.
+        let asked = Instant::now();
         let rows = table
             .select_batch(&tx, active, self.settings.batch_size)
             .await?;
+        let fence = asked + FENCE;
         let selected = rows.len();
         if rows.is_empty() {
             tx.commit().await.map_err(|source| PgError::Db {
@@ -362,7 +383,8 @@ impl Publisher {
         let chains = chains(rows, self.per_aggregate());
         let broker = self.broker.as_ref();
         let (kind, template) = (self.kind, self.template.as_str());
-        let results: Vec<ChainResult> = publish_chains(broker, kind, template, chains).await;
+        let results: Vec<ChainResult> =
+            publish_chains(broker, kind, template, chains, Some(fence)).await;
         let mut ids = Vec::with_capacity(selected);
         let mut lags = Vec::new();
         let mut unavailable = false;

@@ -24,6 +24,7 @@ pub mod app_writer;
 pub mod operator;
 pub mod pod_runner;
 pub mod private;
+pub mod proxy;
 
 /// How long a server may take to accept a TCP connection before we call it down.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

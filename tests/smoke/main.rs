@@ -2,9 +2,9 @@
 //! tests rely on answers and behaves as they assume, plus the pure helpers of
 //! tests/common.
 //!
-//! One test binary per area (smoke, relay, controller, packaging, e2e, memory) instead of one
-//! per file: each binary links the whole crate and its heavy dependencies, so fewer
-//! binaries link far less. Run one file's tests with e.g.
+//! One test binary per area (smoke, relay, controller, packaging, e2e, memory,
+//! faults) instead of one per file: each binary links the whole crate and its heavy
+//! dependencies, so fewer binaries link far less. Run one file's tests with e.g.
 //! `cargo test --test smoke rig_kafka`.
 
 #[path = "../common/mod.rs"]

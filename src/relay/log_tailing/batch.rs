@@ -53,15 +53,20 @@ impl LogTailer {
             let mut batch = Batch::default();
             // Wait for the first event, writing heartbeats while idle.
             let first = loop {
+                self.health.turned();
                 let heartbeat_due = last_progress + self.lt.heartbeat;
                 let unconfirmed = self.wanted() > stream.metrics().last_applied_lsn();
                 tokio::select! {
                     biased;
                     _ = stop.wait_for(|s| *s) => return Ok(()),
                     event = stream.recv() => break event,
-                    () = tokio::time::sleep_until(heartbeat_due.into()) => {
-                        repl::emit_heartbeat(client).await?;
-                        last_progress = Instant::now();
+                    () = tokio::time::sleep_until(
+                        heartbeat_due.min(Instant::now() + crate::relay::TURN_EVERY).into()
+                    ) => {
+                        if Instant::now() >= heartbeat_due {
+                            repl::emit_heartbeat(client).await?;
+                            last_progress = Instant::now();
+                        }
                     }
                     () = tokio::time::sleep(DELETE_POLL), if unconfirmed => {
                         self.confirm(stream);
@@ -225,10 +230,11 @@ impl LogTailer {
         let mut backoff = Backoff::new();
         let mut stop_seen: Option<Instant> = None;
         while !pending.is_empty() {
+            self.health.turned();
             let broker = self.broker.as_ref();
             let (kind, template) = (self.kind, self.template.as_str());
             let results: Vec<ChainResult> =
-                publish_chains(broker, kind, template, std::mem::take(&mut pending)).await;
+                publish_chains(broker, kind, template, std::mem::take(&mut pending), None).await;
             let now_unix = unix_now();
             for result in results {
                 for (id, created) in result.published {

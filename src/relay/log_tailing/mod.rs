@@ -229,11 +229,7 @@ impl LogTailer {
 
     /// Sleeps for `pause`, waking early on shutdown.
     async fn nap(&self, pause: Duration) {
-        let mut stop = self.stop.clone();
-        tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
-            _ = stop.wait_for(|s| *s) => {}
-        }
+        crate::relay::nap(&self.stop, &self.health, pause).await;
     }
 
     async fn connect(&self) -> Result<Client, PgError> {
@@ -287,6 +283,7 @@ impl LogTailer {
         });
         let mut backoff = Backoff::new();
         let result = loop {
+            self.health.turned();
             if self.stopping() {
                 break Ok(());
             }

@@ -1,0 +1,23 @@
+//! The fault matrix: each mode (polling, log tailing) × each broker (Kafka, NATS
+//! JetStream, RabbitMQ) under a steady application load, through one fault:
+//!
+//! - `kill`: the relay SIGKILLed 20 times at random points and started again;
+//! - `db_cut`: the network between relay and PostgreSQL cut (every connection closed,
+//!   new ones refused) for 3 s, twice, through a TCP proxy (tests/common/proxy.rs);
+//! - `broker_cut`: the same between relay and broker (NATS and RabbitMQ; a Kafka client
+//!   reconnects to the addresses the broker advertises, which a proxy in front of the
+//!   bootstrap address does not cover: Kafka's outages are the broker restarts of
+//!   tests/relay/relay_outage.rs).
+//!
+//! An independent consumer (the test's own client of each broker) then reads every
+//! message: every committed event must have arrived, each aggregate's events in commit
+//! order (first deliveries), none of a rolled-back transaction; duplicates are counted
+//! and reported. Each scenario prints one row of the matrix.
+//!
+//! A binary of its own so the faults do not slow the other relay tests; cargo runs its
+//! scenarios two at a time. Run one with `cargo test --test faults kill_log_tailing_nats`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod matrix;
