@@ -304,12 +304,51 @@ pub async fn connect_operator(url: &str, env: &str, tls: &PgTls) -> Result<Clien
 ///
 /// Partition locks use their partition number (0..1024); member locks, which let the
 /// replicas count each other, use [`MEMBER_BASE`]+slot; the retention lock uses
-/// [`RETENTION_KEY`].
+/// [`RETENTION_KEY`]; layout locks [`LAYOUT_BASE`]+partitions.
 pub const MEMBER_BASE: i32 = 1_000_000;
 /// Upper bound on replicas sharing one table.
 pub const MAX_MEMBERS: i32 = 1024;
 /// Lock held by the one process that runs retention.
 pub const RETENTION_KEY: i32 = 2_000_000;
+/// Layout locks: every perAggregate relay holds `LAYOUT_BASE + ordering.partitions`
+/// in shared mode, so relays with different partition counts (old and new pods while
+/// `ordering.partitions` changes) can see each other; see [`leading_layout`].
+pub const LAYOUT_BASE: i32 = 3_000_000;
+
+/// Holds this session's layout lock (shared: relays of one layout never block each
+/// other).
+pub async fn hold_layout(client: &Client, class: i32, partitions: i32) -> Result<(), PgError> {
+    client
+        .query_one(
+            "SELECT pg_advisory_lock_shared($1, $2)",
+            &[&class, &(LAYOUT_BASE + partitions)],
+        )
+        .await
+        .map_err(db("taking the layout lock"))?;
+    Ok(())
+}
+
+/// The partition count whose relays may publish on this table now: of the layouts
+/// held by live sessions, the one held longest (the earliest session start among its
+/// holders). Relays of any other layout wait until it is gone, so one aggregate's rows
+/// are never published under two partition counts at once. `None` when no layout lock
+/// is visible.
+pub async fn leading_layout(client: &Client, class: i32) -> Result<Option<i32>, PgError> {
+    let row = client
+        .query_opt(
+            "SELECT l.objid::int8 - $2::int8 \
+             FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND l.classid::int8 = $1::int8 \
+               AND l.objid::int8 >= $2::int8 AND l.objid::int8 <= $2::int8 + 1024 \
+             GROUP BY 1 ORDER BY min(a.backend_start) NULLS LAST, 1 LIMIT 1",
+            &[&i64::from(class), &i64::from(LAYOUT_BASE)],
+        )
+        .await
+        .map_err(db("looking up the relays' partition counts"))?;
+    Ok(row.and_then(|r| i32::try_from(r.get::<_, i64>(0)).ok()))
+}
 
 /// A stable lock class for `schema.table` (FNV-1a; positive so it reads back from
 /// `pg_locks.classid` unchanged).

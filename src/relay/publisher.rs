@@ -68,6 +68,8 @@ use crate::postgres::{
 /// from its database has stopped publishing before another replica can take its
 /// partitions over, and an aggregate's events never come from two relays at once.
 const FENCE: Duration = Duration::from_secs(15);
+/// How often a relay waiting for another partition count to go says so.
+const LAYOUT_WARN_EVERY: Duration = Duration::from_secs(30);
 /// How often ownership is rebalanced (and a dead replica's partitions taken over).
 const REBALANCE_EVERY: Duration = Duration::from_secs(1);
 /// How often backlog and oldest-age metrics are measured.
@@ -122,6 +124,8 @@ pub(super) struct Publisher {
     class: i32,
     attempts: HashMap<i64, u32>,
     paused: HashMap<i64, Pause>,
+    /// When waiting for another partition count was last logged.
+    layout_warned: Option<Instant>,
 }
 
 impl Publisher {
@@ -144,6 +148,7 @@ impl Publisher {
             class,
             attempts: HashMap::new(),
             paused: HashMap::new(),
+            layout_warned: None,
         }
     }
 
@@ -228,6 +233,19 @@ impl Publisher {
         if valid.failure.dead_letter_table.is_some() {
             table.ensure_dead_letter_table(client).await?;
         }
+        if self.per_aggregate() {
+            // Before joining: a relay of another partition count takes no member slot
+            // and no partition while it waits, so the leading relays keep every
+            // partition of their count.
+            postgres::hold_layout(client, self.class, table.partitions()).await?;
+            self.health.ready.store(true, Ordering::Relaxed);
+            while !self.leads(client, table.partitions()).await? {
+                if self.stopping() {
+                    return Ok(());
+                }
+                self.nap(REBALANCE_EVERY).await;
+            }
+        }
         let member = self.join(client).await?;
         self.health.ready.store(true, Ordering::Relaxed);
         tracing::info!(member, "connected to PostgreSQL");
@@ -244,6 +262,13 @@ impl Publisher {
                 self.rebalance(client, member, partitions, &mut owned)
                     .await?;
                 next_rebalance = now + REBALANCE_EVERY;
+                if !self.leads(client, table.partitions()).await? {
+                    // Only a session older than this one could lead now: start over,
+                    // releasing every lock, and wait as a newcomer.
+                    return Err(SessionEnd::Db(PgError::Replication(
+                        "relays with another ordering.partitions lead on this table".to_owned(),
+                    )));
+                }
             }
             let candidates: BTreeSet<i64> = if self.per_aggregate() {
                 owned.clone()
@@ -295,6 +320,26 @@ impl Publisher {
                 }
             }
         }
+    }
+
+    /// Whether relays of this partition count may publish now (see
+    /// [`postgres::leading_layout`]); says so, now and then, when not.
+    async fn leads(&mut self, client: &Client, partitions: i32) -> Result<bool, PgError> {
+        let lead = postgres::leading_layout(client, self.class).await?;
+        let leads = lead.is_none_or(|n| n == partitions);
+        if !leads
+            && self
+                .layout_warned
+                .is_none_or(|t| t.elapsed() > LAYOUT_WARN_EVERY)
+        {
+            self.layout_warned = Some(Instant::now());
+            tracing::warn!(
+                partitions,
+                running = lead,
+                "relays with another ordering.partitions still run on this table; waiting until they stop, so no aggregate is published under two partition counts at once"
+            );
+        }
+        Ok(leads)
     }
 
     /// Takes the lowest free member slot, so replicas can count each other.

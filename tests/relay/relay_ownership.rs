@@ -85,3 +85,103 @@ async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
         report.order_violations
     );
 }
+
+/// Changing `ordering.partitions` runs old and new relays side by side for a while (a
+/// rolling update). They would own different partition sets over the same rows and
+/// publish one aggregate's events concurrently, out of order. Now the relays of the
+/// partition count that ran first publish, and the others wait until they are gone.
+/// Before, the second relay published at once (its partitions 4..7 were free).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_with_another_partition_count_wait_for_the_old_ones() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let topic = common::fresh_topic(3).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: rig.kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let yaml_for = |partitions: i32| {
+        common::relay_config_yaml(
+            &broker,
+            &RelayOptions {
+                partitions,
+                ..RelayOptions::default()
+            },
+        )
+    };
+    let mut old = RelayProcess::start(&yaml_for(4), &db.url, &broker);
+    common::wait_for_relays(
+        "the old relay to own its partitions",
+        Duration::from_secs(30),
+        &[&old],
+        || async { old.metric("outbox_relay_partitions_owned").await == Some(4.0) },
+    )
+    .await;
+    let new = RelayProcess::start(&yaml_for(8), &db.url, &broker);
+    let ready_url = format!("http://{}/readyz", new.http_addr().await);
+    common::wait_for_relays(
+        "the new relay to connect",
+        Duration::from_secs(30),
+        &[&new],
+        || async {
+            reqwest::get(&ready_url)
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await;
+    // A rebalance (every second) has run since.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut committed: BTreeSet<i64> = insert_wave(&db, "side-by-side", 200)
+        .await
+        .into_iter()
+        .collect();
+    common::wait_for_relays(
+        "the old relay to publish every row",
+        Duration::from_secs(30),
+        &[&old, &new],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    let new_published = new.metric("outbox_relay_published_total").await;
+    println!("while both ran: the new relay published {new_published:?} rows");
+    assert_eq!(
+        new_published,
+        Some(0.0),
+        "the relay with 8 partitions published while the one with 4 still ran"
+    );
+    assert_eq!(
+        old.metric("outbox_relay_partitions_owned").await,
+        Some(4.0),
+        "the old relay gave partitions to the waiting one"
+    );
+    assert!(
+        new.log().contains("another ordering.partitions still run"),
+        "the waiting relay does not say why:\n{}",
+        new.log_tail(20)
+    );
+    // The old one goes: the new one takes over.
+    let status = old.terminate(Duration::from_secs(30));
+    assert!(status.success(), "{}", old.log_tail(20));
+    committed.extend(insert_wave(&db, "after", 100).await);
+    common::wait_for_relays(
+        "the new relay to publish once the old one is gone",
+        Duration::from_secs(30),
+        &[&new],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    assert!(new.metric("outbox_relay_published_total").await > Some(0.0));
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let report = common::check_delivery(&received, &committed, &BTreeSet::new());
+    println!("partition count change: {report:?}");
+    assert!(report.missing.is_empty(), "lost {:?}", report.missing);
+    assert!(
+        report.order_violations.is_empty(),
+        "{:?}",
+        report.order_violations
+    );
+}
