@@ -6,8 +6,12 @@
 //!   new ones refused) for 3 s, twice, through a TCP proxy (tests/common/proxy.rs);
 //! - `broker_cut`: the same between relay and broker (NATS and RabbitMQ; a Kafka client
 //!   reconnects to the addresses the broker advertises, which a proxy in front of the
-//!   bootstrap address does not cover: Kafka's outages are the broker restarts of
-//!   tests/relay/relay_outage.rs).
+//!   bootstrap address does not cover: Kafka gets the restart below);
+//! - `db_restart`: a private PostgreSQL stopped and started again (3 s down) between
+//!   two halves of the load;
+//! - `broker_restart`: a private Kafka or NATS server stopped and started again (3 s
+//!   down) under the load. (RabbitMQ: the rig starts one node; a private one is not
+//!   built yet.)
 //!
 //! An independent consumer (the test's own client of each broker) then reads every
 //! message: every committed event must have arrived, each aggregate's events in commit

@@ -5,6 +5,7 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::app_writer::{AppWriter, WriterOptions};
+use common::private::{PrivateKafka, PrivateNats, PrivatePostgres};
 use common::proxy::TcpProxy;
 use common::{RelayBroker, RelayOptions, RelayProcess, SlotGuard};
 use rand::Rng;
@@ -16,6 +17,8 @@ const KILLS: usize = 20;
 /// Network cuts per `*_cut` scenario, and how long each lasts.
 const CUTS: usize = 2;
 const CUT_FOR: Duration = Duration::from_secs(3);
+/// How long a restarted server stays down.
+const DOWN_FOR: Duration = Duration::from_secs(3);
 const WAIT: Duration = Duration::from_secs(120);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -36,11 +39,13 @@ enum Fault {
     Kill,
     DbCut,
     BrokerCut,
+    DbRestart,
+    BrokerRestart,
 }
 
 /// Where the scenario's messages go, and the test's own consumer of them.
 enum Sink {
-    Kafka(String),
+    Kafka { bootstrap: String, topic: String },
     Nats(Box<common::TestStream>),
     Amqp(Box<common::TestQueue>),
 }
@@ -48,9 +53,9 @@ enum Sink {
 impl Sink {
     async fn received(&self) -> Vec<common::Received> {
         match self {
-            Sink::Kafka(topic) => {
-                let topic = topic.clone();
-                tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+            Sink::Kafka { bootstrap, topic } => {
+                let (bootstrap, topic) = (bootstrap.clone(), topic.clone());
+                tokio::task::spawn_blocking(move || common::consume_kafka_from(&bootstrap, &topic))
                     .await
                     .unwrap_or_else(|e| panic!("Kafka consumer task: {e}"))
             }
@@ -60,36 +65,113 @@ impl Sink {
     }
 }
 
+/// A server of the scenario's own that the fault stops and starts again.
+enum Private {
+    Postgres(PrivatePostgres),
+    Kafka(PrivateKafka),
+    Nats(PrivateNats),
+}
+
+impl Private {
+    fn restart(&mut self) {
+        tokio::task::block_in_place(|| match self {
+            Private::Postgres(s) => s.stop(),
+            Private::Kafka(s) => s.stop(),
+            Private::Nats(s) => s.stop(),
+        });
+        std::thread::sleep(DOWN_FOR);
+        tokio::task::block_in_place(|| match self {
+            Private::Postgres(s) => s.start(),
+            Private::Kafka(s) => s.start(),
+            Private::Nats(s) => s.start(),
+        });
+    }
+}
+
 /// `url` with its `host:port` replaced by the proxy's.
 fn through(url: &str, proxy: &TcpProxy) -> String {
     url.replacen(common::host_port(url), &proxy.addr.to_string(), 1)
 }
 
+fn writer_options() -> WriterOptions {
+    WriterOptions {
+        aggregates: 50,
+        writers: 3,
+        rollback_ratio: 0.1,
+        pause: Duration::from_millis(15),
+        ..WriterOptions::default()
+    }
+}
+
 async fn run(mode: Mode, broker: Broker, fault: Fault) {
     let started = Instant::now();
     let rig = common::Rig::load();
-    let db = common::fresh_database().await;
-    common::create_outbox_table(&db.client, 4).await;
-    let guard = SlotGuard::new(rig.pg_url(), "faults");
+    // The database: the rig's, or a private one the fault restarts.
+    let mut private = None;
+    let mut test_db = None;
+    let db_url = if fault == Fault::DbRestart {
+        let pg = tokio::task::block_in_place(PrivatePostgres::start_new);
+        let url = pg.url();
+        private = Some(Private::Postgres(pg));
+        url
+    } else {
+        let db = common::fresh_database().await;
+        let url = db.url.clone();
+        test_db = Some(db);
+        url
+    };
+    let client = common::pg_connect(&db_url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL: {e}"));
+    common::create_outbox_table(&client, 4).await;
+    // A private server goes with its slots; on the rig's, the guard drops the slot.
+    let guard = (fault != Fault::DbRestart).then(|| SlotGuard::new(&db_url, "faults"));
+    let slot = guard.as_ref().map_or_else(
+        || format!("faults_{}", common::unique_suffix()),
+        |g| g.slot.clone(),
+    );
     if mode == Mode::LogTailing {
-        common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+        common::create_replication(&client, &slot, &slot).await;
     }
-    let (broker_url, sink) = match broker {
-        Broker::Kafka => (
+    drop(client);
+    // The broker: the rig's, or a private one the fault restarts.
+    let (broker_url, sink) = match (broker, fault) {
+        (Broker::Kafka, Fault::BrokerRestart) => {
+            let kafka = tokio::task::block_in_place(PrivateKafka::start_new);
+            let topic = format!("test-{}", common::unique_suffix());
+            common::create_topic(&kafka.bootstrap(), &topic, 4, &[]).await;
+            let bootstrap = kafka.bootstrap();
+            private = Some(Private::Kafka(kafka));
+            (bootstrap.clone(), Sink::Kafka { bootstrap, topic })
+        }
+        (Broker::Nats, Fault::BrokerRestart) => {
+            let nats = tokio::task::block_in_place(PrivateNats::start_new);
+            let client = async_nats::connect(nats.url())
+                .await
+                .unwrap_or_else(|e| panic!("private NATS: {e}"));
+            let stream = common::stream_on(client).await;
+            let url = nats.url();
+            private = Some(Private::Nats(nats));
+            (url, Sink::Nats(Box::new(stream)))
+        }
+        (Broker::Kafka, _) => (
             rig.kafka_bootstrap().to_owned(),
-            Sink::Kafka(common::fresh_topic(4).await),
+            Sink::Kafka {
+                bootstrap: rig.kafka_bootstrap().to_owned(),
+                topic: common::fresh_topic(4).await,
+            },
         ),
-        Broker::Nats => (
+        (Broker::Nats, _) => (
             rig.nats_url().to_owned(),
             Sink::Nats(Box::new(common::fresh_stream().await)),
         ),
-        Broker::RabbitMq => (
+        (Broker::RabbitMq, _) => (
             rig.amqp_url().to_owned(),
             Sink::Amqp(Box::new(common::fresh_queue().await)),
         ),
     };
     let db_proxy = match fault {
-        Fault::DbCut => Some(TcpProxy::start(common::host_port(&db.url)).await),
+        Fault::DbCut => Some(TcpProxy::start(common::host_port(&db_url)).await),
         _ => None,
     };
     let broker_proxy = match fault {
@@ -100,7 +182,7 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         .as_ref()
         .map_or(broker_url.clone(), |p| through(&broker_url, p));
     let relay_broker = match &sink {
-        Sink::Kafka(topic) => RelayBroker::Kafka {
+        Sink::Kafka { topic, .. } => RelayBroker::Kafka {
             bootstrap: broker_url.clone(),
             topic: topic.clone(),
         },
@@ -116,31 +198,24 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
     };
     let relay_db_url = db_proxy
         .as_ref()
-        .map_or(db.url.clone(), |p| through(&db.url, p));
+        .map_or(db_url.clone(), |p| through(&db_url, p));
     let options = RelayOptions {
         max_attempts: 1000,
         ..RelayOptions::default()
     };
     let mut yaml = common::relay_config_yaml(&relay_broker, &options);
     if mode == Mode::LogTailing {
-        yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(&guard.slot, true));
+        yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(&slot, true));
     }
     let start = || RelayProcess::start(&yaml, &relay_db_url, &relay_broker);
     let mut relay = start();
 
-    let writer = AppWriter::start(
-        &db.url,
-        WriterOptions {
-            aggregates: 50,
-            writers: 3,
-            rollback_ratio: 0.1,
-            pause: Duration::from_millis(15),
-            ..WriterOptions::default()
-        },
-    )
-    .await;
-    writer.allow(EVENTS);
+    let mut writer = AppWriter::start(&db_url, writer_options()).await;
+    if fault != Fault::DbRestart {
+        writer.allow(EVENTS);
+    }
     let mut injected = 0usize;
+    let mut ledgers = Vec::new();
     match fault {
         Fault::Kill => {
             while injected < KILLS {
@@ -162,8 +237,34 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
                 injected += 1;
             }
         }
+        Fault::DbRestart => {
+            // The application's connections do not survive the restart: half the
+            // events before it (the relay still publishing them), half after.
+            writer.allow(EVENTS / 2);
+            writer.wait_committed(EVENTS / 2, WAIT).await;
+            ledgers.push(writer.finish().await);
+            if let Some(server) = private.as_mut() {
+                server.restart();
+            }
+            injected = 1;
+            writer = AppWriter::start(&db_url, writer_options()).await;
+            writer.allow(EVENTS - EVENTS / 2);
+        }
+        Fault::BrokerRestart => {
+            writer.wait_committed(EVENTS / 3, WAIT).await;
+            if let Some(server) = private.as_mut() {
+                server.restart();
+            }
+            injected = 1;
+        }
     }
-    let ledger = writer.finish().await;
+    ledgers.push(writer.finish().await);
+    let mut committed = std::collections::BTreeSet::new();
+    let mut aborted = std::collections::BTreeSet::new();
+    for ledger in ledgers {
+        committed.extend(ledger.committed);
+        aborted.extend(ledger.aborted);
+    }
     let left_sql = match mode {
         Mode::Polling => "SELECT count(*) FROM public.outbox WHERE published_at IS NULL",
         Mode::LogTailing => "SELECT count(*) FROM public.outbox",
@@ -173,22 +274,25 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         WAIT,
         &[&relay],
         || async {
-            db.client
-                .query_one(left_sql, &[])
-                .await
-                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
+            match common::pg_connect(&db_url).await {
+                Ok(c) => c
+                    .query_one(left_sql, &[])
+                    .await
+                    .is_ok_and(|r| r.get::<_, i64>(0) == 0),
+                Err(_) => false,
+            }
         },
     )
     .await;
     let received = sink.received().await;
-    let report = common::check_delivery(&received, &ledger.committed, &ledger.aborted);
+    let report = common::check_delivery(&received, &committed, &aborted);
     let status = relay.terminate(Duration::from_secs(30));
     let lost = report.missing.len();
     let reordered = report.order_violations.len();
     println!(
         "| {fault:?} ×{injected} | {mode:?} | {broker:?} | {} events | {lost} lost | \
          {reordered} reordered | {} duplicates | {} rolled-back rows delivered | {:.0}s |",
-        ledger.committed.len(),
+        committed.len(),
         report.duplicates,
         report.orphans.len(),
         started.elapsed().as_secs_f64()
@@ -218,7 +322,10 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         let _ = stream.jetstream.delete_stream(&stream.name).await;
     }
     drop(guard);
-    db.drop_database().await;
+    if let Some(db) = test_db {
+        db.drop_database().await;
+    }
+    drop(private);
 }
 
 macro_rules! scenario {
@@ -250,4 +357,29 @@ scenario!(
     BrokerCut,
     LogTailing,
     RabbitMq
+);
+scenario!(db_restart_polling_kafka, DbRestart, Polling, Kafka);
+scenario!(db_restart_polling_nats, DbRestart, Polling, Nats);
+scenario!(db_restart_polling_rabbitmq, DbRestart, Polling, RabbitMq);
+scenario!(db_restart_log_tailing_kafka, DbRestart, LogTailing, Kafka);
+scenario!(db_restart_log_tailing_nats, DbRestart, LogTailing, Nats);
+scenario!(
+    db_restart_log_tailing_rabbitmq,
+    DbRestart,
+    LogTailing,
+    RabbitMq
+);
+scenario!(broker_restart_polling_kafka, BrokerRestart, Polling, Kafka);
+scenario!(broker_restart_polling_nats, BrokerRestart, Polling, Nats);
+scenario!(
+    broker_restart_log_tailing_kafka,
+    BrokerRestart,
+    LogTailing,
+    Kafka
+);
+scenario!(
+    broker_restart_log_tailing_nats,
+    BrokerRestart,
+    LogTailing,
+    Nats
 );
