@@ -1076,3 +1076,54 @@ async fn a_switch_to_polling_drops_the_slot_once_no_pod_tails_the_log() {
     })
     .await;
 }
+
+/// `kubectl delete namespace` (or a GitOps prune of the whole app): the relay, its
+/// Secret and everything else go at once, in no particular order. The Secret's slot
+/// finalizer keeps it until the relay's finalizer has dropped the slot; then the
+/// namespace goes, and PostgreSQL holds no slot or publication of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_namespace_drops_the_slot_and_leaves_nothing() {
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let slot = format!("outbox_{}_doomed", ns.replace('-', "_"));
+        let mut tailing = manifest("doomed", json!({"logTailing": {}}));
+        tailing["spec"]["replicas"] = json!(0);
+        operator::apply_relay(&client, &ns, &tailing).await;
+        wait_relay(&relays, "doomed", "SlotReady=True", |r| {
+            condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                && r.status
+                    .as_ref()
+                    .and_then(|s| s.slot.as_ref())
+                    .is_some_and(|s| s.protected_secrets == ["db"])
+        })
+        .await;
+        assert_eq!(slot_count(&db.client, &slot).await, 1);
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+        namespaces
+            .delete(&ns, &DeleteParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("deleting namespace {ns}: {e}"));
+        common::wait_for("the slot to be dropped", WAIT, || async {
+            slot_count(&db.client, &slot).await == 0
+        })
+        .await;
+        let publications: i64 = db
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_publication WHERE pubname = $1",
+                &[&slot],
+            )
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(-1);
+        assert_eq!(publications, 0, "publication {slot} left behind");
+        common::wait_for("the namespace to go", Duration::from_secs(120), || async {
+            matches!(namespaces.get_opt(&ns).await, Ok(None))
+        })
+        .await;
+        db.drop_database().await;
+    })
+    .await;
+}
