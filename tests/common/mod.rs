@@ -826,6 +826,39 @@ pub fn log_tailing_mode(slot: &str, delete_after_publish: bool) -> String {
     )
 }
 
+/// A log-tailing relay config: [`relay_config_yaml`] with default options and its mode
+/// line replaced by [`log_tailing_mode`].
+pub fn log_tailing_yaml(broker: &RelayBroker, slot: &str, delete_after_publish: bool) -> String {
+    with_spec_line(
+        &relay_config_yaml(broker, &RelayOptions::default()),
+        "mode",
+        &log_tailing_mode(slot, delete_after_publish),
+    )
+}
+
+/// Waits until `relay` streams `slot` (created beforehand, e.g. by
+/// [`create_replication`]): rows committed before that are streamed too, but a test
+/// that writes afterwards knows the stream is up.
+pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str, relay: &RelayProcess) {
+    wait_for_relays(
+        "the relay to stream its slot",
+        Duration::from_secs(60),
+        &[relay],
+        || async {
+            client
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&slot],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        },
+    )
+    .await;
+}
+
 /// A running `outbox-operator relay` process; SIGKILLed when dropped (also on panic).
 pub struct RelayProcess {
     pub child: std::process::Child,

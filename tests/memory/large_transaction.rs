@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{RelayBroker, RelayOptions, RelayProcess, SlotGuard};
+use common::{RelayBroker, RelayProcess, SlotGuard};
 
 /// Rows in the one transaction.
 const ROWS: i64 = 2_000_000;
@@ -154,11 +154,7 @@ async fn a_two_million_row_transaction_streams_through_128_mib() {
     };
     let guard = SlotGuard::new(rig.pg_url(), "big");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    let yaml = common::with_spec_line(
-        &common::relay_config_yaml(&broker, &RelayOptions::default()),
-        "mode",
-        &common::log_tailing_mode(&guard.slot, true),
-    );
+    let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     let pid = relay.child.id();
     let cgroup = MemoryCgroup::create(LIMIT_BYTES);
@@ -169,23 +165,7 @@ async fn a_two_million_row_transaction_streams_through_128_mib() {
             group.dir.display()
         );
     }
-    common::wait_for_relays(
-        "the relay to stream its slot",
-        Duration::from_secs(60),
-        &[&relay],
-        || async {
-            db.client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&guard.slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
-        },
-    )
-    .await;
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     // One transaction; ids follow g, so each aggregate's seq rises with its ids.
     db.client
         .batch_execute(&format!(

@@ -153,6 +153,34 @@ fn options(on_exhausted: &'static str) -> RelayOptions {
     }
 }
 
+/// The dead-letter table's rows: (id, reason), by id.
+async fn dead_letters(client: &tokio_postgres::Client) -> Vec<(i64, String)> {
+    client
+        .query(
+            "SELECT id, dead_letter_reason FROM public.outbox_dead_letter ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Every row of `rows` other than the two bad ones reached the Order topic: the
+/// followers after their dead-lettered predecessors, and the good rows.
+async fn assert_the_rest_delivered(what: &str, rows: &Rows) {
+    let topic = rows.order_topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let expected: BTreeSet<i64> = rows.good.iter().chain(&rows.followers).copied().collect();
+    let report = common::check_delivery(&received, &expected, &BTreeSet::new());
+    println!("{what}: {report:?}");
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+}
+
 #[tokio::test]
 async fn exhausted_rows_block_only_their_partition_and_stay_in_the_table() {
     let db = common::fresh_database().await;
@@ -222,16 +250,7 @@ async fn exhausted_rows_are_dead_lettered_and_their_partition_goes_on() {
         || async { common::unpublished_rows(client).await == 0 },
     )
     .await;
-    let dead: Vec<(i64, String)> = client
-        .query(
-            "SELECT id, dead_letter_reason FROM public.outbox_dead_letter ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let dead = dead_letters(client).await;
     let dead_ids: Vec<i64> = dead.iter().map(|(id, _)| *id).collect();
     assert_eq!(dead_ids, vec![rows.oversized, rows.bad_topic], "{dead:?}");
     assert!(dead.iter().all(|(_, why)| !why.is_empty()), "{dead:?}");
@@ -250,17 +269,7 @@ async fn exhausted_rows_are_dead_lettered_and_their_partition_goes_on() {
         relay.metric("outbox_relay_partitions_blocked").await,
         Some(0.0)
     );
-    // Every other row reached the broker: the followers after their dead-lettered
-    // predecessors, and the good rows.
-    let topic = rows.order_topic.clone();
-    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
-        .await
-        .unwrap();
-    let expected: BTreeSet<i64> = rows.good.iter().chain(&rows.followers).copied().collect();
-    let report = common::check_delivery(&received, &expected, &BTreeSet::new());
-    println!("dead-letter delivery: {report:?}");
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+    assert_the_rest_delivered("dead-letter delivery", &rows).await;
 }
 
 /// Log tailing dead-letters too: a row the broker refuses moves to the dead-letter table
@@ -293,27 +302,17 @@ async fn log_tailing_dead_letters_refused_rows_and_streams_on() {
         },
     )
     .await;
-    let dead: Vec<i64> = client
-        .query("SELECT id FROM public.outbox_dead_letter ORDER BY id", &[])
+    let dead: Vec<i64> = dead_letters(client)
         .await
-        .unwrap()
         .iter()
-        .map(|r| r.get(0))
+        .map(|(id, _)| *id)
         .collect();
     assert_eq!(dead, vec![rows.oversized, rows.bad_topic]);
     assert_eq!(
         relay.metric("outbox_relay_dead_lettered_total").await,
         Some(2.0)
     );
-    let topic = rows.order_topic.clone();
-    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
-        .await
-        .unwrap();
-    let expected: BTreeSet<i64> = rows.good.iter().chain(&rows.followers).copied().collect();
-    let report = common::check_delivery(&received, &expected, &BTreeSet::new());
-    println!("log tailing dead-letter delivery: {report:?}");
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+    assert_the_rest_delivered("log tailing dead-letter delivery", &rows).await;
     drop(relay);
     drop(guard);
 }
@@ -455,16 +454,7 @@ async fn a_nats_subject_no_stream_captures_is_a_refused_row() {
         || async { common::unpublished_rows(c).await == 0 },
     )
     .await;
-    let dead: Vec<(i64, String)> = c
-        .query(
-            "SELECT id, dead_letter_reason FROM public.outbox_dead_letter",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let dead = dead_letters(c).await;
     println!("NATS refused row: {dead:?}");
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].0, ghost);

@@ -17,18 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Received, RelayBroker, RelayOptions, RelayProcess, SlotGuard};
+use common::{Received, RelayBroker, RelayProcess, SlotGuard};
 use rand::Rng;
-
-/// A log-tailing relay config: the polling config of tests/common with its mode line
-/// replaced.
-fn log_tailing_yaml(broker: &RelayBroker, slot: &str, delete_after_publish: bool) -> String {
-    common::with_spec_line(
-        &common::relay_config_yaml(broker, &RelayOptions::default()),
-        "mode",
-        &common::log_tailing_mode(slot, delete_after_publish),
-    )
-}
 
 /// The outbox table plus what writers need besides: the per-aggregate commit-order
 /// counters and a table that is not published.
@@ -270,27 +260,6 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> Option<
         .and_then(|r| r.get(0))
 }
 
-/// Waits until the relay streams the slot (created beforehand by `common::create_replication`).
-async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str, relay: &RelayProcess) {
-    common::wait_for_relays(
-        "the relay to stream its slot",
-        Duration::from_secs(60),
-        &[relay],
-        || async {
-            client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
-        },
-    )
-    .await;
-}
-
 async fn current_wal(client: &tokio_postgres::Client) -> i64 {
     client
         .query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8", &[])
@@ -370,11 +339,11 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     create_tables(&db.client).await;
     let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    let yaml = log_tailing_yaml(&broker, &guard.slot, true);
+    let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     let client = &db.client;
     // Rows committed before the slot exists are not in its stream: write after it.
-    wait_slot_active(client, &guard.slot, &relay).await;
+    common::wait_slot_active(client, &guard.slot, &relay).await;
     let stop = Arc::new(AtomicBool::new(false));
     let writers = start_writers(&db.url, 4, 12, true, stop.clone());
     // Load for a while; a fixed duration here is pacing, not an assertion.
@@ -430,7 +399,7 @@ async fn log_tailing_relay_waits_for_its_slot_and_never_creates_it() {
     };
     let guard = SlotGuard::new(rig.pg_url(), "lt");
     let relay = RelayProcess::start(
-        &log_tailing_yaml(&broker, &guard.slot, true),
+        &common::log_tailing_yaml(&broker, &guard.slot, true),
         &db.url,
         &broker,
     );
@@ -453,7 +422,7 @@ async fn log_tailing_relay_waits_for_its_slot_and_never_creates_it() {
         .unwrap();
     assert_eq!(objects, (0, 0), "the relay created replication objects");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    wait_slot_active(&db.client, &guard.slot, &relay).await;
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     drop(relay);
     drop(guard);
 }
@@ -500,10 +469,10 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
     };
     let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    let yaml = log_tailing_yaml(&broker, &guard.slot, true);
+    let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let client = &db.client;
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
-    wait_slot_active(client, &guard.slot, &relay).await;
+    common::wait_slot_active(client, &guard.slot, &relay).await;
     let stop = Arc::new(AtomicBool::new(false));
     let writers = start_writers(&db.url, 4, 16, true, stop.clone());
     let mut kills = 0;
@@ -559,7 +528,7 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
     let guard = SlotGuard::new(rig.pg_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let relay = RelayProcess::start(
-        &log_tailing_yaml(&broker, &guard.slot, true),
+        &common::log_tailing_yaml(&broker, &guard.slot, true),
         &db.url,
         &broker,
     );
@@ -687,11 +656,11 @@ async fn outage_scenario(
         create_tables(&client).await;
         common::create_replication(&client, &guard.slot, &guard.slot).await;
     }
-    let yaml = log_tailing_yaml(&broker, &guard.slot, false);
+    let yaml = common::log_tailing_yaml(&broker, &guard.slot, false);
     let mut relay = RelayProcess::start(&yaml, db_url, &broker);
     {
         let client = common::pg_connect(db_url).await.unwrap();
-        wait_slot_active(&client, &guard.slot, &relay).await;
+        common::wait_slot_active(&client, &guard.slot, &relay).await;
     }
     let stop = Arc::new(AtomicBool::new(false));
     let writers = start_writers(db_url, 3, 10, false, stop.clone());
@@ -850,8 +819,11 @@ async fn log_tailing_logs_in_with_md5_and_scram_passwords() {
         };
         let guard = SlotGuard::new(rig.pg_url(), method);
         common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-        let relay =
-            RelayProcess::start(&log_tailing_yaml(&broker, &guard.slot, true), &url, &broker);
+        let relay = RelayProcess::start(
+            &common::log_tailing_yaml(&broker, &guard.slot, true),
+            &url,
+            &broker,
+        );
         for i in 0..20 {
             common::insert_row(
                 &db.client,
@@ -931,9 +903,9 @@ async fn a_relay_killed_before_deleting_published_rows_leaves_none_behind() {
     };
     let guard = SlotGuard::new(rig.pg_url(), "delkill");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    let yaml = log_tailing_yaml(&broker, &guard.slot, true);
+    let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
-    wait_slot_active(&db.client, &guard.slot, &relay).await;
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     let mut ids = BTreeSet::new();
     for i in 0..10 {
         let aggregate = format!("agg-{}", i % 3);

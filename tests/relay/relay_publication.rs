@@ -14,15 +14,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{Received, RelayBroker, RelayOptions, RelayProcess, SlotGuard};
-
-fn log_tailing_yaml(broker: &RelayBroker, slot: &str) -> String {
-    common::with_spec_line(
-        &common::relay_config_yaml(broker, &RelayOptions::default()),
-        "mode",
-        &common::log_tailing_mode(slot, true),
-    )
-}
+use common::{Received, RelayBroker, RelayProcess, SlotGuard};
 
 /// `public.outbox` as tests/common makes it, but hash-partitioned by id over three
 /// partitions whose columns are in another order than the parent's.
@@ -126,26 +118,6 @@ async fn wait_table_empty(client: &tokio_postgres::Client, relay: &RelayProcess)
     .await;
 }
 
-async fn wait_streaming(client: &tokio_postgres::Client, slot: &str, relay: &RelayProcess) {
-    common::wait_for_relays(
-        "the relay to stream its slot",
-        Duration::from_secs(60),
-        &[relay],
-        || async {
-            client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
-        },
-    )
-    .await;
-}
-
 async fn partitioned_scenario(via_root: bool) {
     let rig = common::Rig::load();
     let mut db = common::fresh_database().await;
@@ -178,8 +150,12 @@ async fn partitioned_scenario(via_root: bool) {
                 .unwrap_or_else(|err| panic!("{sql}: {err:?}"));
         }
     }
-    let relay = RelayProcess::start(&log_tailing_yaml(&broker, &guard.slot), &db.url, &broker);
-    wait_streaming(&db.client, &guard.slot, &relay).await;
+    let relay = RelayProcess::start(
+        &common::log_tailing_yaml(&broker, &guard.slot, true),
+        &db.url,
+        &broker,
+    );
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     let written = write(&mut db.client, 120).await;
     let mut per_partition = Vec::new();
     for p in ["outbox_p0", "outbox_p1", "outbox_p2"] {
@@ -228,8 +204,12 @@ async fn a_publication_altered_under_the_relay_stops_confirmation_where_the_tabl
     let guard = SlotGuard::new(rig.pg_url(), "alter");
     let slot = guard.slot.clone();
     common::create_replication(&db.client, &slot, &slot).await;
-    let relay = RelayProcess::start(&log_tailing_yaml(&broker, &slot), &db.url, &broker);
-    wait_streaming(&db.client, &slot, &relay).await;
+    let relay = RelayProcess::start(
+        &common::log_tailing_yaml(&broker, &slot, true),
+        &db.url,
+        &broker,
+    );
+    common::wait_slot_active(&db.client, &slot, &relay).await;
     let mut written = write(&mut db.client, 30).await;
     wait_table_empty(&db.client, &relay).await;
 
