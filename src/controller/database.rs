@@ -12,13 +12,14 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
 
 use k8s_openapi::api::core::v1::Secret;
+use kube::api::ListParams;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 use tokio_postgres::Client;
 use tracing::{debug, warn};
 
 use super::Context;
-use super::status::Cond;
+use super::status::{CONDITION_SLOT_READY, Cond};
 use crate::api::OutboxRelay;
 use crate::postgres::admin::SlotPlan;
 use crate::postgres::admin::{self, Backlog, Check, Facts, Origin, Owner, Plan};
@@ -504,6 +505,43 @@ pub(super) fn cleanup_target(relay: &OutboxRelay) -> Option<SlotPlan> {
     Plan::for_relay(&valid).log_tailing
 }
 
+/// The relay that waits for this one's slot: not being deleted, its `SlotReady` says
+/// `SlotClaimed` by this relay, and its spec names the same slot and publication (a
+/// rename that keeps `slotName`, applied before the old name was deleted).
+async fn successor(
+    relay: &OutboxRelay,
+    lt: &SlotPlan,
+    ctx: &Context,
+) -> Result<Option<Owner>, kube::Error> {
+    let api: Api<OutboxRelay> = match &ctx.watch_namespace {
+        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
+        None => Api::all(ctx.client.clone()),
+    };
+    let me = owner(relay);
+    let named = format!("OutboxRelay {}/{},", me.namespace, me.name);
+    let found = api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|r| {
+            r.uid() != relay.uid()
+                && r.metadata.deletion_timestamp.is_none()
+                && r.status.as_ref().is_some_and(|s| {
+                    s.conditions.iter().any(|c| {
+                        c.type_ == CONDITION_SLOT_READY
+                            && c.reason == "SlotClaimed"
+                            && c.message.contains(&named)
+                    })
+                })
+                && crate::spec::parse(r)
+                    .ok()
+                    .and_then(|v| Plan::for_relay(&v).log_tailing)
+                    .is_some_and(|p| p.slot == lt.slot && p.publication == lt.publication)
+        });
+    Ok(found.as_ref().map(owner))
+}
+
 /// The annotation that lets a relay go while its slot cannot be dropped (the database
 /// host is gone for good): the slot and publication are left behind with a Warning.
 pub const ABANDON_SLOT_ANNOTATION: &str = "outbox.dev/abandon-slot";
@@ -576,6 +614,28 @@ pub(super) async fn drop_external(
             )));
         }
     };
+    if let Some(next) = successor(relay, lt, ctx).await? {
+        match admin::hand_over(&client, &lt.slot, &lt.publication, &owner(relay), &next).await {
+            Ok(true) => {
+                return Ok(Cleanup::Done(
+                    EventType::Normal,
+                    "SlotHandedOver",
+                    format!(
+                        "replication slot {} and publication {} handed over to OutboxRelay {}/{}, which claims them: they keep their position and are dropped with that relay",
+                        lt.slot, lt.publication, next.namespace, next.name
+                    ),
+                ));
+            }
+            // Not this relay's any more: nothing to drop either.
+            Ok(false) => {}
+            Err(err) => {
+                return Ok(Cleanup::Retry(format!(
+                    "handing replication slot {} over to OutboxRelay {}/{} failed: {err}",
+                    lt.slot, next.namespace, next.name
+                )));
+            }
+        }
+    }
     match admin::drop_owned(&client, &lt.slot, &lt.publication, &owner(relay)).await {
         Ok(d) => {
             let mut parts = Vec::new();

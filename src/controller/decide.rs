@@ -3,7 +3,7 @@
 //! status shows, and when to look again. No client, no clock: tested as a table.
 
 use super::database::DatabaseSeen;
-use super::observe::Observed;
+use super::observe::{Claim, Observed};
 use super::status::{
     CONDITION_DATABASE_READY, CONDITION_DEGRADED, CONDITION_MONITORING_READY, CONDITION_READY,
     CONDITION_SLOT_READY, Cond,
@@ -169,7 +169,20 @@ pub(super) fn decide(
             let conds = vec![database.clone(), secrets.broker.clone(), cond.clone()];
             return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
         }
-        let planned = provision::plan(&plan, owner, facts);
+        if let Claim::Held(holder) = &observed.claim {
+            let cond = Cond::no(
+                CONDITION_SLOT_READY,
+                "SlotClaimed",
+                format!(
+                    "replication slot {} and publication {} belong to {holder}: two relays cannot stream one slot; give this relay another spec.mode.logTailing.slotName, or delete the other relay and this one takes the slot over with its position",
+                    lt.slot, lt.publication
+                ),
+            );
+            let conds = vec![database.clone(), secrets.broker.clone(), cond.clone()];
+            return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
+        }
+        let successor = observed.claim == Claim::Released;
+        let planned = provision::plan(&plan, owner, facts, successor);
         let describe = |o: Option<Origin>| match o {
             Some(Origin::Created) => "created by the operator, dropped with the OutboxRelay",
             Some(Origin::Adopted) => "existed before, kept when the OutboxRelay is deleted",

@@ -14,6 +14,7 @@ use super::database::{self, DatabaseSeen};
 use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
 use super::{Context, Error};
 use crate::api::OutboxRelay;
+use crate::postgres::admin::Marker;
 use crate::postgres::tls::{ClientPem, PgTls};
 use crate::resources::{
     Desired, MONITORING_API_VERSION, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_PLURAL,
@@ -59,6 +60,21 @@ pub(super) struct ChildrenSeen {
     pub service_version: Option<String>,
 }
 
+/// Whose the log-tailing slot is, by its publication's marker.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) enum Claim {
+    /// This relay's or nobody's: no marker of the operator's, one of this relay's name,
+    /// or one for another slot name (the publication is then adopted).
+    #[default]
+    Free,
+    /// Another OutboxRelay's that exists (`namespace/name`, and why it counts): two
+    /// relays cannot stream one slot.
+    Held(String),
+    /// Another OutboxRelay's that is gone or being deleted: this relay succeeds it (a
+    /// rename keeping `slotName`), with the slot's position.
+    Released,
+}
+
 /// Everything one reconcile looked at.
 #[derive(Clone, Debug)]
 pub(super) struct Observed {
@@ -66,6 +82,8 @@ pub(super) struct Observed {
     pub secrets: SecretsSeen,
     /// The database (not looked at while a Secret is missing or unusable).
     pub database: DatabaseSeen,
+    /// Whose the slot is (log tailing, once the database was seen).
+    pub claim: Claim,
     /// The children.
     pub children: ChildrenSeen,
     /// ServiceMonitor and PrometheusRule are served.
@@ -86,14 +104,55 @@ pub(super) async fn observe(
         }
         _ => DatabaseSeen::NotLooked,
     };
+    let claim = claim(relay, valid, &database, ctx).await?;
     let children = children(relay, desired, ctx).await?;
     let monitoring = monitoring_available(ctx).await?;
     Ok(Observed {
         secrets,
         database,
+        claim,
         children,
         monitoring,
     })
+}
+
+/// Whose the slot is: when the publication's marker names another OutboxRelay for the
+/// same slot, whether that relay still exists.
+async fn claim(
+    relay: &OutboxRelay,
+    valid: &ValidRelay,
+    database: &DatabaseSeen,
+    ctx: &Context,
+) -> Result<Claim, Error> {
+    let (DatabaseSeen::Seen(facts), Some(lt)) = (database, valid.mode.log_tailing()) else {
+        return Ok(Claim::Free);
+    };
+    let Some(marker) = facts
+        .publication
+        .as_ref()
+        .and_then(|p| p.comment.as_deref())
+        .and_then(Marker::from_comment)
+    else {
+        return Ok(Claim::Free);
+    };
+    let ours = marker.owner.namespace == valid.namespace && marker.owner.name == relay.name_any();
+    if ours || marker.slot != lt.slot {
+        return Ok(Claim::Free);
+    }
+    let other = format!("{}/{}", marker.owner.namespace, marker.owner.name);
+    let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &marker.owner.namespace);
+    match api.get_opt(&marker.owner.name).await {
+        Ok(Some(found)) if found.metadata.deletion_timestamp.is_none() => {
+            Ok(Claim::Held(format!("OutboxRelay {other}, which exists")))
+        }
+        Ok(_) => Ok(Claim::Released),
+        // Not allowed to look (a namespace the operator does not watch): assume it
+        // lives, the safe side for a slot.
+        Err(kube::Error::Api(status)) if status.code == 403 => Ok(Claim::Held(format!(
+            "OutboxRelay {other}, which the operator may not read (so it is taken to exist)"
+        ))),
+        Err(err) => Err(err.into()),
+    }
 }
 
 /// Reads every Secret key the pods need: a missing Secret is a condition (it may be

@@ -8,7 +8,8 @@ use tokio_postgres::error::SqlState;
 
 use super::PgError;
 use super::admin::{
-    Facts, Marker, Origin, Owner, Plan, comment_sql, create_publication_sql, gather,
+    Facts, Marker, Origin, Owner, Plan, comment_sql, create_publication_sql, current_comment,
+    gather, with_marker_lock,
 };
 
 /// Who made the publication and the slot, as the marker will record it.
@@ -30,8 +31,14 @@ pub enum Action {
         /// `BEGIN; CREATE PUBLICATION …; COMMENT ON PUBLICATION …; COMMIT`.
         sql: String,
     },
-    /// Rewrite the marker of a publication that exists.
+    /// Rewrite the marker of a publication that exists, provided its comment is still
+    /// the one the plan was made from (checked under the marker lock: a finalizer may
+    /// be dropping it meanwhile).
     MarkPublication {
+        /// Publication name.
+        publication: String,
+        /// The comment the plan saw.
+        seen: Option<String>,
         /// `COMMENT ON PUBLICATION …`.
         sql: String,
     },
@@ -64,9 +71,12 @@ pub struct ProvisionPlan {
 
 /// Plans the publication and slot of `plan` for `owner` from `facts` (pure). A marker
 /// of the same namespace/name (this relay, or an earlier one of that name whose cleanup
-/// could not run) is taken over with its facts; a publication that carries someone
-/// else's comment is used as is and never commented on.
-pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts) -> ProvisionPlan {
+/// could not run) is taken over with its facts, and so is the marker of another relay
+/// when `successor` (that relay is gone or being deleted: a rename keeps the slot and
+/// its position, and whoever holds the marker drops what the operator created); a
+/// publication that carries someone else's comment is used as is and never commented
+/// on.
+pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts, successor: bool) -> ProvisionPlan {
     let Some(lt) = &plan.log_tailing else {
         return ProvisionPlan {
             actions: Vec::new(),
@@ -84,7 +94,9 @@ pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts) -> ProvisionPlan {
     let slot_exists = facts.slot.is_some();
     let inherited = previous
         .as_ref()
-        .filter(|m| m.owner.namespace == owner.namespace && m.owner.name == owner.name)
+        .filter(|m| {
+            successor || (m.owner.namespace == owner.namespace && m.owner.name == owner.name)
+        })
         .filter(|m| m.slot == lt.slot);
     let publication_origin = match (existing, inherited) {
         (None, _) => Origin::Created,
@@ -116,6 +128,8 @@ pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts) -> ProvisionPlan {
         });
     } else if !foreign_comment && previous.as_ref() != Some(&marker) {
         actions.push(Action::MarkPublication {
+            publication: lt.publication.clone(),
+            seen: existing.and_then(|p| p.comment.clone()),
             sql: comment_sql(&lt.publication, Some(&marker.to_comment())),
         });
     }
@@ -142,7 +156,7 @@ pub async fn provision(
     owner: &Owner,
 ) -> Result<Provisioned, PgError> {
     let facts = gather(client, plan).await?;
-    let planned = self::plan(plan, owner, &facts);
+    let planned = self::plan(plan, owner, &facts, false);
     execute(client, &planned.actions).await?;
     Ok(planned.outcome)
 }
@@ -166,14 +180,26 @@ pub async fn execute(client: &Client, actions: &[Action]) -> Result<(), PgError>
                     });
                 }
             }
-            Action::MarkPublication { sql } => {
-                client
-                    .batch_execute(sql)
-                    .await
-                    .map_err(|source| PgError::Db {
-                        what: "marking the publication",
-                        source,
-                    })?;
+            Action::MarkPublication {
+                publication,
+                seen,
+                sql,
+            } => {
+                with_marker_lock(client, publication, async |client| {
+                    if current_comment(client, publication).await? != Some(seen.clone()) {
+                        return Err(PgError::Replication(format!(
+                            "publication {publication} was changed or dropped while being marked (a finalizer ran); retrying"
+                        )));
+                    }
+                    client
+                        .batch_execute(sql)
+                        .await
+                        .map_err(|source| PgError::Db {
+                            what: "marking the publication",
+                            source,
+                        })
+                })
+                .await?;
             }
             Action::DropOwned {
                 slot,
@@ -271,7 +297,7 @@ mod tests {
 
     #[test]
     fn nothing_there_creates_both_publication_first() {
-        let p = plan(&plan_for(), &owner("orders"), &facts(None, false));
+        let p = plan(&plan_for(), &owner("orders"), &facts(None, false), false);
         assert!(matches!(p.actions[0], Action::CreatePublication { .. }));
         assert!(matches!(p.actions[1], Action::CreateSlot { .. }));
         assert_eq!(p.outcome.slot, Some(Origin::Created));
@@ -279,10 +305,15 @@ mod tests {
 
     #[test]
     fn what_exists_is_adopted_and_a_marked_pair_needs_nothing() {
-        let adopted = plan(&plan_for(), &owner("orders"), &facts(Some(None), true));
+        let adopted = plan(
+            &plan_for(),
+            &owner("orders"),
+            &facts(Some(None), true),
+            false,
+        );
         assert_eq!(adopted.outcome.publication, Some(Origin::Adopted));
         assert_eq!(adopted.outcome.slot, Some(Origin::Adopted));
-        let Action::MarkPublication { sql } = &adopted.actions[0] else {
+        let Action::MarkPublication { sql, .. } = &adopted.actions[0] else {
             panic!("{adopted:?}");
         };
         let comment = sql.split("IS '").nth(1).unwrap().trim_end_matches('\'');
@@ -290,6 +321,7 @@ mod tests {
             &plan_for(),
             &owner("orders"),
             &facts(Some(Some(comment.to_owned())), true),
+            false,
         );
         assert!(marked.actions.is_empty(), "{marked:?}");
     }
@@ -300,8 +332,44 @@ mod tests {
             &plan_for(),
             &owner("orders"),
             &facts(Some(Some("someone else's".into())), true),
+            false,
         );
         assert!(p.actions.is_empty());
         assert_eq!(p.outcome.publication, None);
+    }
+
+    #[test]
+    fn a_successor_takes_over_what_the_operator_created_for_another_relay() {
+        let old = Marker {
+            owner: owner("orders"),
+            slot: "s".into(),
+            publication: Origin::Created,
+            slot_origin: Origin::Created,
+        };
+        let seen = facts(Some(Some(old.to_comment())), true);
+        // While the other relay lives (not a successor): used, recorded as adopted.
+        let beside = plan(&plan_for(), &owner("orders-v2"), &seen, false);
+        assert_eq!(beside.outcome.slot, Some(Origin::Adopted));
+        // Its successor inherits "created": deleting the successor drops them.
+        let next = plan(&plan_for(), &owner("orders-v2"), &seen, true);
+        assert_eq!(next.outcome.slot, Some(Origin::Created));
+        assert_eq!(next.outcome.publication, Some(Origin::Created));
+        let Action::MarkPublication { seen: was, sql, .. } = &next.actions[0] else {
+            panic!("{next:?}");
+        };
+        assert_eq!(was.as_deref(), Some(old.to_comment().as_str()));
+        assert!(sql.contains("orders-v2"), "{sql}");
+        // A marker of another slot name is never inherited.
+        let other = Marker {
+            slot: "t".into(),
+            ..old
+        };
+        let p = plan(
+            &plan_for(),
+            &owner("orders-v2"),
+            &facts(Some(Some(other.to_comment())), true),
+            true,
+        );
+        assert_eq!(p.outcome.slot, Some(Origin::Adopted));
     }
 }

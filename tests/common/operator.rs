@@ -104,6 +104,12 @@ impl ControllerProcess {
         super::private::tail(&self.log_path, lines)
     }
 
+    /// SIGKILL, as a node failure or the OOM killer would: no shutdown step runs.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, then waits (up to `timeout`) for a clean exit; returns the exit status,
     /// or an error with the log tail when it had to be SIGKILLed.
     pub fn stop(&mut self, timeout: Duration) -> Result<std::process::ExitStatus, String> {

@@ -16,3 +16,4 @@ mod controller_rotation;
 mod controller_slots;
 mod controller_tls;
 mod postgres_admin;
+mod slot_leak_matrix;

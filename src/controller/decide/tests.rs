@@ -90,6 +90,7 @@ fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Obs
     Observed {
         secrets,
         database,
+        claim: Claim::Free,
         children: ChildrenSeen {
             deployment: (available >= 0).then(|| Deployment {
                 status: Some(DeploymentStatus {
@@ -324,9 +325,9 @@ fn a_switch_to_log_tailing_keeps_polling_until_what_the_slot_misses_is_published
 }
 
 #[test]
-fn a_renamed_relay_adopts_what_the_old_name_left_and_marks_it_adopted() {
-    // The publication was made for another relay (the old name): the new one uses it
-    // but records it as adopted, so deleting the new one never drops it.
+fn a_slot_of_another_relay_is_refused_while_it_lives_and_taken_over_after() {
+    // The publication was made for another relay (the old name of a renamed one, with
+    // the same slotName).
     let old = crate::postgres::admin::Marker {
         owner: Owner {
             name: "old-orders".into(),
@@ -336,17 +337,32 @@ fn a_renamed_relay_adopts_what_the_old_name_left_and_marks_it_adopted() {
         publication: Origin::Created,
         slot_origin: Origin::Created,
     };
-    let o = observed(
+    let mut o = observed(
         secrets_ok(),
         facts("logical", Some(Some(old.to_comment())), true),
         1,
     );
+    // It still exists: nothing is written, the condition names it.
+    o.claim = Claim::Held("OutboxRelay shop/old-orders, which exists".into());
     let d = run(&relay("logTailing", 1), None, Some(&o));
-    let Action::MarkPublication { sql } = &d.provision[0] else {
+    assert_eq!(ready(&d), ("False", "SlotClaimed"));
+    assert!(d.provision.is_empty() && !d.apply_children, "{d:?}");
+    let slot = d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_SLOT_READY)
+        .unwrap();
+    assert!(slot.message.contains("shop/old-orders"), "{}", slot.message);
+    // Gone or being deleted: this relay succeeds it, and inherits "created", so
+    // deleting this one drops the slot (before, it was recorded as adopted and leaked).
+    o.claim = Claim::Released;
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    let Action::MarkPublication { sql, .. } = &d.provision[0] else {
         panic!("{d:?}");
     };
-    assert!(sql.contains("\"publication\":\"adopted\""), "{sql}");
-    assert!(sql.contains("\"slotOrigin\":\"adopted\""), "{sql}");
+    assert!(sql.contains("\"publication\":\"created\""), "{sql}");
+    assert!(sql.contains("\"slotOrigin\":\"created\""), "{sql}");
+    assert!(d.apply_children);
 }
 
 #[test]

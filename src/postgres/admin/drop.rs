@@ -5,6 +5,7 @@
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
+use super::marker_lock::{current_comment, with_marker_lock};
 use super::{Marker, Origin, Owner, comment_sql};
 use crate::postgres::{PgError, db, quote};
 
@@ -23,23 +24,29 @@ pub struct Dropped {
 
 /// Drops what the marker says the operator created for `owner`: the slot (terminating
 /// a walsender that still streams it) and the publication; removes the marker from an
-/// adopted publication. Objects without this owner's marker are left alone. Idempotent:
-/// what is already gone counts as dropped.
+/// adopted publication. Objects without this owner's marker are left alone (a relay that
+/// took the slot over has rewritten it). Idempotent: what is already gone counts as
+/// dropped. Holds the publication's marker lock throughout.
 pub async fn drop_owned(
     client: &Client,
     slot: &str,
     publication: &str,
     owner: &Owner,
 ) -> Result<Dropped, PgError> {
+    with_marker_lock(client, publication, async |client| {
+        drop_owned_locked(client, slot, publication, owner).await
+    })
+    .await
+}
+
+async fn drop_owned_locked(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    owner: &Owner,
+) -> Result<Dropped, PgError> {
     let mut out = Dropped::default();
-    let comment: Option<Option<String>> = client
-        .query_opt(
-            "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(db("looking up the publication"))?
-        .map(|r| r.get(0));
+    let comment = current_comment(client, publication).await?;
     let marker = comment
         .as_ref()
         .and_then(|c| c.as_deref())
@@ -149,4 +156,39 @@ pub fn database_is_gone(err: &PgError) -> bool {
         return false;
     };
     source.code() == Some(&SqlState::INVALID_CATALOG_NAME)
+}
+
+/// Rewrites the marker from `from` to `to` (keeping who made what), so that `to` owns
+/// the slot and publication from now on: the finalizer of a renamed relay hands them
+/// to the relay that claims the same slot instead of dropping them, and the slot keeps
+/// its position. Returns false (and changes nothing) when the marker is not `from`'s
+/// for this slot. Holds the publication's marker lock.
+pub async fn hand_over(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    from: &Owner,
+    to: &Owner,
+) -> Result<bool, PgError> {
+    with_marker_lock(client, publication, async |client| {
+        let comment = current_comment(client, publication).await?;
+        let Some(marker) = comment
+            .flatten()
+            .as_deref()
+            .and_then(Marker::from_comment)
+            .filter(|m| m.owner == *from && m.slot == slot)
+        else {
+            return Ok(false);
+        };
+        let handed = Marker {
+            owner: to.clone(),
+            ..marker
+        };
+        client
+            .batch_execute(&comment_sql(publication, Some(&handed.to_comment())))
+            .await
+            .map_err(db("handing the publication's marker over"))?;
+        Ok(true)
+    })
+    .await
 }

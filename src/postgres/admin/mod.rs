@@ -31,14 +31,16 @@ mod checks;
 mod drop;
 mod facts;
 mod handover;
+mod marker_lock;
 mod orphans;
 mod slot;
 
 pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, backlog, backlog_sql, human_age};
 pub use checks::{evaluate, first_failure};
-pub use drop::{Dropped, database_is_gone, drop_owned};
+pub use drop::{Dropped, database_is_gone, drop_owned, hand_over};
 pub use facts::gather;
 pub use handover::{handover_snapshot, unpublished_before};
+pub use marker_lock::{current_comment, with_marker_lock};
 pub use orphans::{Marked, list_marked};
 pub use slot::{replication_objects_exist, slot_state};
 
