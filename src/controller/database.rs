@@ -148,21 +148,61 @@ const POOL_IDLE_LIMIT: Duration = Duration::from_secs(60);
 #[derive(Default)]
 pub(crate) struct Pools {
     by_url: Mutex<HashMap<String, (Pool, Instant)>>,
+    /// The last pooler probe per URL (`Some(why)`: sessions are lent per transaction),
+    /// and when it ran.
+    probed: Mutex<HashMap<String, (Option<String>, Instant)>>,
+}
+
+/// How long a pooler probe's verdict is reused for a URL.
+const POOLER_PROBE_EVERY: Duration = Duration::from_secs(300);
+
+/// The key of a URL with its TLS settings (in memory only).
+fn url_key(conn: &Conn) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    conn.tls.hash(&mut hasher);
+    format!("{:x} {}", hasher.finish(), conn.url)
 }
 
 impl Pools {
+    /// Whether the URL reaches a pooler that lends sessions per transaction
+    /// ([`postgres::pooling`]): `client` (pooled) and a connection of its own are probed
+    /// together, at most every [`POOLER_PROBE_EVERY`] per URL. The second connection is
+    /// not taken from the pool, where waiting for it could starve other reconciles.
+    pub(super) async fn pooled_sessions(
+        &self,
+        relay: &OutboxRelay,
+        conn: &Conn,
+        client: &Client,
+    ) -> Result<Option<String>, PgError> {
+        let key = url_key(conn);
+        if let Some((verdict, at)) = self
+            .probed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&key)
+            && at.elapsed() < POOLER_PROBE_EVERY
+        {
+            return Ok(verdict.clone());
+        }
+        let other = connect(relay, conn).await?;
+        let verdict = postgres::pooling::pooled_sessions(client, &other).await?;
+        let mut probed = self
+            .probed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        probed.retain(|_, (_, at)| at.elapsed() < POOLER_PROBE_EVERY);
+        probed.insert(key, (verdict.clone(), Instant::now()));
+        Ok(verdict)
+    }
+
     pub(super) async fn get(
         &self,
         relay: &OutboxRelay,
         conn: &Conn,
     ) -> Result<deadpool_postgres::Object, PgError> {
         let url = &conn.url;
-        let key = {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            conn.tls.hash(&mut hasher);
-            format!("{:x} {url}", hasher.finish())
-        };
+        let key = url_key(conn);
         let pool = {
             let mut pools = self
                 .by_url
@@ -274,6 +314,24 @@ pub(super) async fn observe(
             };
         }
     };
+    match ctx.pools.pooled_sessions(relay, conn, &client).await {
+        Ok(None) => {}
+        Ok(Some(why)) => {
+            return DatabaseSeen::Unusable {
+                reason: "TransactionPooling",
+                message: postgres::pooling::refusal(&why),
+            };
+        }
+        Err(err) => {
+            return DatabaseSeen::Unusable {
+                reason: "ConnectionFailed",
+                message: format!(
+                    "cannot check whether the URL in {} gives sessions of their own: {err}",
+                    secret_name(relay)
+                ),
+            };
+        }
+    }
     match admin::gather(&client, &plan).await {
         Ok(mut facts) => {
             let snapshot = relay

@@ -26,6 +26,7 @@
 //! ```
 
 pub mod admin;
+pub mod pooling;
 pub mod provision;
 pub mod replication;
 pub mod snapshot;

@@ -36,6 +36,9 @@ pub enum RelayError {
     /// Signal handlers cannot be installed.
     #[error("cannot install the SIGTERM handler: {0}")]
     Signal(std::io::Error),
+    /// The database URL reaches a pooler that lends sessions per transaction.
+    #[error("{0}")]
+    PooledSessions(String),
 }
 
 /// Runs the relay until SIGTERM or SIGINT; returns once the in-flight batch is finished
@@ -83,6 +86,10 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         tracing::info!("shutdown requested: finishing the in-flight batch");
         let _ = stop_tx.send(true);
     });
+    if let Some(refusal) = pooled_sessions(&settings, &stop_rx, &health).await {
+        tracing::error!(error = %refusal, "refusing to run");
+        return Err(RelayError::PooledSessions(refusal));
+    }
     let result = match settings.log_tailing.clone() {
         Some(lt) => {
             log_tailing::LogTailer::new(settings, lt, broker, kind, template, health, stop_rx)
@@ -97,6 +104,35 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     };
     tracing::info!("relay stopped");
     result
+}
+
+/// Probes the database URL for a pooler that lends sessions per transaction before
+/// anything relies on a session ([`crate::postgres::pooling`]); `Some(refusal)` when it
+/// does. A database that cannot be reached yet is waited for (the work loops would
+/// wait too); a shutdown meanwhile ends the wait with `None`.
+async fn pooled_sessions(
+    settings: &Settings,
+    stop: &watch::Receiver<bool>,
+    health: &http::Health,
+) -> Option<String> {
+    use crate::postgres;
+    let connect = || postgres::connect(&settings.database_url, &settings.url_env, &settings.pg_tls);
+    loop {
+        let probed = async {
+            let (a, b) = (connect().await?, connect().await?);
+            postgres::pooling::pooled_sessions(&a, &b).await
+        };
+        match probed.await {
+            Ok(verdict) => return verdict.map(|why| postgres::pooling::refusal(&why)),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot reach the database yet; retrying");
+                nap(stop, health, std::time::Duration::from_secs(2)).await;
+                if *stop.borrow() {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 /// Sleeps for `pause`, waking early on shutdown, and counts as the work loop turning

@@ -540,18 +540,22 @@ pub async fn amqp_connect() -> lapin::Connection {
 
 /// Declares durable queue `test-<random>` on a new connection and channel.
 pub async fn fresh_queue() -> TestQueue {
+    queue_on(amqp_connect().await, &format!("test-{}", unique_suffix())).await
+}
+
+/// Declares durable queue `name` (or finds it) on a new channel of `connection`: a
+/// fresh queue, or one read again after its node restarted.
+pub async fn queue_on(connection: lapin::Connection, name: &str) -> TestQueue {
     use lapin::options::QueueDeclareOptions;
     use lapin::types::FieldTable;
 
-    let connection = amqp_connect().await;
     let channel = connection
         .create_channel()
         .await
         .unwrap_or_else(|err| panic!("RabbitMQ: opening a channel failed: {err}"));
-    let name = format!("test-{}", unique_suffix());
     channel
         .queue_declare(
-            name.as_str().into(),
+            name.into(),
             QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
@@ -563,7 +567,23 @@ pub async fn fresh_queue() -> TestQueue {
     TestQueue {
         connection,
         channel,
-        name,
+        name: name.to_owned(),
+    }
+}
+
+/// Connects to the RabbitMQ node at `url` (a private one).
+pub async fn amqp_connect_to(url: &str) -> lapin::Connection {
+    let connecting = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting).await {
+        Ok(Ok(connection)) => connection,
+        Ok(Err(err)) => panic!(
+            "RabbitMQ at {} refused the test connection: {err}",
+            host_port(url)
+        ),
+        Err(_) => panic!(
+            "RabbitMQ at {} did not finish the handshake",
+            host_port(url)
+        ),
     }
 }
 

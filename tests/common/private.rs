@@ -517,3 +517,237 @@ impl Drop for PrivateKafka {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// PgBouncer
+
+/// A private PgBouncer (Debian's) in front of the rig's PostgreSQL, every database
+/// name passed through, trust auth as user `postgres`. It runs as the `postgres` user
+/// (PgBouncer refuses root), exec'd by `setpriv` so the child's PID is PgBouncer's.
+pub struct PrivatePgBouncer {
+    pub port: u16,
+    child: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivatePgBouncer {
+    /// Starts one with `pool_mode` (`session`, `transaction` or `statement`). The
+    /// operator's startup `options` are ignored, as a PgBouncer set up for clients that
+    /// send them is configured.
+    pub fn start(pool_mode: &str) -> PrivatePgBouncer {
+        let binary = Path::new("/usr/sbin/pgbouncer");
+        assert!(
+            binary.is_file(),
+            "{} is missing: run tests/rig/provision.sh (as root it installs Debian's pgbouncer)",
+            binary.display()
+        );
+        let rig = Rig::load();
+        let upstream: tokio_postgres::Config = rig
+            .pg_url()
+            .parse()
+            .unwrap_or_else(|e| panic!("the rig's PostgreSQL URL: {e}"));
+        let pg_port = upstream.get_ports().first().copied().unwrap_or(5432);
+        let dir = shared_tempdir("outbox-private-pgbouncer-");
+        let port = free_port();
+        let users = dir.path().join("users.txt");
+        std::fs::write(&users, "\"postgres\" \"\"\n")
+            .unwrap_or_else(|e| panic!("writing {}: {e}", users.display()));
+        let ini = dir.path().join("pgbouncer.ini");
+        std::fs::write(
+            &ini,
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={pg_port}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {}\npool_mode = {pool_mode}\n\
+                 max_client_conn = 200\ndefault_pool_size = 10\n\
+                 ignore_startup_parameters = extra_float_digits,options\n",
+                users.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("writing {}: {e}", ini.display()));
+        let log = dir.path().join("pgbouncer.log");
+        let child = Command::new("setpriv")
+            .args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
+            .arg(binary)
+            .arg(&ini)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log_file(&log)))
+            .stderr(Stdio::from(log_file(&log)))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start pgbouncer: {e}"));
+        wait_listening("PgBouncer", port, Duration::from_secs(20), &log);
+        PrivatePgBouncer {
+            port,
+            child,
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// `url` (a URL of the rig's PostgreSQL) through this PgBouncer instead.
+    pub fn url_for(&self, url: &str) -> String {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .unwrap_or_else(|e| panic!("not a PostgreSQL URL: {e}"));
+        let database = config.get_dbname().unwrap_or("postgres");
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// What it logged.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl Drop for PrivatePgBouncer {
+    fn drop(&mut self) {
+        terminate(&mut self.child, Duration::from_secs(5));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RabbitMQ
+
+/// A private RabbitMQ node (Debian's) with its own epmd, node name, ports, data and
+/// cookie, run as the `rabbitmq` user like the rig's. `guest` logs in from loopback.
+pub struct PrivateRabbitMq {
+    pub port: u16,
+    dist_port: u16,
+    epmd_port: u16,
+    epmd: Child,
+    child: Option<Child>,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl PrivateRabbitMq {
+    pub fn start_new() -> PrivateRabbitMq {
+        let server = Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server");
+        assert!(
+            server.is_file(),
+            "{} is missing: run tests/rig/provision.sh (as root it installs Debian's rabbitmq-server)",
+            server.display()
+        );
+        let dir = shared_tempdir("outbox-private-rabbitmq-");
+        for sub in ["mnesia", "log"] {
+            std::fs::create_dir_all(dir.path().join(sub))
+                .unwrap_or_else(|e| panic!("creating {sub}: {e}"));
+        }
+        std::fs::write(dir.path().join("enabled_plugins"), "[].\n")
+            .unwrap_or_else(|e| panic!("enabled_plugins: {e}"));
+        std::fs::write(
+            dir.path().join("rabbitmq.conf"),
+            "loopback_users.guest = true\n",
+        )
+        .unwrap_or_else(|e| panic!("rabbitmq.conf: {e}"));
+        run_ok(
+            Command::new("chown")
+                .args(["-R", "rabbitmq:rabbitmq"])
+                .arg(dir.path()),
+            "chown rabbitmq on the private RabbitMQ folder",
+        );
+        let epmd_port = free_port();
+        let log = dir.path().join("rabbitmq.log");
+        let epmd = Command::new("setpriv")
+            .args([
+                "--reuid=rabbitmq",
+                "--regid=rabbitmq",
+                "--init-groups",
+                "epmd",
+            ])
+            .args(["-address", "127.0.0.1", "-port", &epmd_port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(log_file(&log))
+            .stderr(log_file(&log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start epmd: {e}"));
+        wait_listening("epmd", epmd_port, Duration::from_secs(10), &log);
+        let mut node = PrivateRabbitMq {
+            port: free_port(),
+            dist_port: free_port(),
+            epmd_port,
+            epmd,
+            child: None,
+            log,
+            dir,
+        };
+        node.start();
+        node
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Starts the node on its ports and data; returns once it accepts AMQP connections
+    /// (the listener opens last in the boot).
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "private RabbitMQ already running");
+        let d = self.dir.path();
+        let erl_args = format!(
+            "-kernel inet_dist_use_interface {{127,0,0,1}} -kernel inet_dist_listen_min {0} -kernel inet_dist_listen_max {0}",
+            self.dist_port
+        );
+        let child = Command::new("setpriv")
+            .args(["--reuid=rabbitmq", "--regid=rabbitmq", "--init-groups"])
+            .arg("/usr/lib/rabbitmq/bin/rabbitmq-server")
+            .env("HOME", d)
+            .env(
+                "RABBITMQ_NODENAME",
+                format!("outbox-private-{}@localhost", self.port),
+            )
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("ERL_EPMD_ADDRESS", "127.0.0.1")
+            .env("ERL_EPMD_PORT", self.epmd_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_PID_FILE", d.join("rabbitmq.pid"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_ADVANCED_CONFIG_FILE", d.join("advanced.config"))
+            .env("RABBITMQ_CONF_ENV_FILE", d.join("rabbitmq-env.conf"))
+            .env("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", erl_args)
+            .stdin(Stdio::null())
+            .stdout(log_file(&self.log))
+            .stderr(log_file(&self.log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start rabbitmq-server: {e}"));
+        self.child = Some(child);
+        wait_listening("RabbitMQ", self.port, Duration::from_secs(120), &self.log);
+    }
+
+    /// Stops the node (SIGTERM: the wrapper script stops it cleanly, durable queues and
+    /// persistent messages are kept) and waits until its port is closed.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(60));
+        }
+        self.kill_node();
+        wait_closed("RabbitMQ", self.port, Duration::from_secs(30));
+    }
+
+    /// SIGKILLs the Erlang VM by its pid file (the wrapper script's child).
+    fn kill_node(&self) {
+        if let Some(pid) = std::fs::read_to_string(self.dir.path().join("rabbitmq.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+        {
+            signal(pid, "-KILL");
+        }
+    }
+}
+
+impl Drop for PrivateRabbitMq {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.kill_node();
+        let _ = self.epmd.kill();
+        let _ = self.epmd.wait();
+    }
+}

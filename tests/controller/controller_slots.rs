@@ -1127,3 +1127,76 @@ async fn deleting_the_namespace_drops_the_slot_and_leaves_nothing() {
     })
     .await;
 }
+
+/// A database URL that reaches PgBouncer in transaction pooling: session advisory locks
+/// would neither hold nor fence there, so the relay is refused with a condition that
+/// says so and no Deployment is made; pointed at a session-mode pool, it goes ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_pooling_pgbouncer_is_refused_with_a_condition() {
+    use common::private::PrivatePgBouncer;
+    with_controller(|client, ns, _metrics| async move {
+        let db = outbox_database().await;
+        let transaction = PrivatePgBouncer::start("transaction");
+        let session = PrivatePgBouncer::start("session");
+        operator::create_secret(
+            &client,
+            &ns,
+            "db",
+            &[("uri", &transaction.url_for(&db.url))],
+        )
+        .await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+        operator::apply_relay(&client, &ns, &manifest("pooled", json!({"polling": {}}))).await;
+        let relay = wait_relay(
+            &relays,
+            "pooled",
+            "DatabaseReady=False/TransactionPooling",
+            |r| {
+                condition(r, "DatabaseReady")
+                    .is_some_and(|c| c.status == "False" && c.reason == "TransactionPooling")
+            },
+        )
+        .await;
+        let ready = condition(&relay, "Ready").unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "TransactionPooling"),
+            "{}",
+            describe(&relay)
+        );
+        assert!(ready.message.contains("session mode"), "{}", ready.message);
+        assert!(
+            !ready.message.contains("postgres://"),
+            "no URL in status: {}",
+            ready.message
+        );
+        assert!(matches!(
+            deployments.get_opt("pooled-relay").await,
+            Ok(None)
+        ));
+        Api::<Secret>::namespaced(client.clone(), &ns)
+            .patch(
+                "db",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"stringData": {"uri": session.url_for(&db.url)}})),
+            )
+            .await
+            .unwrap();
+        wait_relay(
+            &relays,
+            "pooled",
+            "DatabaseReady=True behind session pooling",
+            |r| condition(r, "DatabaseReady").is_some_and(|c| c.status == "True"),
+        )
+        .await;
+        assert!(matches!(
+            deployments.get_opt("pooled-relay").await,
+            Ok(Some(_))
+        ));
+        delete_and_wait_gone(&relays, "pooled").await;
+        drop((transaction, session));
+        db.drop_database().await;
+    })
+    .await;
+}

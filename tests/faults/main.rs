@@ -9,9 +9,8 @@
 //!   bootstrap address does not cover: Kafka gets the restart below);
 //! - `db_restart`: a private PostgreSQL stopped and started again (3 s down) between
 //!   two halves of the load;
-//! - `broker_restart`: a private Kafka or NATS server stopped and started again (3 s
-//!   down) under the load. (RabbitMQ: the rig starts one node; a private one is not
-//!   built yet.)
+//! - `broker_restart`: a private Kafka, NATS or RabbitMQ server stopped and started
+//!   again (3 s down) under the load.
 //!
 //! An independent consumer (the test's own client of each broker) then reads every
 //! message: every committed event must have arrived, each aggregate's events in commit

@@ -5,7 +5,7 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::app_writer::{AppWriter, WriterOptions};
-use common::private::{PrivateKafka, PrivateNats, PrivatePostgres};
+use common::private::{PrivateKafka, PrivateNats, PrivatePostgres, PrivateRabbitMq};
 use common::proxy::TcpProxy;
 use common::{RelayBroker, RelayOptions, RelayProcess, SlotGuard};
 use rand::Rng;
@@ -45,9 +45,14 @@ enum Fault {
 
 /// Where the scenario's messages go, and the test's own consumer of them.
 enum Sink {
-    Kafka { bootstrap: String, topic: String },
+    Kafka {
+        bootstrap: String,
+        topic: String,
+    },
     Nats(Box<common::TestStream>),
-    Amqp(Box<common::TestQueue>),
+    /// The queue, and the URL of a private node to read it again from after a restart
+    /// (the first connection did not survive it).
+    Amqp(Box<common::TestQueue>, Option<String>),
 }
 
 impl Sink {
@@ -60,7 +65,11 @@ impl Sink {
                     .unwrap_or_else(|e| panic!("Kafka consumer task: {e}"))
             }
             Sink::Nats(stream) => common::consume_nats(stream).await,
-            Sink::Amqp(queue) => common::consume_amqp(queue).await,
+            Sink::Amqp(queue, None) => common::consume_amqp(queue).await,
+            Sink::Amqp(queue, Some(url)) => {
+                let again = common::queue_on(common::amqp_connect_to(url).await, &queue.name).await;
+                common::consume_amqp(&again).await
+            }
         }
     }
 }
@@ -70,6 +79,7 @@ enum Private {
     Postgres(PrivatePostgres),
     Kafka(PrivateKafka),
     Nats(PrivateNats),
+    RabbitMq(PrivateRabbitMq),
 }
 
 impl Private {
@@ -78,12 +88,14 @@ impl Private {
             Private::Postgres(s) => s.stop(),
             Private::Kafka(s) => s.stop(),
             Private::Nats(s) => s.stop(),
+            Private::RabbitMq(s) => s.stop(),
         });
         std::thread::sleep(DOWN_FOR);
         tokio::task::block_in_place(|| match self {
             Private::Postgres(s) => s.start(),
             Private::Kafka(s) => s.start(),
             Private::Nats(s) => s.start(),
+            Private::RabbitMq(s) => s.start(),
         });
     }
 }
@@ -154,6 +166,17 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
             private = Some(Private::Nats(nats));
             (url, Sink::Nats(Box::new(stream)))
         }
+        (Broker::RabbitMq, Fault::BrokerRestart) => {
+            let node = tokio::task::block_in_place(PrivateRabbitMq::start_new);
+            let url = node.url();
+            let queue = common::queue_on(
+                common::amqp_connect_to(&url).await,
+                &format!("test-{}", common::unique_suffix()),
+            )
+            .await;
+            private = Some(Private::RabbitMq(node));
+            (url.clone(), Sink::Amqp(Box::new(queue), Some(url)))
+        }
         (Broker::Kafka, _) => (
             rig.kafka_bootstrap().to_owned(),
             Sink::Kafka {
@@ -167,7 +190,7 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         ),
         (Broker::RabbitMq, _) => (
             rig.amqp_url().to_owned(),
-            Sink::Amqp(Box::new(common::fresh_queue().await)),
+            Sink::Amqp(Box::new(common::fresh_queue().await), None),
         ),
     };
     let db_proxy = match fault {
@@ -190,7 +213,7 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
             url: broker_url.clone(),
             subject: format!("{}.{{aggregateType}}", stream.subject_prefix),
         },
-        Sink::Amqp(queue) => RelayBroker::Amqp {
+        Sink::Amqp(queue, _) => RelayBroker::Amqp {
             url: broker_url.clone(),
             exchange: common::fresh_exchange_for(queue).await,
             routing_key: "outbox.{aggregateType}".to_owned(),
@@ -382,4 +405,16 @@ scenario!(
     BrokerRestart,
     LogTailing,
     Nats
+);
+scenario!(
+    broker_restart_polling_rabbitmq,
+    BrokerRestart,
+    Polling,
+    RabbitMq
+);
+scenario!(
+    broker_restart_log_tailing_rabbitmq,
+    BrokerRestart,
+    LogTailing,
+    RabbitMq
 );

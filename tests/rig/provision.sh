@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs or builds everything the tests need, once; later runs find it cached and
-# return in seconds. Debian packages: PostgreSQL, NATS, RabbitMQ, Prometheus, kcat.
+# return in seconds. Debian packages: PostgreSQL, PgBouncer, NATS, RabbitMQ, Prometheus, kcat.
 # Built from source with Go: etcd, kube-apiserver, kube-controller-manager, kubectl,
 # helm. Resolved with Maven: Apache Kafka and its runtime jars.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -22,6 +22,8 @@ dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
 dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
 dpkg -s g++ >/dev/null 2>&1 || missing+=(g++)
 command -v runuser >/dev/null || missing+=(util-linux)
+# PgBouncer: the relay must refuse a transaction-pooling pooler (no session to fence with).
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || die "missing Debian packages (${missing[*]}) and not root to install them"
   log "installing Debian packages: ${missing[*]}"
