@@ -19,7 +19,7 @@ use tokio_postgres::Client;
 use tracing::{debug, warn};
 
 use super::Context;
-use super::status::{CONDITION_SLOT_READY, Cond};
+use super::status::Cond;
 use crate::api::OutboxRelay;
 use crate::postgres::admin::SlotPlan;
 use crate::postgres::admin::{self, Backlog, Check, Facts, Origin, Owner, Plan};
@@ -563,41 +563,39 @@ pub(super) fn cleanup_target(relay: &OutboxRelay) -> Option<SlotPlan> {
     Plan::for_relay(&valid).log_tailing
 }
 
-/// The relay that waits for this one's slot: not being deleted, its `SlotReady` says
-/// `SlotClaimed` by this relay, and its spec names the same slot and publication (a
-/// rename that keeps `slotName`, applied before the old name was deleted).
+/// The relay that takes this one's slot over: not being deleted, its spec names the
+/// same slot and publication, and its Secret the same database (`host:port/database`).
+/// That is a rename keeping `slotName`, applied before or after the old name was
+/// deleted: decided from the specs alone, so it does not matter whether the new relay
+/// has been reconciled yet.
 async fn successor(
     relay: &OutboxRelay,
     lt: &SlotPlan,
+    conn: &Conn,
     ctx: &Context,
 ) -> Result<Option<Owner>, kube::Error> {
     let api: Api<OutboxRelay> = match &ctx.watch_namespace {
         Some(ns) => Api::namespaced(ctx.client.clone(), ns),
         None => Api::all(ctx.client.clone()),
     };
-    let me = owner(relay);
-    let named = format!("OutboxRelay {}/{},", me.namespace, me.name);
-    let found = api
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .find(|r| {
-            r.uid() != relay.uid()
-                && r.metadata.deletion_timestamp.is_none()
-                && r.status.as_ref().is_some_and(|s| {
-                    s.conditions.iter().any(|c| {
-                        c.type_ == CONDITION_SLOT_READY
-                            && c.reason == "SlotClaimed"
-                            && c.message.contains(&named)
-                    })
-                })
-                && crate::spec::parse(r)
-                    .ok()
-                    .and_then(|v| Plan::for_relay(&v).log_tailing)
-                    .is_some_and(|p| p.slot == lt.slot && p.publication == lt.publication)
-        });
-    Ok(found.as_ref().map(owner))
+    let database = database_key(&conn.url);
+    for candidate in api.list(&ListParams::default()).await?.items {
+        let same_slot = candidate.uid() != relay.uid()
+            && candidate.metadata.deletion_timestamp.is_none()
+            && crate::spec::parse(&candidate)
+                .ok()
+                .and_then(|v| Plan::for_relay(&v).log_tailing)
+                .is_some_and(|p| p.slot == lt.slot && p.publication == lt.publication);
+        if !same_slot {
+            continue;
+        }
+        if let Some(theirs) = read_connection(&candidate, ctx).await?
+            && database_key(&theirs.url) == database
+        {
+            return Ok(Some(owner(&candidate)));
+        }
+    }
+    Ok(None)
 }
 
 /// The annotation that lets a relay go while its slot cannot be dropped (the database
@@ -672,7 +670,7 @@ pub(super) async fn drop_external(
             )));
         }
     };
-    if let Some(next) = successor(relay, lt, ctx).await? {
+    if let Some(next) = successor(relay, lt, &conn, ctx).await? {
         match admin::hand_over(&client, &lt.slot, &lt.publication, &owner(relay), &next).await {
             Ok(true) => {
                 return Ok(Cleanup::Done(

@@ -41,6 +41,10 @@ pub(super) struct Decision {
     /// Take the handover snapshot once the provisioning ran (a switch from polling to
     /// log tailing has just created the slot) and record it in the slot status.
     pub take_snapshot: bool,
+    /// The children to apply are the back-fill relay's ([`ValidRelay::backfill`]): a
+    /// new slot streams only later commits, and rows committed before it are published
+    /// by polling first.
+    pub backfill: bool,
     /// When to look again.
     pub next: Next,
 }
@@ -97,6 +101,7 @@ pub(super) fn decide(
             apply_children: false,
             slot: kept_slot,
             take_snapshot: false,
+            backfill: false,
             next: Next::SecretRetry,
         };
     }
@@ -229,8 +234,21 @@ pub(super) fn decide(
                     ..s
                 }),
                 take_snapshot,
+                backfill: false,
                 next: Next::Soon,
             };
+        }
+        if let Some(decision) = backfill_first(
+            lt,
+            valid,
+            &actions,
+            last_slot,
+            facts,
+            observed,
+            [&database, &secrets.broker],
+            slot_cond.as_ref(),
+        ) {
+            return decision;
         }
     } else if let Some(kept) = kept_slot.as_ref().filter(|_| observed.children.rolled_out) {
         // Switched to polling, and no pod tails the log any more: the slot would only
@@ -313,8 +331,98 @@ pub(super) fn decide(
         apply_children: true,
         slot,
         take_snapshot: false,
+        backfill: false,
         next: Next::Refresh,
     }
+}
+
+/// A log-tailing slot created now (a new relay, one recreated or renamed after its slot
+/// was dropped, a slot dropped by hand) streams only what commits after it, while the
+/// table may hold rows committed before it and never published. With
+/// `deleteAfterPublish` the table is exactly the rows not published yet, so they are
+/// found: the snapshot taken right after the slot was created tells them apart, and
+/// while any is left the back-fill relay (polling the same table) runs instead of log
+/// tailing; the handover above then hands over to log tailing once they are published.
+/// `None`: nothing to back-fill (log tailing starts at once).
+#[allow(clippy::too_many_arguments)]
+fn backfill_first(
+    lt: &admin::SlotPlan,
+    valid: &ValidRelay,
+    actions: &[Action],
+    last_slot: Option<&SlotStatus>,
+    facts: &admin::Facts,
+    observed: &Observed,
+    conds: [&Cond; 2],
+    slot_cond: Option<&Cond>,
+) -> Option<Decision> {
+    let creating = actions
+        .iter()
+        .any(|a| matches!(a, Action::CreateSlot { .. }));
+    let snapshot = last_slot.and_then(|s| s.handover_snapshot.clone());
+    // The slot exists but no relay has run yet and no snapshot was recorded (taking it
+    // failed, or the operator stopped in between): a late snapshot only adds
+    // duplicates. Not for a slot taken over from a relay being deleted: its position
+    // carries what the old relay had not published, and its pods may still stream.
+    let never_ran = observed.children.deployment.is_none() && observed.claim != Claim::Released;
+    if observed.children.runs_polling
+        || valid.backfill().is_none()
+        || !(creating || snapshot.is_some() || never_ran)
+    {
+        return None;
+    }
+    let slot = SlotStatus {
+        name: lt.slot.clone(),
+        publication: Some(lt.publication.clone()),
+        handover_snapshot: snapshot.clone(),
+        ..SlotStatus::default()
+    };
+    let (message, take_snapshot, backfill) = match (&snapshot, facts.unpublished_before_slot) {
+        (Some(_), Some(0)) => return None,
+        (None, _) => (
+            format!(
+                "replication slot {} is created; rows committed before it are looked for before log tailing starts",
+                lt.slot
+            ),
+            true,
+            false,
+        ),
+        (Some(_), Some(rows)) => (
+            format!(
+                "{rows} rows committed before replication slot {} was created are not published yet (the slot streams only later commits): a polling relay publishes them first, then log tailing takes over",
+                lt.slot
+            ),
+            false,
+            true,
+        ),
+        (Some(_), None) => (
+            format!(
+                "the rows committed before replication slot {} was created could not be counted; looking again",
+                lt.slot
+            ),
+            false,
+            false,
+        ),
+    };
+    let mut conditions = vec![
+        Cond::no(
+            CONDITION_READY,
+            "BackfillingBeforeLogTailing",
+            message.clone(),
+        ),
+        Cond::no(CONDITION_DEGRADED, "BackfillingBeforeLogTailing", message),
+        conds[0].clone(),
+        conds[1].clone(),
+    ];
+    conditions.extend(slot_cond.cloned());
+    Some(Decision {
+        conditions,
+        provision: actions.to_vec(),
+        apply_children: backfill,
+        slot: Some(slot),
+        take_snapshot,
+        backfill,
+        next: Next::Soon,
+    })
 }
 
 /// While a switch from polling to log tailing waits: why (`None`: nothing left that
@@ -375,6 +483,7 @@ pub(super) fn provisioning_failed(
         apply_children: false,
         slot: last_slot.cloned(),
         take_snapshot: false,
+        backfill: false,
         next: Next::Refresh,
     }
 }
@@ -400,6 +509,7 @@ fn invalid(problems: &[Problem], slot: Option<SlotStatus>, next: Next) -> Decisi
         apply_children: false,
         slot,
         take_snapshot: false,
+        backfill: false,
         next,
     }
 }
@@ -423,6 +533,7 @@ fn not_ready(
         apply_children: false,
         slot,
         take_snapshot: false,
+        backfill: false,
         next,
     }
 }

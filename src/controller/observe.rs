@@ -127,24 +127,42 @@ async fn claim(
     let (DatabaseSeen::Seen(facts), Some(lt)) = (database, valid.mode.log_tailing()) else {
         return Ok(Claim::Free);
     };
-    let Some(marker) = facts
+    let ours =
+        |m: &Marker| m.owner.namespace == valid.namespace && m.owner.name == relay.name_any();
+    // The publication's marker for this slot, else another publication's marker naming
+    // the slot (same slotName, another publicationName): either way another relay's.
+    let on_publication = facts
         .publication
         .as_ref()
         .and_then(|p| p.comment.as_deref())
         .and_then(Marker::from_comment)
+        .filter(|m| m.slot == lt.slot);
+    let Some(marker) = on_publication
+        .into_iter()
+        .chain(facts.other_markers.iter().cloned())
+        .find(|m| !ours(m))
     else {
         return Ok(Claim::Free);
     };
-    let ours = marker.owner.namespace == valid.namespace && marker.owner.name == relay.name_any();
-    if ours || marker.slot != lt.slot {
-        return Ok(Claim::Free);
-    }
+    let other_publication = facts
+        .publication
+        .as_ref()
+        .and_then(|p| p.comment.as_deref())
+        .and_then(Marker::from_comment)
+        .is_none_or(|m| m != marker);
     let other = format!("{}/{}", marker.owner.namespace, marker.owner.name);
     let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &marker.owner.namespace);
     match api.get_opt(&marker.owner.name).await {
         Ok(Some(found)) if found.metadata.deletion_timestamp.is_none() => {
-            Ok(Claim::Held(format!("OutboxRelay {other}, which exists")))
+            Ok(Claim::Held(if other_publication {
+                format!("OutboxRelay {other} (through its own publication), which exists")
+            } else {
+                format!("OutboxRelay {other}, which exists")
+            }))
         }
+        // Gone: with its own publication there is no marker here to take over, and the
+        // slot is adopted as any slot that exists.
+        Ok(_) if other_publication => Ok(Claim::Free),
         Ok(_) => Ok(Claim::Released),
         // Not allowed to look (a namespace the operator does not watch): assume it
         // lives, the safe side for a slot.

@@ -202,17 +202,20 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         // snapshot taken from here on.
         match database::handover_snapshot(relay, ctx).await {
             Ok(snapshot) => {
+                let runs_polling = observed.as_ref().is_some_and(|o| o.children.runs_polling);
                 if let Some(slot) = decision.slot.as_mut() {
-                    ctx.publish(
-                        relay,
-                        EventType::Normal,
-                        "SwitchingToLogTailing",
-                        format!(
-                            "replication slot {} exists; the polling relay keeps running until every row committed before it is published, then log tailing takes over",
-                            slot.name
-                        ),
-                    )
-                    .await;
+                    if runs_polling {
+                        ctx.publish(
+                            relay,
+                            EventType::Normal,
+                            "SwitchingToLogTailing",
+                            format!(
+                                "replication slot {} exists; the polling relay keeps running until every row committed before it is published, then log tailing takes over",
+                                slot.name
+                            ),
+                        )
+                        .await;
+                    }
                     slot.handover_snapshot = Some(snapshot);
                 }
             }
@@ -220,6 +223,22 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
                 warn!(relay = %relay.name_any(), error = %err, "taking the handover snapshot failed; retrying");
             }
         }
+    }
+    // Rows committed before a new slot are published by the back-fill relay first.
+    if decision.backfill
+        && let (Ok(valid), Some(observed)) = (&parsed, &observed)
+        && let Some(fill) = valid.backfill()
+    {
+        let mut desired = build(&fill, &ctx.options)?;
+        annotate_secret_versions(&mut desired.deployment, &observed.secrets.versions);
+        ctx.publish(
+            relay,
+            EventType::Normal,
+            "BackfillingBeforeLogTailing",
+            "rows committed before the replication slot was created are in the table: a polling relay publishes them first, then log tailing takes over".to_owned(),
+        )
+        .await;
+        built = Some(desired);
     }
     let handing_over = decision.apply_children
         && last_slot

@@ -63,8 +63,23 @@ pub fn verdict(token: &str, a_set: &Seen, b_read: &Seen, a_read: &Seen) -> Optio
 /// Probes two connections of the same URL (see the module documentation). `Ok(None)`:
 /// real sessions; `Ok(Some(why))`: a pooler lends sessions per transaction.
 pub async fn pooled_sessions(a: &Client, b: &Client) -> Result<Option<String>, PgError> {
+    // Other clients of a busy pooler can hand the sessions around so that one round
+    // looks like two sessions of their own; a few rounds (each with a new token) make
+    // that unlikely.
+    for round in 0..ROUNDS {
+        if let Some(why) = probe_once(a, b, round).await? {
+            return Ok(Some(why));
+        }
+    }
+    Ok(None)
+}
+
+/// Probe rounds per check.
+const ROUNDS: u32 = 3;
+
+async fn probe_once(a: &Client, b: &Client, round: u32) -> Result<Option<String>, PgError> {
     let token = format!(
-        "{}-{}",
+        "{}-{round}-{}",
         std::process::id(),
         SystemTime::now()
             .duration_since(UNIX_EPOCH)

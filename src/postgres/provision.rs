@@ -292,6 +292,7 @@ mod tests {
                 comment,
             }),
             unpublished_before_slot: None,
+            other_markers: Vec::new(),
         }
     }
 

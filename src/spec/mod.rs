@@ -51,7 +51,8 @@ impl Policy {
 use std::time::Duration;
 
 use crate::api::{
-    AfterPublish, KafkaSpec, NatsSpec, OutboxRelay, RabbitMqSpec, SecretKeyRef, SslMode,
+    AfterPublish, KafkaSpec, NatsSpec, OutboxRelay, PollingSpec, RabbitMqSpec, SecretKeyRef,
+    SslMode,
 };
 use crate::rules::BrokerKind;
 use crate::secrets::{Content, Delivery, ENV_DATABASE_URL, SecretSlot, SecretUse};
@@ -306,6 +307,26 @@ impl ValidRelay {
             ValidMode::LogTailing(_) => self.relay.spec.replicas.min(1),
             ValidMode::Polling(_) => self.relay.spec.replicas,
         }
+    }
+
+    /// The polling relay that runs before log tailing starts on a new slot, to publish
+    /// the rows committed before the slot existed (a slot streams only later commits):
+    /// the same resource with `mode.polling` and `afterPublish: delete` instead, so the
+    /// table keeps meaning "not published yet", as log tailing's `deleteAfterPublish`
+    /// has it. `None` for polling, and for log tailing without `deleteAfterPublish`
+    /// (there the table does not tell published rows from the others).
+    pub fn backfill(&self) -> Option<ValidRelay> {
+        let lt = self.mode.log_tailing()?;
+        if !lt.delete_after_publish {
+            return None;
+        }
+        let mut relay = self.relay.clone();
+        relay.spec.mode.log_tailing = None;
+        relay.spec.mode.polling = Some(PollingSpec {
+            after_publish: AfterPublish::Delete,
+            ..PollingSpec::default()
+        });
+        parse(&relay).ok()
     }
 
     /// Every Secret reference of the relay, as the catalogue in [`secrets`] describes it.

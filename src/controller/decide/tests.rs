@@ -83,6 +83,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             comment,
         }),
         unpublished_before_slot: None,
+        other_markers: Vec::new(),
     }))
 }
 
@@ -147,7 +148,21 @@ fn create_provisions_publication_then_slot_before_any_child() {
         "{d:?}"
     );
     assert!(matches!(d.provision[1], Action::CreateSlot { .. }), "{d:?}");
-    assert!(d.apply_children);
+    // Before any child, the snapshot that tells rows before the slot from later ones.
+    assert!(!d.apply_children && d.take_snapshot);
+    assert_eq!(d.next, Next::Soon);
+    // Nothing committed before the slot is left: the relay is applied.
+    let last = SlotStatus {
+        handover_snapshot: Some("100:100:".into()),
+        ..slot_status("outbox_shop_orders")
+    };
+    let mut database = facts("logical", Some(Some(our_marker())), true);
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = Some(0);
+    }
+    let o = observed(secrets_ok(), database, -1);
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(d.provision.is_empty() && d.apply_children, "{d:?}");
     assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
     assert_eq!(ready(&d), ("False", "RelayUnavailable"));
     assert_eq!(d.next, Next::Refresh);
@@ -318,10 +333,71 @@ fn a_switch_to_log_tailing_keeps_polling_until_what_the_slot_misses_is_published
     let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
     assert!(d.apply_children && !d.take_snapshot);
     assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
-    // No polling pods (a new relay, or log tailing already running): no handover.
+    // Log tailing already running (the slot exists, no polling pods): nothing to do.
     o.children.runs_polling = false;
+    o.database = facts("logical", None, true);
     let d = run(&relay("logTailing", 1), None, Some(&o));
-    assert!(d.apply_children && !d.take_snapshot);
+    assert!(d.apply_children && !d.take_snapshot && !d.backfill);
+}
+
+#[test]
+fn a_new_slot_back_fills_the_rows_committed_before_it_with_polling_first() {
+    // A new relay (or a slot dropped by hand): no slot, no polling pods.
+    let mut o = observed(secrets_ok(), facts("logical", None, false), 1);
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(matches!(d.provision[1], Action::CreateSlot { .. }), "{d:?}");
+    assert!(!d.apply_children && d.take_snapshot && !d.backfill, "{d:?}");
+    // From here the slot exists (marked by then; the plan needs no more SQL).
+    let mut database = facts("logical", Some(Some(our_marker())), true);
+    assert_eq!(ready(&d), ("False", "BackfillingBeforeLogTailing"));
+    assert_eq!(d.next, Next::Soon);
+    // The table holds rows committed before the slot: the back-fill relay runs.
+    let last = SlotStatus {
+        handover_snapshot: Some("100:110:".into()),
+        ..slot_status("outbox_shop_orders")
+    };
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = Some(3);
+    }
+    o.database = database.clone();
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(d.apply_children && d.backfill && !d.take_snapshot, "{d:?}");
+    assert_eq!(d.slot, Some(last.clone()));
+    assert!(d.conditions[0].message.contains("3 rows committed before"));
+    // Its pods poll now: the handover waits for them as for a switch from polling.
+    o.children.runs_polling = true;
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(!d.apply_children && !d.backfill);
+    assert_eq!(ready(&d), ("False", "SwitchingToLogTailing"));
+    // Nothing before the slot (an empty table, or drained): log tailing at once.
+    o.children.runs_polling = false;
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.unpublished_before_slot = Some(0);
+    }
+    o.database = database;
+    let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+    assert!(d.apply_children && !d.backfill);
+    assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
+    // The slot exists but no relay ever ran and no snapshot was recorded (taking it
+    // failed): a late snapshot, then the same path.
+    let o = observed(
+        secrets_ok(),
+        facts("logical", Some(Some(our_marker())), true),
+        -1,
+    );
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert!(d.take_snapshot && !d.apply_children, "{d:?}");
+    // Without deleteAfterPublish the table is no backlog: nothing to back-fill.
+    let mut keep = relay("logTailing", 1);
+    keep.spec
+        .mode
+        .log_tailing
+        .as_mut()
+        .unwrap()
+        .delete_after_publish = false;
+    let o = observed(secrets_ok(), facts("logical", None, false), 1);
+    let d = run(&keep, None, Some(&o));
+    assert!(d.apply_children && !d.take_snapshot && !d.backfill);
 }
 
 #[test]

@@ -280,6 +280,7 @@ mod tests {
             slot: None,
             publication: None,
             unpublished_before_slot: None,
+            other_markers: Vec::new(),
         }
     }
 

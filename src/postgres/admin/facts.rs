@@ -84,7 +84,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             }
         }
     };
-    let (mut slot, mut publication) = (None, None);
+    let (mut slot, mut publication, mut other_markers) = (None, None, Vec::new());
     if let Some(lt) = &plan.log_tailing {
         slot = client
             .query_opt(
@@ -100,6 +100,12 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 slot_type: r.get(2),
             });
         publication = read_publication(client, &lt.publication, plan).await?;
+        other_markers = super::list_marked(client)
+            .await?
+            .into_iter()
+            .filter(|m| m.publication != lt.publication && m.marker.slot == lt.slot)
+            .map(|m| m.marker)
+            .collect();
     }
     Ok(Facts {
         server,
@@ -107,6 +113,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         slot,
         publication,
         unpublished_before_slot: None,
+        other_markers,
     })
 }
 

@@ -170,12 +170,20 @@ impl Plan {
                     privileges.push(("DELETE", "retention deletes old published rows"));
                 }
                 AfterPublish::Delete => {
+                    privileges.push((
+                        "UPDATE",
+                        "polling locks a batch's rows (SELECT … FOR UPDATE SKIP LOCKED)",
+                    ));
                     privileges.push(("DELETE", "polling with afterPublish: delete"));
                 }
             },
             ValidMode::LogTailing(l) => {
                 if l.delete_after_publish {
                     privileges.push(("DELETE", "log tailing with deleteAfterPublish"));
+                    privileges.push((
+                        "UPDATE",
+                        "before a new slot streams, a polling relay back-fills the rows committed earlier (SELECT … FOR UPDATE)",
+                    ));
                 }
                 log_tailing = Some(SlotPlan {
                     slot: l.slot.clone(),
@@ -359,6 +367,9 @@ pub struct Facts {
     /// While switching from polling to log tailing: unpublished rows committed before
     /// the slot was created (`None`: not counted).
     pub unpublished_before_slot: Option<i64>,
+    /// Markers of *other* publications of this database that name the slot (another
+    /// relay with the same `slotName` but its own publication).
+    pub other_markers: Vec<Marker>,
 }
 
 #[cfg(test)]
