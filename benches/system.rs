@@ -79,6 +79,49 @@ struct ThroughputCase {
     target: Target,
     partitions: i32,
     replicas: usize,
+    /// Payload bytes of each event (JSON).
+    payload: usize,
+    /// Rows deleted once published (polling `afterPublish: delete`, log tailing
+    /// `deleteAfterPublish`), else marked (polling) or left (log tailing).
+    delete: bool,
+}
+
+impl ThroughputCase {
+    fn label(&self) -> String {
+        format!(
+            "{} -> {}, {} partitions, {} replica{}, {} payloads, {}",
+            self.mode.label(),
+            self.target.label(),
+            self.partitions,
+            self.replicas,
+            if self.replicas == 1 { "" } else { "s" },
+            bytes(self.payload),
+            if self.delete {
+                "delete after publish"
+            } else {
+                "rows kept"
+            }
+        )
+    }
+}
+
+/// `256 B`, `1 KiB`, `16 KiB`.
+fn bytes(n: usize) -> String {
+    if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{} KiB", n / 1024)
+    } else {
+        format!("{n} B")
+    }
+}
+
+/// What one throughput run measured.
+#[derive(Clone, Copy, Debug, Default)]
+struct Throughput {
+    events_per_s: f64,
+    /// Relay CPU seconds (user + system, every replica) per 100,000 events published.
+    cpu_s_per_100k: f64,
+    /// The largest peak RSS (VmHWM) of the relay processes.
+    peak_rss_mib: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -110,6 +153,19 @@ impl Plan {
             target,
             partitions,
             replicas,
+            payload: 1024,
+            delete: false,
+        };
+        // The headline workload (issue #17): a typical outbox, 1 KiB JSON over 1,000
+        // aggregates, keyed records to 4 Kafka partitions, acks=all idempotent producer,
+        // rows deleted after publish; PostgreSQL and Kafka on the same machine.
+        let headline = |mode, replicas, payload, delete| ThroughputCase {
+            mode,
+            target: Target::Kafka,
+            partitions: 4,
+            replicas,
+            payload,
+            delete,
         };
         let lc = |mode, target, rate| LatencyCase { mode, target, rate };
         if !full {
@@ -123,6 +179,8 @@ impl Plan {
                 latency_warmup: Duration::from_millis(500),
                 relays: 5,
                 throughput: vec![
+                    headline(Mode::LogTailing, 1, 1024, true),
+                    headline(polling(500), 2, 256, true),
                     tc(polling(500), Target::Kafka, 4, 2),
                     tc(Mode::LogTailing, Target::Nats, 4, 1),
                 ],
@@ -146,6 +204,15 @@ impl Plan {
             latency_warmup: Duration::from_secs(2),
             relays: 500,
             throughput: vec![
+                headline(Mode::LogTailing, 1, 1024, true),
+                headline(Mode::LogTailing, 1, 1024, false),
+                headline(polling(500), 2, 1024, true),
+                headline(polling(500), 2, 1024, false),
+                headline(polling(500), 1, 1024, true),
+                headline(Mode::LogTailing, 1, 256, true),
+                headline(Mode::LogTailing, 1, 16384, true),
+                headline(polling(500), 2, 256, true),
+                headline(polling(500), 2, 16384, true),
                 tc(polling(500), Target::Kafka, 4, 1),
                 tc(polling(100), Target::Kafka, 4, 1),
                 tc(polling(2000), Target::Kafka, 4, 1),
@@ -215,16 +282,16 @@ async fn run(plan: Plan) {
     let part = |name: &str| only.is_empty() || only.split(',').any(|p| p.trim() == name);
     let mut throughput = Vec::new();
     for case in plan.throughput.iter().filter(|_| part("throughput")) {
-        let rate = relay_throughput(&plan, case).await;
+        let result = relay_throughput(&plan, case).await;
         eprintln!(
-            "  {} -> {}, {} partitions, {} replicas: {rate:.0} events/s ({:.0}% of the broker ceiling)",
-            case.mode.label(),
-            case.target.label(),
-            case.partitions,
-            case.replicas,
-            100.0 * rate / ceiling(case.target)
+            "  {}: {:.0} events/s ({:.0}% of the broker ceiling), {:.2} CPU s per 100k events, peak RSS {:.0} MiB",
+            case.label(),
+            result.events_per_s,
+            100.0 * result.events_per_s / ceiling(case.target),
+            result.cpu_s_per_100k,
+            result.peak_rss_mib
         );
-        throughput.push((*case, rate));
+        throughput.push((*case, result));
     }
 
     let mut latency = Vec::new();
@@ -323,16 +390,18 @@ fn row(id: i64) -> OutboxRow {
 
 /// Inserts rows `first..first + count` server-side, `ROWS_PER_TX` per transaction, with
 /// 1 KiB JSON payloads over `AGGREGATES` aggregates.
-async fn prefill(client: &tokio_postgres::Client, first: i64, count: i64) {
+async fn prefill(client: &tokio_postgres::Client, first: i64, count: i64, payload: usize) {
+    // The JSON around `data` takes about 49 bytes.
+    let data = payload.saturating_sub(49).max(1);
     let statement = client
-        .prepare(
+        .prepare(&format!(
             "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
              SELECT 'order', 'agg-' || (i % 1000), 'Happened', \
                     jsonb_build_object('aggregate', 'agg-' || (i % 1000), 'seq', i, \
-                                       'data', repeat('x', 975)), \
+                                       'data', repeat('x', {data})), \
                     '00-trace-01' \
-             FROM generate_series($1::int8, $2::int8) AS i",
-        )
+             FROM generate_series($1::int8, $2::int8) AS i"
+        ))
         .await
         .unwrap_or_else(|err| panic!("PostgreSQL: preparing the pre-fill failed: {err}"));
     let mut next = first;
@@ -523,7 +592,7 @@ struct Setup {
     cleanup: BrokerCleanup,
 }
 
-async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
+async fn setup(mode: Mode, target: Target, partitions: i32, delete: bool) -> Setup {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, partitions).await;
@@ -560,6 +629,9 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
         ..RelayOptions::default()
     };
     let mut yaml = common::relay_config_yaml(&broker, &options);
+    if delete {
+        yaml = yaml.replace("afterPublish: mark", "afterPublish: delete");
+    }
     let mut slot = None;
     if mode == Mode::LogTailing {
         let guard = common::SlotGuard::new(rig.pg_url(), "bench");
@@ -572,7 +644,7 @@ async fn setup(mode: Mode, target: Target, partitions: i32) -> Setup {
                 if line.starts_with("  mode:") {
                     format!(
                         "  mode: {{logTailing: {{slotName: {0}, publicationName: {0}, \
-                         heartbeatInterval: 1s, deleteAfterPublish: true}}}}",
+                         heartbeatInterval: 1s, deleteAfterPublish: {delete}}}}}",
                         guard.slot
                     )
                 } else {
@@ -685,9 +757,9 @@ async fn published(relays: &mut [Relay]) -> f64 {
 /// Sustained relay throughput: a backlog of `plan.backlog` rows waits in the table (or,
 /// for log tailing, in the slot) before the relays start; the rate is measured from the
 /// first published row until the backlog is drained or `plan.max_drain` has passed.
-async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> f64 {
-    let setup = setup(case.mode, case.target, case.partitions).await;
-    prefill(&setup.db.client, 1, plan.backlog).await;
+async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
+    let setup = setup(case.mode, case.target, case.partitions, case.delete).await;
+    prefill(&setup.db.client, 1, plan.backlog, case.payload).await;
     let mut relays: Vec<Relay> = (0..case.replicas).map(|_| setup.start_relay()).collect();
     let target = plan.backlog as f64;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -724,6 +796,25 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> f64 {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    // Cost: every CPU second the relay processes used since they started (start-up
+    // included, a few hundredths of a second), per event they published; and their
+    // high-water mark of resident memory.
+    let done = published(&mut relays).await;
+    let cpu: f64 = relays.iter().filter_map(|r| cpu_seconds(r.pid())).sum();
+    let peak_rss_mib = relays
+        .iter()
+        .filter_map(|r| status_kib(r.pid(), "VmHWM:"))
+        .map(|kib| kib as f64 / 1024.0)
+        .fold(0.0, f64::max);
+    let result = Throughput {
+        events_per_s: rate,
+        cpu_s_per_100k: if done > 0.0 {
+            cpu / done * 100_000.0
+        } else {
+            0.0
+        },
+        peak_rss_mib,
+    };
     if !plan.full {
         // The smoke run checks that every row made it, once the relays have drained.
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -752,7 +843,7 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> f64 {
         );
     }
     setup.teardown(relays).await;
-    rate
+    result
 }
 
 // ---------------------------------------------------------------------------------------
@@ -775,7 +866,7 @@ struct LatencyResult {
 /// notes each row's commit time; a consumer in this process notes each message's
 /// arrival; the relay's CPU and RSS are sampled from /proc meanwhile.
 async fn relay_latency(plan: &Plan, case: &LatencyCase) -> LatencyResult {
-    let setup = setup(case.mode, case.target, 4).await;
+    let setup = setup(case.mode, case.target, 4, true).await;
     let mut relay = setup.start_relay();
     if let Some(slot) = &setup.slot {
         wait_slot(&setup.db.client, &slot.slot, true, &relay.process).await;
@@ -1313,7 +1404,7 @@ struct Report {
     kafka_ceiling: f64,
     nats_ceiling: f64,
     pg_ceiling: f64,
-    throughput: Vec<(ThroughputCase, f64)>,
+    throughput: Vec<(ThroughputCase, Throughput)>,
     latency: Vec<(LatencyCase, LatencyResult)>,
     operator: OperatorResult,
     wall_seconds: f64,
@@ -1420,20 +1511,30 @@ impl Report {
             self.pg_ceiling
         ));
         line(String::new());
-        line("### Relay throughput (1 KiB JSON, 1,000 aggregates, perAggregate)".to_owned());
+        line("### Relay throughput and cost (JSON payloads over 1,000 aggregates, perAggregate; a backlog drained)".to_owned());
         line(String::new());
-        line("| mode | broker | partitions | replicas | events/s | of broker ceiling | of PG insert rate |".to_owned());
-        line("|---|---|---:|---:|---:|---:|---:|".to_owned());
-        for (case, rate) in &self.throughput {
+        line("The first rows are the headline workload: keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory.".to_owned());
+        line(String::new());
+        line("| mode | broker | partitions | replicas | payload | after publish | events/s | of broker ceiling | of PG insert rate | relay CPU s / 100k events | relay peak RSS MiB |".to_owned());
+        line("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|".to_owned());
+        for (case, r) in &self.throughput {
             line(format!(
-                "| {} | {} | {} | {} | {:.0} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {:.2} | {:.0} |",
                 case.mode.label(),
                 case.target.label(),
                 case.partitions,
                 case.replicas,
-                rate,
-                pct(rate / self.ceiling(case.target)),
-                pct(rate / self.pg_ceiling)
+                bytes(case.payload),
+                match (case.delete, case.mode) {
+                    (true, _) => "delete",
+                    (false, Mode::Polling { .. }) => "mark",
+                    (false, Mode::LogTailing) => "keep",
+                },
+                r.events_per_s,
+                pct(r.events_per_s / self.ceiling(case.target)),
+                pct(r.events_per_s / self.pg_ceiling),
+                r.cpu_s_per_100k,
+                r.peak_rss_mib
             ));
         }
         line(String::new());
@@ -1487,15 +1588,19 @@ impl Report {
                 "nats_publish_events_per_s": self.nats_ceiling,
                 "postgres_insert_rows_per_s": self.pg_ceiling,
             },
-            "throughput": self.throughput.iter().map(|(c, rate)| json!({
+            "throughput": self.throughput.iter().map(|(c, r)| json!({
                 "mode": match c.mode { Mode::Polling { .. } => "polling", Mode::LogTailing => "logTailing" },
                 "batch_size": match c.mode { Mode::Polling { batch } => Some(batch), Mode::LogTailing => None },
                 "broker": c.target.label(),
                 "partitions": c.partitions,
                 "replicas": c.replicas,
-                "events_per_s": rate,
-                "ratio_of_broker_ceiling": rate / self.ceiling(c.target),
-                "ratio_of_postgres_insert": rate / self.pg_ceiling,
+                "payload_bytes": c.payload,
+                "delete_after_publish": c.delete,
+                "events_per_s": r.events_per_s,
+                "ratio_of_broker_ceiling": r.events_per_s / self.ceiling(c.target),
+                "ratio_of_postgres_insert": r.events_per_s / self.pg_ceiling,
+                "relay_cpu_seconds_per_100k_events": r.cpu_s_per_100k,
+                "relay_peak_rss_mib": r.peak_rss_mib,
             })).collect::<Vec<_>>(),
             "latency": self.latency.iter().map(|(c, r)| json!({
                 "mode": match c.mode { Mode::Polling { .. } => "polling", Mode::LogTailing => "logTailing" },

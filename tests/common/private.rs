@@ -379,8 +379,15 @@ pub struct PrivateKafka {
 impl PrivateKafka {
     /// Writes the configuration, formats the storage and starts the broker.
     pub fn start_new() -> PrivateKafka {
-        let dir = shared_tempdir("outbox-private-kafka-");
         let port = free_port();
+        Self::start_advertising(port, port)
+    }
+
+    /// A broker listening on `port` that tells clients to connect to `advertised` (a
+    /// proxy in front of it, so that every connection a client makes after the
+    /// bootstrap goes through the proxy too).
+    pub fn start_advertising(port: u16, advertised: u16) -> PrivateKafka {
+        let dir = shared_tempdir("outbox-private-kafka-");
         let controller = free_port();
         let config = dir.path().join("server.properties");
         std::fs::write(
@@ -390,7 +397,7 @@ impl PrivateKafka {
 node.id=1
 controller.quorum.voters=1@127.0.0.1:{controller}
 listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}
-advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+advertised.listeners=PLAINTEXT://127.0.0.1:{advertised}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
@@ -486,7 +493,12 @@ appender.stdout.layout.pattern = [%d] %p %m (%c)%n
         let started = Instant::now();
         loop {
             let output = super::run_tool(&kcat, &["-b", &self.bootstrap(), "-L", "-m", "2"]);
-            if output.status.success() {
+            // After a restart the broker answers metadata before it leads its partitions
+            // again (KRaft unfences it a moment later): wait for a leader everywhere.
+            let text = String::from_utf8_lossy(&output.stdout);
+            let leaderless =
+                text.contains("leader -1") || text.contains("Broker: Leader not available");
+            if output.status.success() && !leaderless {
                 return;
             }
             if started.elapsed() > Duration::from_secs(60) {
@@ -749,5 +761,36 @@ impl Drop for PrivateRabbitMq {
         self.kill_node();
         let _ = self.epmd.kill();
         let _ = self.epmd.wait();
+    }
+}
+
+/// The last lines of each private server's log, for failure messages.
+impl PrivatePostgres {
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl PrivateNats {
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl PrivateKafka {
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl PrivateRabbitMq {
+    /// The node's own log (in its log folder) and what the wrapper printed.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let node = self
+            .dir
+            .path()
+            .join("log")
+            .join(format!("outbox-private-{}@localhost.log", self.port));
+        format!("{}\n{}", tail(&node, lines), tail(&self.log, 10))
     }
 }

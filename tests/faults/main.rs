@@ -4,9 +4,9 @@
 //! - `kill`: the relay SIGKILLed 20 times at random points and started again;
 //! - `db_cut`: the network between relay and PostgreSQL cut (every connection closed,
 //!   new ones refused) for 3 s, twice, through a TCP proxy (tests/common/proxy.rs);
-//! - `broker_cut`: the same between relay and broker (NATS and RabbitMQ; a Kafka client
-//!   reconnects to the addresses the broker advertises, which a proxy in front of the
-//!   bootstrap address does not cover: Kafka gets the restart below);
+//! - `broker_cut`: the same between relay and broker (for Kafka, whose clients connect
+//!   to the addresses the broker advertises, a private broker that advertises the
+//!   proxy);
 //! - `db_restart`: a private PostgreSQL stopped and started again (3 s down) between
 //!   two halves of the load;
 //! - `broker_restart`: a private Kafka, NATS or RabbitMQ server stopped and started

@@ -83,6 +83,16 @@ enum Private {
 }
 
 impl Private {
+    /// The server's own log, for a failure message.
+    fn log_tail(&self) -> String {
+        match self {
+            Private::Postgres(s) => s.log_tail(40),
+            Private::Kafka(s) => s.log_tail(40),
+            Private::Nats(s) => s.log_tail(40),
+            Private::RabbitMq(s) => s.log_tail(40),
+        }
+    }
+
     fn restart(&mut self) {
         tokio::task::block_in_place(|| match self {
             Private::Postgres(s) => s.stop(),
@@ -146,8 +156,24 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         common::create_replication(&client, &slot, &slot).await;
     }
     drop(client);
-    // The broker: the rig's, or a private one the fault restarts.
+    // The broker: the rig's, or a private one the fault restarts. A Kafka client
+    // connects to the addresses the broker advertises after the bootstrap, so a cut
+    // between relay and Kafka needs a private broker that advertises the proxy.
+    let mut kafka_proxy = None;
     let (broker_url, sink) = match (broker, fault) {
+        (Broker::Kafka, Fault::BrokerCut) => {
+            let port = common::private::free_port();
+            let proxy = TcpProxy::start(&format!("127.0.0.1:{port}")).await;
+            let advertised = proxy.addr.port();
+            let kafka =
+                tokio::task::block_in_place(|| PrivateKafka::start_advertising(port, advertised));
+            let bootstrap = proxy.addr.to_string();
+            let topic = format!("test-{}", common::unique_suffix());
+            common::create_topic(&bootstrap, &topic, 4, &[]).await;
+            private = Some(Private::Kafka(kafka));
+            kafka_proxy = Some(proxy);
+            (bootstrap.clone(), Sink::Kafka { bootstrap, topic })
+        }
         (Broker::Kafka, Fault::BrokerRestart) => {
             let kafka = tokio::task::block_in_place(PrivateKafka::start_new);
             let topic = format!("test-{}", common::unique_suffix());
@@ -197,13 +223,15 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         Fault::DbCut => Some(TcpProxy::start(common::host_port(&db_url)).await),
         _ => None,
     };
-    let broker_proxy = match fault {
-        Fault::BrokerCut => Some(TcpProxy::start(common::host_port(&broker_url)).await),
+    let broker_proxy = match (fault, kafka_proxy) {
+        (_, Some(proxy)) => Some(proxy),
+        (Fault::BrokerCut, None) => Some(TcpProxy::start(common::host_port(&broker_url)).await),
         _ => None,
     };
-    let broker_url = broker_proxy
-        .as_ref()
-        .map_or(broker_url.clone(), |p| through(&broker_url, p));
+    let broker_url = match &broker_proxy {
+        Some(p) if broker != Broker::Kafka => through(&broker_url, p),
+        _ => broker_url.clone(),
+    };
     let relay_broker = match &sink {
         Sink::Kafka { topic, .. } => RelayBroker::Kafka {
             bootstrap: broker_url.clone(),
@@ -254,6 +282,11 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
             let proxy = proxy.unwrap_or_else(|| panic!("no proxy for {fault:?}"));
             while injected < CUTS {
                 tokio::time::sleep(Duration::from_millis(1500)).await;
+                let before = proxy.accepted();
+                assert!(
+                    before > 0,
+                    "{fault:?}: the relay does not go through the proxy"
+                );
                 proxy.cut();
                 tokio::time::sleep(CUT_FOR).await;
                 proxy.heal();
@@ -292,21 +325,37 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
         Mode::Polling => "SELECT count(*) FROM public.outbox WHERE published_at IS NULL",
         Mode::LogTailing => "SELECT count(*) FROM public.outbox",
     };
-    common::wait_for_relays(
+    common::wait_for_some_or(
         "every committed event published",
         WAIT,
-        &[&relay],
+        || {
+            format!(
+                "\n--- relay log tail ---\n{}\n--- private server log tail ---\n{}",
+                relay.log_tail(40),
+                private.as_ref().map(Private::log_tail).unwrap_or_default()
+            )
+        },
         || async {
-            match common::pg_connect(&db_url).await {
+            let drained = match common::pg_connect(&db_url).await {
                 Ok(c) => c
                     .query_one(left_sql, &[])
                     .await
                     .is_ok_and(|r| r.get::<_, i64>(0) == 0),
                 Err(_) => false,
-            }
+            };
+            drained.then_some(())
         },
     )
     .await;
+    // A cut closed the relay's connections and it came back through the proxy (it
+    // reconnects when it next has something to send).
+    if let Some(proxy) = db_proxy.as_ref().or(broker_proxy.as_ref()) {
+        assert!(
+            proxy.accepted() >= 2,
+            "{fault:?}: the relay never reconnected through the proxy ({} connections)",
+            proxy.accepted()
+        );
+    }
     let received = sink.received().await;
     let report = common::check_delivery(&received, &committed, &aborted);
     let status = relay.terminate(Duration::from_secs(30));
@@ -372,6 +421,8 @@ scenario!(db_cut_polling_rabbitmq, DbCut, Polling, RabbitMq);
 scenario!(db_cut_log_tailing_kafka, DbCut, LogTailing, Kafka);
 scenario!(db_cut_log_tailing_nats, DbCut, LogTailing, Nats);
 scenario!(db_cut_log_tailing_rabbitmq, DbCut, LogTailing, RabbitMq);
+scenario!(broker_cut_polling_kafka, BrokerCut, Polling, Kafka);
+scenario!(broker_cut_log_tailing_kafka, BrokerCut, LogTailing, Kafka);
 scenario!(broker_cut_polling_nats, BrokerCut, Polling, Nats);
 scenario!(broker_cut_polling_rabbitmq, BrokerCut, Polling, RabbitMq);
 scenario!(broker_cut_log_tailing_nats, BrokerCut, LogTailing, Nats);
