@@ -14,7 +14,8 @@
 //! # Order
 //!
 //! Transactions arrive in commit order. Whole transactions are collected into a batch
-//! (the ones already received, up to [`MAX_BATCH_ROWS`] rows), the batch's rows form
+//! (the ones already received, up to [`MAX_BATCH_ROWS`] rows or [`MAX_BATCH_BYTES`] of
+//! payloads), the batch's rows form
 //! one chain per aggregate in commit order, chains run concurrently, and each chain
 //! publishes one message at a time, waiting for its acknowledgement. A failed message
 //! is retried, with the rest of its chain behind it, until it goes through; only then
@@ -23,8 +24,8 @@
 //!
 //! # Bounded memory
 //!
-//! A transaction larger than [`MAX_BATCH_ROWS`] (a backfill of millions of rows) is
-//! published in chunks of that size as it streams in, each acknowledged before the
+//! A transaction larger than a batch (a backfill of millions of rows) is published in
+//! chunks of a batch's size as it streams in, each acknowledged before the
 //! next is read; its commit is confirmed only once its last chunk is acknowledged. A
 //! crash in between streams the whole transaction again (duplicates, nothing lost).
 //! The replication client buffers a bounded number of messages and PostgreSQL spills
@@ -109,6 +110,8 @@ use stats::{StatsTarget, slot_stats_loop};
 const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 /// A batch stops taking further (already received) transactions at this many rows.
 const MAX_BATCH_ROWS: usize = 1000;
+/// … or at this many payload bytes, whichever comes first.
+const MAX_BATCH_BYTES: usize = 2 * 1024 * 1024;
 /// How often the slot's statistics are read.
 const STATS_EVERY: Duration = Duration::from_secs(3);
 /// How often the publication is checked to still publish the table (what may be
