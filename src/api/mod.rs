@@ -334,7 +334,8 @@ pub struct PollingSpec {
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1ms')").message("spec.mode.polling.interval must be at least 1ms"))]
     pub interval: String,
-    /// Rows per batch (one transaction).
+    /// Rows per batch (one transaction), at most: with large rows a batch takes fewer,
+    /// about 2 MiB of payloads.
     #[serde(default = "default_batch_size")]
     #[schemars(range(min = 1, max = 10000))]
     pub batch_size: i32,

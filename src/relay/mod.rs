@@ -157,6 +157,11 @@ pub(crate) async fn nap(
     }
 }
 
+/// Payload bytes a batch holds at most (log tailing ends a batch there; polling sizes
+/// its next batch to it): rows are held as rows, as messages and as the producer's
+/// copies at once, so 16 KiB payloads in batches of 1,000 rows made a 164 MiB relay.
+pub(crate) const MAX_BATCH_BYTES: usize = 2 * 1024 * 1024;
+
 /// How often a waiting loop still counts as turning (well below
 /// [`http::STUCK_AFTER_SECONDS`]).
 pub(crate) const TURN_EVERY: std::time::Duration = std::time::Duration::from_secs(20);

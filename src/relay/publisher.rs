@@ -48,6 +48,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
+use super::MAX_BATCH_BYTES;
 use super::RelayError;
 use super::backoff::{Backoff, MAX_BACKOFF};
 use super::chains::{ChainResult, chains, publish_chains};
@@ -126,6 +127,22 @@ pub(super) struct Publisher {
     paused: HashMap<i64, Pause>,
     /// When waiting for another partition count was last logged.
     layout_warned: Option<Instant>,
+    /// Rows the next batch selects: `batchSize`, or fewer when rows are large (see
+    /// [`next_limit`]).
+    limit: i64,
+}
+
+/// The next batch's row limit: as many rows as fit [`MAX_BATCH_BYTES`] at the last
+/// batch's average payload size, between 1 and `batch_size`. An empty batch says
+/// nothing about sizes and keeps `current`.
+fn next_limit(batch_size: i64, current: i64, rows: usize, bytes: usize) -> i64 {
+    if rows == 0 {
+        return current;
+    }
+    let average = (bytes / rows).max(1);
+    i64::try_from(MAX_BATCH_BYTES / average)
+        .unwrap_or(batch_size)
+        .clamp(1, batch_size)
 }
 
 impl Publisher {
@@ -138,6 +155,7 @@ impl Publisher {
         stop: watch::Receiver<bool>,
     ) -> Self {
         let class = postgres::lock_class(&settings.valid.table.schema, &settings.valid.table.name);
+        let settings_batch_size = settings.batch_size;
         Self {
             settings,
             broker,
@@ -149,6 +167,7 @@ impl Publisher {
             attempts: HashMap::new(),
             paused: HashMap::new(),
             layout_warned: None,
+            limit: settings_batch_size,
         }
     }
 
@@ -413,9 +432,10 @@ impl Publisher {
         // partition locks) alive as of `asked`: the batch is published only up to
         // `asked + FENCE`.
         let asked = Instant::now();
-        let rows = table
-            .select_batch(&tx, active, self.settings.batch_size)
-            .await?;
+        let limit = self.limit;
+        let rows = table.select_batch(&tx, active, limit).await?;
+        let bytes = rows.iter().map(|r| r.payload.len()).sum();
+        self.limit = next_limit(self.settings.batch_size, limit, rows.len(), bytes);
         let fence = asked + FENCE;
         let selected = rows.len();
         if rows.is_empty() {
@@ -473,7 +493,7 @@ impl Publisher {
         }
         Ok(if unavailable {
             Outcome::Unavailable
-        } else if i64::try_from(selected).unwrap_or(0) >= self.settings.batch_size {
+        } else if i64::try_from(selected).unwrap_or(0) >= limit {
             Outcome::Full
         } else {
             Outcome::Partial
@@ -701,5 +721,24 @@ async fn retention(
         if deleted < u64::try_from(RETENTION_CHUNK).unwrap_or(0) || *stop.borrow() {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_rows_make_smaller_batches_within_batch_size() {
+        // 1 KiB rows: 2 MiB holds 2,048, so batchSize (500) stands.
+        assert_eq!(next_limit(500, 500, 500, 500 * 1024), 500);
+        // 16 KiB rows: 128 fit.
+        assert_eq!(next_limit(500, 500, 500, 500 * 16 * 1024), 128);
+        // Small again: back to batchSize at once.
+        assert_eq!(next_limit(500, 128, 128, 128 * 100), 500);
+        // A row larger than the bound: one at a time, never zero.
+        assert_eq!(next_limit(500, 500, 2, 2 * 4 * 1024 * 1024), 1);
+        // An empty batch keeps the limit.
+        assert_eq!(next_limit(500, 128, 0, 0), 128);
     }
 }

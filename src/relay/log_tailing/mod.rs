@@ -111,7 +111,7 @@ const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 /// A batch stops taking further (already received) transactions at this many rows.
 const MAX_BATCH_ROWS: usize = 1000;
 /// … or at this many payload bytes, whichever comes first.
-const MAX_BATCH_BYTES: usize = 2 * 1024 * 1024;
+use crate::relay::MAX_BATCH_BYTES;
 /// How often the slot's statistics are read.
 const STATS_EVERY: Duration = Duration::from_secs(3);
 /// How often the publication is checked to still publish the table (what may be
