@@ -136,20 +136,14 @@ async fn claim(
         .as_ref()
         .and_then(|p| p.comment.as_deref())
         .and_then(Marker::from_comment)
-        .filter(|m| m.slot == lt.slot);
-    let Some(marker) = on_publication
-        .into_iter()
-        .chain(facts.other_markers.iter().cloned())
-        .find(|m| !ours(m))
-    else {
-        return Ok(Claim::Free);
+        .filter(|m| m.slot == lt.slot && !ours(m));
+    let (marker, other_publication) = match on_publication {
+        Some(marker) => (marker, false),
+        None => match facts.other_markers.iter().find(|m| !ours(m)) {
+            Some(marker) => (marker.clone(), true),
+            None => return Ok(Claim::Free),
+        },
     };
-    let other_publication = facts
-        .publication
-        .as_ref()
-        .and_then(|p| p.comment.as_deref())
-        .and_then(Marker::from_comment)
-        .is_none_or(|m| m != marker);
     let other = format!("{}/{}", marker.owner.namespace, marker.owner.name);
     let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &marker.owner.namespace);
     match api.get_opt(&marker.owner.name).await {

@@ -864,19 +864,22 @@ pub async fn wait_slot_active(client: &tokio_postgres::Client, slot: &str, relay
         "the relay to stream its slot",
         Duration::from_secs(60),
         &[relay],
-        || async {
-            client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
-        },
+        || slot_active(client, slot),
     )
     .await;
+}
+
+/// True while a consumer streams `slot` (false also when the query fails).
+pub async fn slot_active(client: &tokio_postgres::Client, slot: &str) -> bool {
+    client
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            &[&slot],
+        )
+        .await
+        .ok()
+        .flatten()
+        .is_some()
 }
 
 /// A running `outbox-operator relay` process; SIGKILLed when dropped (also on panic).

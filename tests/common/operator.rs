@@ -236,6 +236,63 @@ pub async fn create_secret(client: &Client, namespace: &str, name: &str, data: &
         .unwrap_or_else(|e| panic!("creating Secret {name} failed: {e}"));
 }
 
+/// Sets `key` of Secret `name` to `value` (a merge patch of `stringData`), as a user
+/// rotating or repointing it would.
+pub async fn set_secret_key(client: &Client, namespace: &str, name: &str, key: &str, value: &str) {
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {key: value}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("patching Secret {name} failed: {e}"));
+}
+
+/// `url` with its host replaced by one that never resolves (a DNS outage).
+pub fn unresolvable(url: &str) -> String {
+    let config: tokio_postgres::Config = url
+        .parse()
+        .unwrap_or_else(|e| panic!("not a PostgreSQL URL: {e}"));
+    let Some(tokio_postgres::config::Host::Tcp(host)) = config.get_hosts().first() else {
+        panic!("the URL names no TCP host");
+    };
+    url.replacen(host, "outbox-no-such-host.invalid", 1)
+}
+
+/// The Events about OutboxRelay `relay`.
+pub async fn relay_events(
+    client: &Client,
+    namespace: &str,
+    relay: &str,
+) -> Vec<k8s_openapi::api::events::v1::Event> {
+    Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(relay))
+        .collect()
+}
+
+/// Waits (up to `wait`) for an Event with `reason` about OutboxRelay `relay`.
+pub async fn wait_relay_event(
+    client: &Client,
+    namespace: &str,
+    relay: &str,
+    reason: &str,
+    wait: Duration,
+) -> k8s_openapi::api::events::v1::Event {
+    super::wait_for_some(&format!("a {reason} Event for {relay}"), wait, || async {
+        relay_events(client, namespace, relay)
+            .await
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some(reason))
+    })
+    .await
+}
+
 /// The condition `type_` of a relay's status.
 pub fn condition(relay: &OutboxRelay, type_: &str) -> Option<Condition> {
     relay

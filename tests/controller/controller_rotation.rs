@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use crate::common::{self, operator};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
 use outbox_operator::resources::{CONFIG_HASH_ANNOTATION, SECRETS_VERSION_ANNOTATION};
 use serde_json::json;
@@ -70,16 +69,8 @@ async fn rotating_a_referenced_secret_rolls_the_relay_pods() {
     let before = annotations(&before);
 
     // The password is rotated: same Secret, new value.
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
     let rotated = format!("{}?application_name=rotated", db.url);
-    secrets
-        .patch(
-            "db",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"stringData": {"uri": rotated}})),
-        )
-        .await
-        .unwrap();
+    operator::set_secret_key(&client, &ns, "db", "uri", &rotated).await;
     let after = common::wait_for_some(
         "the pod template to change after the Secret did",
         WAIT,

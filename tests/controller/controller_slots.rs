@@ -174,25 +174,8 @@ async fn publication_comment(
         .map(|r| r.get(0))
 }
 
-async fn events_of(client: &Client, namespace: &str, relay: &str) -> Vec<Event> {
-    Api::<Event>::namespaced(client.clone(), namespace)
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(relay))
-        .collect()
-}
-
 async fn wait_event(client: &Client, namespace: &str, relay: &str, reason: &str) -> Event {
-    common::wait_for_some(&format!("a {reason} Event for {relay}"), WAIT, || async {
-        events_of(client, namespace, relay)
-            .await
-            .into_iter()
-            .find(|e| e.reason.as_deref() == Some(reason))
-    })
-    .await
+    operator::wait_relay_event(client, namespace, relay, reason, WAIT).await
 }
 
 /// A fresh database with the tests' outbox table.
@@ -315,16 +298,8 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
             .await
             .expect("START_REPLICATION within 60s")
             .unwrap();
-        common::wait_for("the slot to be active", WAIT, || async {
-            db.client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
+        common::wait_for("the slot to be active", WAIT, || {
+            common::slot_active(&db.client, &slot)
         })
         .await;
         delete_and_wait_gone(&relays, "orders").await;
@@ -813,33 +788,14 @@ async fn an_unresolvable_database_host_blocks_the_delete_until_it_resolves() {
         let db = outbox_database().await;
         operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
         let slot = format!("outbox_{}_dns", ns.replace('-', "_"));
         operator::apply_relay(&client, &ns, &manifest("dns", json!({"logTailing": {}}))).await;
         wait_relay(&relays, "dns", "SlotReady=True", |r| {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
         })
         .await;
-        let config: tokio_postgres::Config = db.url.parse().unwrap();
-        let host = match &config.get_hosts()[0] {
-            tokio_postgres::config::Host::Tcp(h) => h.clone(),
-            other => panic!("{other:?}"),
-        };
-        let unresolvable = db.url.replacen(&host, "outbox-no-such-host.invalid", 1);
-        let set_uri = |uri: String| {
-            let secrets = secrets.clone();
-            async move {
-                secrets
-                    .patch(
-                        "db",
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({"stringData": {"uri": uri}})),
-                    )
-                    .await
-                    .unwrap();
-            }
-        };
-        set_uri(unresolvable).await;
+        let unresolvable = operator::unresolvable(&db.url);
+        operator::set_secret_key(&client, &ns, "db", "uri", &unresolvable).await;
         relays
             .delete("dns", &DeleteParams::default())
             .await
@@ -856,7 +812,7 @@ async fn an_unresolvable_database_host_blocks_the_delete_until_it_resolves() {
             "the relay went"
         );
         assert_eq!(slot_count(&db.client, &slot).await, 1);
-        set_uri(db.url.clone()).await;
+        operator::set_secret_key(&client, &ns, "db", "uri", &db.url).await;
         common::wait_for("the OutboxRelay to be gone", WAIT, || async {
             matches!(relays.get_opt("dns").await, Ok(None))
         })
@@ -1175,14 +1131,7 @@ async fn a_transaction_pooling_pgbouncer_is_refused_with_a_condition() {
             deployments.get_opt("pooled-relay").await,
             Ok(None)
         ));
-        Api::<Secret>::namespaced(client.clone(), &ns)
-            .patch(
-                "db",
-                &PatchParams::default(),
-                &Patch::Merge(json!({"stringData": {"uri": session.url_for(&db.url)}})),
-            )
-            .await
-            .unwrap();
+        operator::set_secret_key(&client, &ns, "db", "uri", &session.url_for(&db.url)).await;
         wait_relay(
             &relays,
             "pooled",

@@ -14,9 +14,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::api::events::v1::Event;
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::postgres::admin::{Marker, Origin};
 use serde_json::{Value, json};
@@ -75,19 +74,6 @@ async fn marker(db: &tokio_postgres::Client, publication: &str) -> Marker {
         .as_deref()
         .and_then(Marker::from_comment)
         .unwrap_or_else(|| panic!("publication {publication} carries no marker: {comment:?}"))
-}
-
-async fn reason_seen(client: &Client, ns: &str, relay: &str, reason: &str) -> bool {
-    Api::<Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .iter()
-        .any(|e| {
-            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(relay)
-                && e.reason.as_deref() == Some(reason)
-        })
 }
 
 /// The sequence's state: the live log-tailing relays' slots (publication = slot name),
@@ -331,36 +317,15 @@ async fn slot_leak_matrix_leaves_exactly_the_live_relays_objects() {
 
     // The database unreachable during the delete, then back.
     m.create("u", tailing()).await;
-    let config: tokio_postgres::Config = m.db.url.parse().unwrap();
-    let tokio_postgres::config::Host::Tcp(host) = &config.get_hosts()[0] else {
-        panic!("a TCP host");
-    };
-    let unresolvable = m.db.url.replacen(host, "outbox-no-such-host.invalid", 1);
-    let secrets = m.secrets.clone();
-    let set_uri = |uri: String| {
-        let secrets = secrets.clone();
-        async move {
-            secrets
-                .patch(
-                    "db-u",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"stringData": {"uri": uri}})),
-                )
-                .await
-                .unwrap();
-        }
-    };
-    set_uri(unresolvable).await;
+    let unresolvable = operator::unresolvable(&m.db.url);
+    operator::set_secret_key(&client, &ns, "db-u", "uri", &unresolvable).await;
     m.relays
         .delete("u", &DeleteParams::default())
         .await
         .unwrap();
-    common::wait_for("a CleanupRetrying Event for u", WAIT, || async {
-        reason_seen(&client, &ns, "u", "CleanupRetrying").await
-    })
-    .await;
+    operator::wait_relay_event(&client, &ns, "u", "CleanupRetrying", WAIT).await;
     m.check("delete u while its database is unreachable").await;
-    set_uri(m.db.url.clone()).await;
+    operator::set_secret_key(&client, &ns, "db-u", "uri", &m.db.url).await;
     m.wait_gone("u").await;
     m.check("database back: u's delete completes").await;
 

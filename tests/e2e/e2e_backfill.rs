@@ -11,9 +11,8 @@ use crate::common;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
@@ -25,17 +24,6 @@ const WAIT: Duration = Duration::from_secs(120);
 /// Events committed before the relay exists, and at least as many in each phase after.
 const BEFORE: usize = 2_000;
 const STEP: usize = 1_000;
-
-async fn reasons(client: &kube::Client, ns: &str) -> Vec<String> {
-    Api::<Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|e| e.reason)
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_log_tailing_relay_back_fills_the_rows_committed_before_its_slot() {
@@ -90,10 +78,10 @@ async fn a_new_log_tailing_relay_back_fills_the_rows_committed_before_its_slot()
             WAIT,
             || runner.log_tails(30),
             || async {
-                reasons(&client, &ns)
+                operator::relay_events(&client, &ns, "backlog")
                     .await
                     .iter()
-                    .any(|r| r == reason)
+                    .any(|e| e.reason.as_deref() == Some(reason))
                     .then_some(())
             },
         )
@@ -124,16 +112,7 @@ async fn a_new_log_tailing_relay_back_fills_the_rows_committed_before_its_slot()
                 .annotations()
                 .get("outbox.dev/mode")
                 .cloned();
-            let streamed = db
-                .client
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                    &[&slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some();
+            let streamed = common::slot_active(&db.client, &slot).await;
             let ready = relays
                 .get_opt("backlog")
                 .await
