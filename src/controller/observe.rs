@@ -34,9 +34,11 @@ pub(super) struct SecretsSeen {
     pub broker: Cond,
     /// Keys missing from a Secret that exists, or values the relay could not use.
     pub problems: Vec<Problem>,
-    /// The referenced Secrets' names and `resourceVersion`s, sorted: they change when
-    /// a Secret's content does (a rotated password or certificate), and carry nothing
-    /// of the content.
+    /// Per referenced Secret key (`name/key`), a digest of the value the relay reads,
+    /// sorted: it changes when that value does (a rotated password or certificate) and
+    /// only then — not when the Secret's metadata or another of its keys changes (a
+    /// finalizer, a label from a GitOps tool), which would roll the relays for nothing.
+    /// Salted with the Secret's uid; see [`value_digest`].
     pub versions: Vec<(String, String)>,
     /// The referenced Secrets that carry this relay's slot finalizer.
     pub finalized: Vec<String>,
@@ -203,10 +205,14 @@ async fn secrets(
         let reference = &slot.reference;
         let found = api.get_opt(&reference.name).await?;
         if let Some(secret) = &found {
-            let version = secret.metadata.resource_version.clone().unwrap_or_default();
-            let entry = (reference.name.clone(), version);
-            if !seen.versions.contains(&entry) {
-                seen.versions.push(entry);
+            if let Some(bytes) = secret_value(secret, &reference.key) {
+                let entry = (
+                    format!("{}/{}", reference.name, reference.key),
+                    value_digest(secret.metadata.uid.as_deref().unwrap_or_default(), &bytes),
+                );
+                if !seen.versions.contains(&entry) {
+                    seen.versions.push(entry);
+                }
             }
             if secret.finalizers().contains(&ours) && !seen.finalized.contains(&reference.name) {
                 seen.finalized.push(reference.name.clone());
@@ -230,17 +236,8 @@ async fn secrets(
             }
             continue;
         };
-        let value = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(&reference.key))
-            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
-            .or_else(|| {
-                secret
-                    .string_data
-                    .as_ref()
-                    .and_then(|d| d.get(&reference.key).cloned())
-            });
+        let value =
+            secret_value(&secret, &reference.key).map(|b| String::from_utf8_lossy(&b).into_owned());
         let checked = match value {
             None => Err(format!(
                 "Secret {} has no key {}",
@@ -278,6 +275,39 @@ async fn secrets(
         },
     });
     Ok((seen, conn))
+}
+
+/// The bytes under `key` of a Secret (`data`, or `stringData` of an object not yet
+/// normalised by the API server).
+fn secret_value(secret: &Secret, key: &str) -> Option<Vec<u8>> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(|b| b.0.clone())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(key))
+                .map(|v| v.clone().into_bytes())
+        })
+}
+
+/// A digest of a Secret value, salted with the Secret's uid so the digest of a common
+/// value (a short password) cannot be looked up in a precomputed table. Only a
+/// truncation of a hash over all of a relay's digests reaches the pod template.
+fn value_digest(salt: &str, value: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(salt.as_bytes());
+    hasher.update([0]);
+    hasher.update(value);
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The Deployment (with its status) and the ConfigMap's and Service's versions.

@@ -379,8 +379,12 @@ async fn apply_children(
             .and_then(|o| o.metadata.name.clone())
             .into_iter()
             .collect();
-        if let Some(object) = &wanted {
-            let result = ssa(&api, object, ctx).await?;
+        if let Some(object) = wanted {
+            let object = with_applied_digest(object)?;
+            let result = match api.get_opt(&object.name_any()).await? {
+                Some(current) if in_place(&object, &current) => current,
+                _ => ssa(&api, &object, ctx).await?,
+            };
             match kind {
                 ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
                 ChildKind::ConfigMap => {
@@ -394,6 +398,44 @@ async fn apply_children(
     }
     applied.at = Instant::now();
     Ok(applied)
+}
+
+/// The annotation on every child holding a digest of the object as last applied, so
+/// a controller that has not applied it itself (after a restart, on a resync) can tell
+/// an unchanged child from one to apply without writing.
+pub const APPLIED_DIGEST_ANNOTATION: &str = "outbox.dev/applied-digest";
+
+/// `object` with [`APPLIED_DIGEST_ANNOTATION`] set to a digest of the rest of it.
+fn with_applied_digest(mut object: DynamicObject) -> Result<DynamicObject, Error> {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_vec(&object).map_err(Error::Serialize)?;
+    let digest: String = Sha256::digest(&text)
+        .iter()
+        .take(12)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    object
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(APPLIED_DIGEST_ANNOTATION.to_owned(), digest);
+    Ok(object)
+}
+
+/// Whether `current` is `desired` as applied and not drifted since: it carries
+/// `desired`'s digest (a changed desire, including a field no longer wanted, changes
+/// the digest) and still holds every field `desired` sets (someone's edit of a field
+/// the operator owns is drift to repair). Fields the API server defaults or other
+/// managers own are allowed.
+fn in_place(desired: &DynamicObject, current: &DynamicObject) -> bool {
+    let digest = |o: &DynamicObject| o.annotations().get(APPLIED_DIGEST_ANNOTATION).cloned();
+    if digest(current).is_none() || digest(current) != digest(desired) {
+        return false;
+    }
+    match (serde_json::to_value(desired), serde_json::to_value(current)) {
+        (Ok(want), Ok(have)) => crate::resources::holds(&have, &want),
+        _ => false,
+    }
 }
 
 /// Server-side apply under the operator's one field manager. Forced: the operator owns

@@ -312,6 +312,32 @@ pub fn owner_reference(relay: &OutboxRelay) -> OwnerReference {
         })
 }
 
+/// Whether `have` (an object as the API server returns it) holds every field of `want`
+/// with the same value: objects key by key, lists element by element in any order
+/// (each wanted element held by some element), numbers by value. An empty or null
+/// wanted value is held by an absent one, as the server drops those.
+pub fn holds(have: &serde_json::Value, want: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    let empty = |v: &Value| match v {
+        Value::Null => true,
+        Value::Object(m) => m.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    };
+    match (want, have) {
+        (Value::Object(w), Value::Object(h)) => w.iter().all(|(k, wv)| match h.get(k) {
+            Some(hv) => holds(hv, wv),
+            None => empty(wv),
+        }),
+        (Value::Array(w), Value::Array(h)) => {
+            w.len() <= h.len() && w.iter().all(|wv| h.iter().any(|hv| holds(hv, wv)))
+        }
+        (Value::Number(w), Value::Number(h)) => w.as_f64() == h.as_f64(),
+        (w, h) if empty(w) => empty(h),
+        (w, h) => w == h,
+    }
+}
+
 /// Metadata of a child: name, namespace, labels and the owner reference.
 pub fn child_meta(relay: &OutboxRelay, name: String, component: &str) -> ObjectMeta {
     ObjectMeta {

@@ -328,3 +328,32 @@ fn every_child_kind_has_its_object_in_the_catalogues_order_and_api_form() {
     assert!(!kinds.contains(&ChildKind::PodDisruptionBudget));
     assert!(!kinds.contains(&ChildKind::PrometheusRule));
 }
+
+#[test]
+fn holds_compares_what_the_operator_sets_and_allows_what_the_server_adds() {
+    use super::holds;
+    use serde_json::json;
+    let want = json!({
+        "metadata": {"name": "r", "labels": {"a": "1"}, "annotations": {}},
+        "spec": {"replicas": 2, "ports": [{"name": "metrics", "port": 9090}], "tolerations": []}
+    });
+    // Defaults and other managers' fields, lists in another order: held.
+    let served = json!({
+        "metadata": {"name": "r", "labels": {"a": "1", "other": "x"}, "uid": "u", "resourceVersion": "7"},
+        "spec": {"replicas": 2.0, "ports": [{"name": "extra", "port": 1}, {"name": "metrics", "port": 9090, "protocol": "TCP"}]},
+        "status": {}
+    });
+    assert!(holds(&served, &want));
+    // A field the operator sets, edited or removed: drift.
+    let mut edited = served.clone();
+    edited["spec"]["replicas"] = json!(3);
+    assert!(!holds(&edited, &want));
+    let mut removed = served.clone();
+    removed["metadata"]["labels"] = json!({"other": "x"});
+    assert!(!holds(&removed, &want));
+    let mut port = served.clone();
+    port["spec"]["ports"] = json!([{"name": "metrics", "port": 9091}]);
+    assert!(!holds(&port, &want));
+    assert!(!holds(&json!(null), &json!("x")));
+    assert!(holds(&json!({}), &json!({"a": null})));
+}

@@ -51,9 +51,10 @@ pub fn config_map(valid: &ValidRelay) -> Result<ConfigMap, BuildError> {
     })
 }
 
-/// Marks the relay pods with the versions of the Secrets they read, so a rotated
+/// Marks the relay pods with the versions of the Secret values they read (`name/key`
+/// and a salted digest of the value, see the controller's `observe`), so a rotated
 /// password or certificate rolls them (the relay reads Secret values only at start).
-/// The annotation holds a hash of names and `resourceVersion`s, nothing of the content.
+/// The annotation holds a truncated hash over those pairs.
 pub fn annotate_secret_versions(deployment: &mut Deployment, versions: &[(String, String)]) {
     let mut hasher = Sha256::new();
     for (name, version) in versions {

@@ -126,6 +126,10 @@ impl Rig {
     pub fn rabbitmq_mgmt_url(&self) -> Option<&str> {
         self.get_opt("OUTBOX_RIG_RABBITMQ_MGMT_URL")
     }
+    /// The API server's audit log: one JSON line per write request (metadata only).
+    pub fn kube_audit_log(&self) -> &Path {
+        Path::new(self.get("OUTBOX_RIG_KUBE_AUDIT_LOG"))
+    }
     pub fn kubeconfig(&self) -> &Path {
         Path::new(self.get("OUTBOX_RIG_KUBECONFIG"))
     }

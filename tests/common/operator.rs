@@ -104,6 +104,48 @@ impl ControllerProcess {
         super::private::tail(&self.log_path, lines)
     }
 
+    /// The address its HTTP server (health, `/metrics`) listens on, from its log.
+    pub async fn http_addr(&self) -> String {
+        super::wait_for_some_or(
+            "the controller to log its listen address",
+            Duration::from_secs(30),
+            || format!("\n--- controller log tail ---\n{}", self.log_tail(40)),
+            || async {
+                std::fs::read_to_string(&self.log_path)
+                    .ok()?
+                    .lines()
+                    .find_map(|line| {
+                        let v: Value = serde_json::from_str(line).ok()?;
+                        let fields = v.get("fields")?;
+                        (fields.get("message")?.as_str()? == "outbox-operator controller starting")
+                            .then(|| fields.get("listen")?.as_str().map(str::to_owned))?
+                    })
+            },
+        )
+        .await
+    }
+
+    /// The sum of the series of counter `name` (all label sets) on its `/metrics`, or
+    /// `None` while it does not answer.
+    pub async fn counter(&self, name: &str) -> Option<f64> {
+        let addr = self.http_addr().await;
+        let text = reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        Some(
+            text.lines()
+                .filter(|l| {
+                    l.strip_prefix(name)
+                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        )
+    }
+
     /// SIGKILL, as a node failure or the OOM killer would: no shutdown step runs.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -349,4 +391,61 @@ pub async fn drop_slot_and_publication(
         return Err(format!("publication {publication} is still there"));
     }
     Ok(())
+}
+
+/// One write request as the API server's audit log records it.
+#[derive(Clone, Debug)]
+pub struct AuditedWrite {
+    pub verb: String,
+    pub resource: String,
+    pub subresource: String,
+    pub name: String,
+    pub request_uri: String,
+    pub code: i64,
+}
+
+impl std::fmt::Display for AuditedWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} ({})", self.verb, self.request_uri, self.code)
+    }
+}
+
+/// A position in the API server's audit log (its length in bytes now).
+pub fn audit_mark() -> u64 {
+    let path = Rig::load().kube_audit_log();
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| {
+            panic!(
+                "the API server's audit log {} cannot be read ({e}): restart the rig with `make rig-up`",
+                path.display()
+            )
+        })
+        .len()
+}
+
+/// The write requests on objects of `namespace` audited after `mark`.
+pub fn audited_writes_since(mark: u64, namespace: &str) -> Vec<AuditedWrite> {
+    use std::io::{Read, Seek, SeekFrom};
+    let path = Rig::load().kube_audit_log();
+    let mut file = std::fs::File::open(path)
+        .unwrap_or_else(|e| panic!("opening the audit log {}: {e}", path.display()));
+    let mut text = String::new();
+    file.seek(SeekFrom::Start(mark))
+        .and_then(|_| file.read_to_string(&mut text))
+        .unwrap_or_else(|e| panic!("reading the audit log {}: {e}", path.display()));
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|e| e["objectRef"]["namespace"].as_str() == Some(namespace))
+        .map(|e| {
+            let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+            AuditedWrite {
+                verb: text(&e["verb"]),
+                resource: text(&e["objectRef"]["resource"]),
+                subresource: text(&e["objectRef"]["subresource"]),
+                name: text(&e["objectRef"]["name"]),
+                request_uri: text(&e["requestURI"]),
+                code: e["responseStatus"]["code"].as_i64().unwrap_or_default(),
+            }
+        })
+        .collect()
 }

@@ -12,6 +12,7 @@ mod check_brokers;
 mod controller_binary;
 mod controller_invalid_specs;
 mod controller_reconcile;
+mod controller_resync;
 mod controller_rotation;
 mod controller_slots;
 mod controller_tls;

@@ -253,6 +253,17 @@ env_set OUTBOX_RIG_PROMETHEUS_DIR "$RIG_DIR/prometheus"
 # --- Kubernetes, continued: the API server needs etcd up ----------------------------------------
 wait_for etcd 30 "$RIG_DIR/logs/etcd.log" curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 free_port API_PORT
+# An audit log of write requests (metadata only): tests read it to prove what the
+# controller wrote, e.g. nothing at all on a resync of unchanged relays.
+cat >"$KUBE_DIR/audit-policy.yaml" <<'EOP'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+EOP
 spawn kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" \
   --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
   --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
@@ -264,7 +275,9 @@ spawn kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" \
   --service-account-key-file "$KUBE_DIR/sa.pub" \
   --service-account-signing-key-file "$KUBE_DIR/sa.key" \
   --disable-admission-plugins ServiceAccount --endpoint-reconciler-type none \
-  --enable-priority-and-fairness=false --profiling=false
+  --enable-priority-and-fairness=false --profiling=false \
+  --audit-policy-file "$KUBE_DIR/audit-policy.yaml" --audit-log-path "$KUBE_DIR/audit.log" \
+  --audit-log-format json --audit-log-mode blocking
 KUBECONFIG_FILE="$KUBE_DIR/kubeconfig"
 cat >"$KUBECONFIG_FILE" <<EOK
 apiVersion: v1
@@ -284,6 +297,7 @@ contexts:
 current-context: rig
 EOK
 env_set OUTBOX_RIG_KUBECONFIG "$KUBECONFIG_FILE"
+env_set OUTBOX_RIG_KUBE_AUDIT_LOG "$KUBE_DIR/audit.log"
 wait_for kube-apiserver 90 "$RIG_DIR/logs/kube-apiserver.log" \
   curl -fsS --cacert "$KUBE_DIR/ca.crt" -H "Authorization: Bearer $KUBE_TOKEN" "https://127.0.0.1:$API_PORT/readyz"
 free_port KCM_PORT
