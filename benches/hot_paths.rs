@@ -32,7 +32,7 @@ fn row(id: i64) -> OutboxRow {
         aggregate_type: "order".into(),
         aggregate_id: Some(format!("agg-{}", id % 1000)),
         event_type: Some("Happened".into()),
-        payload: payload(id),
+        payload: payload(id).into(),
         headers: vec![("traceparent".into(), "00-trace-01".into())],
         partition: id % 4,
         created_at: Some(1.7e9),
@@ -104,7 +104,7 @@ fn insert_message(id: i64) -> Vec<u8> {
 }
 
 fn pgoutput_decoding(c: &mut Criterion) {
-    let message = insert_message(42);
+    let message = bytes::Bytes::from(insert_message(42));
     assert!(
         decode(&message).is_ok(),
         "the benchmark's Insert must decode"

@@ -188,7 +188,7 @@ impl Broker for KafkaBroker {
                 });
             }
             let mut record = FutureRecord::to(&message.destination)
-                .payload(&message.payload)
+                .payload(&message.payload[..])
                 .headers(headers);
             if let Some(key) = &message.key {
                 record = record.key(key.as_str());

@@ -24,8 +24,9 @@ pub struct OutboxRow {
     pub aggregate_id: Option<String>,
     /// Event type.
     pub event_type: Option<String>,
-    /// Payload bytes as stored (text forms as UTF-8).
-    pub payload: Vec<u8>,
+    /// Payload bytes as stored (text forms as UTF-8); shared, not copied, by the
+    /// message built from the row.
+    pub payload: bytes::Bytes,
     /// Configured header columns that are not NULL.
     pub headers: Vec<(String, String)>,
     /// The row's partition.
@@ -45,8 +46,8 @@ pub struct Message {
     pub id: String,
     /// Headers: `id`, `type`, `aggregateType` and the configured header columns.
     pub headers: Vec<(String, String)>,
-    /// Payload bytes as stored.
-    pub payload: Vec<u8>,
+    /// Payload bytes as stored (the row's, shared).
+    pub payload: bytes::Bytes,
 }
 
 /// Why a publish failed, and whether the row itself is at fault.
@@ -195,7 +196,7 @@ mod tests {
             aggregate_type: "Order".into(),
             aggregate_id: Some("o-1".into()),
             event_type: Some("OrderCreated".into()),
-            payload: br#"{"a":1}"#.to_vec(),
+            payload: bytes::Bytes::from_static(br#"{"a":1}"#),
             headers: vec![("traceparent".into(), "00-abc-01".into())],
             partition: 1,
             created_at: None,
@@ -208,7 +209,7 @@ mod tests {
         assert_eq!(m.destination, "outbox.event.Order");
         assert_eq!(m.key.as_deref(), Some("o-1"));
         assert_eq!(m.id, "42");
-        assert_eq!(m.payload, br#"{"a":1}"#);
+        assert_eq!(&m.payload[..], br#"{"a":1}"#);
         assert_eq!(
             m.headers,
             vec![

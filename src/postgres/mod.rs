@@ -607,7 +607,7 @@ impl OutboxTable {
                 aggregate_type: r.get(1),
                 aggregate_id: r.get(2),
                 event_type: r.get(3),
-                payload: r.get::<_, Option<Vec<u8>>>(4).unwrap_or_default(),
+                payload: r.get::<_, Option<Vec<u8>>>(4).unwrap_or_default().into(),
                 partition: r.get(5),
                 created_at: r.get(6),
                 headers: self

@@ -56,10 +56,10 @@ pub enum TupleValue {
     Null,
     /// An unchanged TOASTed value (updates only; never in an insert).
     UnchangedToast,
-    /// The value in the type's text format.
-    Text(Vec<u8>),
+    /// The value in the type's text format (a slice of the message, not a copy).
+    Text(bytes::Bytes),
     /// The value in binary format (only with the `binary` option, which we do not use).
-    Binary(Vec<u8>),
+    Binary(bytes::Bytes),
 }
 
 /// The pgoutput messages the relay acts on; everything else is [`PgOutput::Other`].
@@ -126,7 +126,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes one pgoutput (protocol version 1) message.
-pub fn decode(data: &[u8]) -> Result<PgOutput, DecodeError> {
+pub fn decode(data: &bytes::Bytes) -> Result<PgOutput, DecodeError> {
     let mut r = Reader { bytes: data };
     let tag = r.u8("message tag")?;
     match tag {
@@ -159,14 +159,15 @@ pub fn decode(data: &[u8]) -> Result<PgOutput, DecodeError> {
                     "insert: expected new tuple marker 'N', got {kind:#04x}"
                 )));
             }
-            let tuple = tuple(&mut r)?;
+            let tuple = tuple(data, &mut r)?;
             Ok(PgOutput::Insert { relation, tuple })
         }
         other => Ok(PgOutput::Other(other)),
     }
 }
 
-fn tuple(r: &mut Reader<'_>) -> Result<Vec<TupleValue>, DecodeError> {
+/// The values of a tuple: slices of `data` (the message `r` reads), not copies.
+fn tuple(data: &bytes::Bytes, r: &mut Reader<'_>) -> Result<Vec<TupleValue>, DecodeError> {
     let count = r.i16("tuple column count")?;
     let mut values = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
     for _ in 0..count {
@@ -176,7 +177,7 @@ fn tuple(r: &mut Reader<'_>) -> Result<Vec<TupleValue>, DecodeError> {
             kind @ (b't' | b'b') => {
                 let len = usize::try_from(r.i32("value length")?)
                     .map_err(|_| DecodeError("negative value length".to_owned()))?;
-                let bytes = r.take(len, "value")?.to_vec();
+                let bytes = data.slice_ref(r.take(len, "value")?);
                 if kind == b't' {
                     TupleValue::Text(bytes)
                 } else {
@@ -423,7 +424,7 @@ mod tests {
 
     #[test]
     fn a_captured_relation_message_decodes() {
-        let PgOutput::Relation(rel) = decode(&hex(RELATION)).unwrap() else {
+        let PgOutput::Relation(rel) = decode(&hex(RELATION).into()).unwrap() else {
             panic!("not a relation");
         };
         assert_eq!(rel.oid, 0x42b4);
@@ -451,44 +452,56 @@ mod tests {
 
     #[test]
     fn a_captured_insert_decodes_with_nulls_and_text_values() {
-        let PgOutput::Insert { relation, tuple } = decode(&hex(INSERT)).unwrap() else {
+        let PgOutput::Insert { relation, tuple } = decode(&hex(INSERT).into()).unwrap() else {
             panic!("not an insert");
         };
         assert_eq!(relation, 0x42b4);
         assert_eq!(tuple.len(), 8);
-        assert_eq!(tuple[0], TupleValue::Text(b"1".to_vec()));
-        assert_eq!(tuple[1], TupleValue::Text(b"Order".to_vec()));
-        assert_eq!(tuple[2], TupleValue::Text(b"o-1".to_vec()));
-        assert_eq!(tuple[4], TupleValue::Text(br#"{"a": 1}"#.to_vec()));
+        assert_eq!(tuple[0], TupleValue::Text(bytes::Bytes::from_static(b"1")));
+        assert_eq!(
+            tuple[1],
+            TupleValue::Text(bytes::Bytes::from_static(b"Order"))
+        );
+        assert_eq!(
+            tuple[2],
+            TupleValue::Text(bytes::Bytes::from_static(b"o-1"))
+        );
+        assert_eq!(
+            tuple[4],
+            TupleValue::Text(bytes::Bytes::from_static(br#"{"a": 1}"#))
+        );
         assert_eq!(tuple[5], TupleValue::Null);
         assert_eq!(tuple[7], TupleValue::Null);
     }
 
     #[test]
     fn other_messages_are_recognised_and_skipped() {
-        assert_eq!(decode(&hex(BEGIN)).unwrap(), PgOutput::Other(b'B'));
+        assert_eq!(decode(&hex(BEGIN).into()).unwrap(), PgOutput::Other(b'B'));
         // Update of relation 0x42b4: new tuple with one NULL column.
         assert_eq!(
-            decode(&hex("55000042b44e00016e")).unwrap(),
+            decode(&hex("55000042b44e00016e").into()).unwrap(),
             PgOutput::Other(b'U')
         );
-        assert_eq!(decode(b"D").unwrap(), PgOutput::Other(b'D'));
+        assert_eq!(
+            decode(&bytes::Bytes::from_static(b"D")).unwrap(),
+            PgOutput::Other(b'D')
+        );
     }
 
     #[test]
     fn truncated_or_malformed_messages_are_errors_not_panics() {
-        let insert = hex(INSERT);
+        let insert = bytes::Bytes::from(hex(INSERT));
         for cut in 1..insert.len() {
-            assert!(decode(&insert[..cut]).is_err(), "cut at {cut}");
+            assert!(decode(&insert.slice(..cut)).is_err(), "cut at {cut}");
         }
-        let relation = hex(RELATION);
+        let relation = bytes::Bytes::from(hex(RELATION));
         for cut in 1..relation.len() {
-            assert!(decode(&relation[..cut]).is_err(), "cut at {cut}");
+            assert!(decode(&relation.slice(..cut)).is_err(), "cut at {cut}");
         }
-        assert!(decode(&hex("49000042b44b0000")).is_err()); // 'K' tuple in an insert
-        assert!(decode(&hex("49000042b44e000178")).is_err()); // unknown value kind
-        assert!(decode(&hex("49000042b44e000174ffffffff")).is_err()); // negative length
-        assert!(decode(&[]).is_err());
+        assert!(decode(&hex("49000042b44b0000").into()).is_err()); // 'K' tuple in an insert
+        assert!(decode(&hex("49000042b44e000178").into()).is_err()); // unknown value kind
+        assert!(decode(&hex("49000042b44e000174ffffffff").into()).is_err()); // negative length
+        assert!(decode(&bytes::Bytes::new()).is_err());
     }
 
     #[test]

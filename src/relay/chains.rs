@@ -115,7 +115,7 @@ mod tests {
             aggregate_type: "A".into(),
             aggregate_id: Some(aggregate.into()),
             event_type: None,
-            payload: Vec::new(),
+            payload: bytes::Bytes::new(),
             headers: Vec::new(),
             partition: 0,
             created_at: None,

@@ -92,7 +92,7 @@ async fn postgres_streams_inserts_through_a_pgoutput_slot() {
         .unwrap();
     let messages: Vec<PgOutput> = rows
         .iter()
-        .map(|row| decode(row.get::<_, &[u8]>(0)))
+        .map(|row| decode(&bytes::Bytes::copy_from_slice(row.get::<_, &[u8]>(0))))
         .collect();
 
     let outbox_relid = messages

@@ -172,7 +172,7 @@ impl LogTailer {
                         })?;
                         if let Some(layout) = layout {
                             let commit = open.map_or_else(unix_now, |(secs, _)| secs);
-                            let row = layout.row(&tuple, commit).map_err(|e| {
+                            let row = layout.row(tuple, commit).map_err(|e| {
                                 SessionEnd::Stream(format!("an outbox insert: {e}"))
                             })?;
                             batch.bytes += row.payload.len();
@@ -458,7 +458,7 @@ mod tests {
             aggregate_type: "order".into(),
             aggregate_id: Some("a".into()),
             event_type: None,
-            payload: vec![b'x'; bytes],
+            payload: vec![b'x'; bytes].into(),
             headers: Vec::new(),
             partition: 0,
             created_at: None,

@@ -61,7 +61,12 @@ impl Layout {
 
     /// The outbox row of an inserted tuple; `commit_unix` becomes its `created_at`
     /// (the end-to-end lag then runs from the commit).
-    pub(super) fn row(&self, tuple: &[TupleValue], commit_unix: f64) -> Result<OutboxRow, String> {
+    /// Takes `tuple` by value: the payload moves on to the broker as the same buffer.
+    pub(super) fn row(
+        &self,
+        mut tuple: Vec<TupleValue>,
+        commit_unix: f64,
+    ) -> Result<OutboxRow, String> {
         let text = |i: usize| -> Result<Option<String>, String> {
             match tuple.get(i) {
                 Some(TupleValue::Text(b)) => Ok(Some(String::from_utf8_lossy(b).into_owned())),
@@ -73,25 +78,32 @@ impl Layout {
         let id = text(self.id)?
             .and_then(|s| s.parse::<i64>().ok())
             .ok_or_else(|| "the id column is not a bigint".to_owned())?;
-        let payload = match tuple.get(self.payload) {
-            Some(TupleValue::Text(b)) if self.payload_bytea => {
-                repl::decode_bytea_hex(b).map_err(|e| format!("row {id}: payload: {e}"))?
-            }
-            Some(TupleValue::Text(b)) => b.clone(),
-            Some(TupleValue::Null) => Vec::new(),
-            _ => return Err(format!("row {id}: payload column missing")),
-        };
+        let aggregate_type = text(self.aggregate_type)?.unwrap_or_default();
+        let aggregate_id = text(self.aggregate_id)?;
+        let event_type = text(self.event_type)?;
         let mut headers = Vec::new();
         for (name, i) in &self.headers {
             if let Some(v) = text(*i)? {
                 headers.push((name.clone(), v));
             }
         }
+        // Read last, as it is moved out of the tuple.
+        let payload = match tuple
+            .get_mut(self.payload)
+            .map(|v| std::mem::replace(v, TupleValue::Null))
+        {
+            Some(TupleValue::Text(b)) if self.payload_bytea => repl::decode_bytea_hex(&b)
+                .map_err(|e| format!("row {id}: payload: {e}"))?
+                .into(),
+            Some(TupleValue::Text(b)) => b,
+            Some(TupleValue::Null) => bytes::Bytes::new(),
+            _ => return Err(format!("row {id}: payload column missing")),
+        };
         Ok(OutboxRow {
             id,
-            aggregate_type: text(self.aggregate_type)?.unwrap_or_default(),
-            aggregate_id: text(self.aggregate_id)?,
-            event_type: text(self.event_type)?,
+            aggregate_type,
+            aggregate_id,
+            event_type,
             payload,
             headers,
             partition: 0,
@@ -139,7 +151,7 @@ mod tests {
     }
 
     fn text(s: &str) -> TupleValue {
-        TupleValue::Text(s.as_bytes().to_vec())
+        TupleValue::Text(bytes::Bytes::copy_from_slice(s.as_bytes()))
     }
 
     #[test]
@@ -155,10 +167,10 @@ mod tests {
             text(r#"{"a": 1}"#),
             text("00-abc-01"),
         ];
-        let row = layout.row(&tuple, 5.0).unwrap();
+        let row = layout.row(tuple.to_vec(), 5.0).unwrap();
         assert_eq!(row.id, 42);
         assert_eq!(row.aggregate_id.as_deref(), Some("o-1"));
-        assert_eq!(row.payload, br#"{"a": 1}"#);
+        assert_eq!(&row.payload[..], br#"{"a": 1}"#);
         assert_eq!(
             row.headers,
             vec![("traceparent".into(), "00-abc-01".into())]
@@ -166,7 +178,7 @@ mod tests {
         let mut nulls = tuple.clone();
         nulls[4] = TupleValue::Null;
         nulls[5] = TupleValue::Null;
-        let row = layout.row(&nulls, 5.0).unwrap();
+        let row = layout.row(nulls.to_vec(), 5.0).unwrap();
         assert!(row.payload.is_empty() && row.headers.is_empty());
     }
 
@@ -183,7 +195,10 @@ mod tests {
             text("\\x00ff"),
             TupleValue::Null,
         ];
-        assert_eq!(layout.row(&tuple, 0.0).unwrap().payload, vec![0, 255]);
+        assert_eq!(
+            layout.row(tuple.to_vec(), 0.0).unwrap().payload,
+            vec![0, 255]
+        );
     }
 
     #[test]
