@@ -447,7 +447,31 @@ pub struct OutboxTable {
     all_columns: Vec<String>,
     after_publish: AfterPublish,
     partitions: i32,
-    select_sql: String,
+    select: SelectSql,
+}
+
+/// The batch query in pieces: a branch per owned partition goes between `WITH
+/// candidates AS MATERIALIZED (SELECT id FROM (` and `tail`.
+#[derive(Debug, Clone)]
+struct SelectSql {
+    branch_head: String,
+    branch_tail: String,
+    tail: String,
+}
+
+impl SelectSql {
+    /// The statement for `partitions` (not empty).
+    fn for_partitions(&self, partitions: &BTreeSet<i64>) -> String {
+        let branches: Vec<String> = partitions
+            .iter()
+            .map(|p| format!("{}{p}{}", self.branch_head, self.branch_tail))
+            .collect();
+        format!(
+            "WITH candidates AS MATERIALIZED (SELECT u.id FROM ({}{}",
+            branches.join(" UNION ALL "),
+            self.tail
+        )
+    }
 }
 
 impl OutboxTable {
@@ -541,32 +565,41 @@ impl OutboxTable {
         // ORDER BY id: always from the oldest unpublished row, never from a remembered
         // position, because rows commit out of id order.
         //
-        // The candidates are found per partition (a LATERAL join over the owned
-        // partitions, each an ordered scan of the `(partition, id)` index that stops
-        // after `$2` entries) and only then merged and cut to `$2`. A single
-        // `<partition> = ANY($1) ORDER BY id LIMIT $2` cannot read that index in id
-        // order across partitions, so it read and sorted the whole backlog every batch
-        // (105 ms at 40,000 waiting rows, against 7 ms this way). Each partition's
-        // candidates are a prefix of it in id order, so per-aggregate order holds.
+        // The candidates are the first `$1` rows, in id order, of a merge of one ordered
+        // scan of the `(partition, id)` index per owned partition: a UNION ALL of one
+        // branch per partition under `ORDER BY id LIMIT $1` is planned as a Merge
+        // Append, which pulls a row at a time from the branch with the lowest id and
+        // stops after `$1`, so it reads `$1` index entries plus one per partition. (A
+        // single `<partition> = ANY(...) ORDER BY id` cannot read that index in id order
+        // across partitions and sorted the whole backlog, 105 ms at 40,000 waiting rows;
+        // a LATERAL scan per partition read `$1` entries from each, and dead entries
+        // with them: four times the rows with four partitions.) Each partition's
+        // candidates are a prefix of it in id order, so per-aggregate order holds. The
+        // partitions are literals (integers the relay computed), so the statement text
+        // is one per owned set.
         //
         // Only the chosen rows are locked, in the outer statement. FOR UPDATE re-checks
         // the predicate on the current row version, so a row published meanwhile drops
         // out; SKIP LOCKED leaves rows a concurrent batch holds (ordering none, or a
         // dying owner's open transaction) alone instead of waiting for them.
-        let select_sql = format!(
-            "WITH candidates AS MATERIALIZED (\
-             SELECT c.id FROM unnest($1::int8[]) AS p(n) CROSS JOIN LATERAL (\
-             SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = p.n \
-             ORDER BY {id} LIMIT $2) AS c ORDER BY c.id LIMIT $2) \
-             SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
-             {pexpr}, {created}{headers} \
-             FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
-             ORDER BY {id} FOR UPDATE SKIP LOCKED",
-            id = quote(&columns.id),
-            at = quote(&columns.aggregate_type),
-            aid = quote(&columns.aggregate_id),
-            ty = quote(&columns.event_type),
-        );
+        let select = SelectSql {
+            branch_head: format!(
+                "(SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = ",
+                id = quote(&columns.id)
+            ),
+            branch_tail: format!(" ORDER BY {} LIMIT $1)", quote(&columns.id)),
+            tail: format!(
+                ") AS u ORDER BY u.id LIMIT $1) \
+                 SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+                 {pexpr}, {created}{headers} \
+                 FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
+                 ORDER BY {id} FOR UPDATE SKIP LOCKED",
+                id = quote(&columns.id),
+                at = quote(&columns.aggregate_type),
+                aid = quote(&columns.aggregate_id),
+                ty = quote(&columns.event_type),
+            ),
+        };
         Ok(Self {
             qualified,
             dead_letter: format!("{}.{}", quote(schema), quote(dead_letter_table)),
@@ -574,7 +607,7 @@ impl OutboxTable {
             columns,
             after_publish,
             partitions,
-            select_sql,
+            select,
         })
     }
 
@@ -590,14 +623,16 @@ impl OutboxTable {
         partitions: &BTreeSet<i64>,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
-        let partitions: Vec<i64> = partitions.iter().copied().collect();
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
         // The planner underestimates how many rows one partition holds and would rather
         // bitmap-scan all of them and sort than walk the index in order and stop early.
         tx.batch_execute("SET LOCAL enable_bitmapscan = off")
             .await
             .map_err(db("preparing the batch query"))?;
         let rows = tx
-            .query(&self.select_sql, &[&partitions, &limit])
+            .query(&self.select.for_partitions(partitions), &[&limit])
             .await
             .map_err(db("selecting a batch"))?;
         Ok(rows
