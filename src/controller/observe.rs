@@ -60,6 +60,10 @@ pub(super) struct ChildrenSeen {
     pub config_map_version: Option<String>,
     /// The Service's `resourceVersion`.
     pub service_version: Option<String>,
+    /// The ConfigMap and the Service as read (the apply compares them with what it
+    /// would send, instead of reading them again).
+    pub config_map: Option<ConfigMap>,
+    pub service: Option<Service>,
 }
 
 /// Whose the log-tailing slot is, by its publication's marker.
@@ -310,7 +314,7 @@ fn value_digest(salt: &str, value: &[u8]) -> String {
         .collect()
 }
 
-/// The Deployment (with its status) and the ConfigMap's and Service's versions.
+/// The Deployment (with its status), the ConfigMap and the Service.
 async fn children(
     relay: &OutboxRelay,
     desired: &Desired,
@@ -327,8 +331,8 @@ async fn children(
     );
     let (deployment, config_map, service) = futures::try_join!(
         deployments.get_opt(&names.0),
-        config_maps.get_metadata_opt(&names.1),
-        services.get_metadata_opt(&names.2),
+        config_maps.get_opt(&names.1),
+        services.get_opt(&names.2),
     )?;
     let deployment = deployment.filter(|d| d.metadata.deletion_timestamp.is_none());
     let rolled_out = deployment
@@ -353,8 +357,14 @@ async fn children(
         rolled_out,
         runs_polling,
         deployment,
-        config_map_version: config_map.and_then(|c| c.metadata.resource_version),
-        service_version: service.and_then(|s| s.metadata.resource_version),
+        config_map_version: config_map
+            .as_ref()
+            .and_then(|c| c.metadata.resource_version.clone()),
+        service_version: service
+            .as_ref()
+            .and_then(|s| s.metadata.resource_version.clone()),
+        config_map,
+        service,
     })
 }
 

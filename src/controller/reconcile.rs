@@ -338,7 +338,25 @@ async fn apply_if_changed(
     if up_to_date {
         return Ok(());
     }
-    let applied = apply_children(relay, ctx, desired, monitoring, fingerprint).await?;
+    // The periodic resync (an earlier apply, now older than `resync`) also lists each
+    // kind for children by other names (left by an older operator); other passes find
+    // children by their names.
+    let full_prune = ctx
+        .applied
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&uid)
+        .is_some_and(|a| a.at.elapsed() >= ctx.resync);
+    let applied = apply_children(
+        relay,
+        ctx,
+        desired,
+        monitoring,
+        fingerprint,
+        seen,
+        full_prune,
+    )
+    .await?;
     ctx.applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -346,16 +364,28 @@ async fn apply_if_changed(
     Ok(())
 }
 
-/// Applies every desired child (whose hash is `fingerprint`), kind by kind in the
-/// catalogue's order, deletes the children of each kind no longer built, and returns
-/// the versions the apply left. The Prometheus Operator's kinds are neither applied
-/// nor pruned where their CRDs are not served.
+/// Applies every desired child (whose hash is `fingerprint`) that is not already in
+/// place, kind by kind in the catalogue's order, deletes the children no longer built,
+/// and returns the versions the apply left. The Prometheus Operator's kinds are
+/// neither applied nor pruned where their CRDs are not served.
+///
+/// The API server's CPU bounds how fast many relays are reconciled (it used more than
+/// one of two cores while 300 relays were created, the controller a fifth of one), so
+/// this reads as little as it can: the ConfigMap, Deployment and Service as `seen`
+/// already read them; the other kinds by name, and not at all for a relay without a
+/// Deployment (a new one). Children no longer built are found by their name (every
+/// child is named after the relay); only `full_prune` lists each kind by label, for
+/// children an older operator may have named otherwise — a label-selected list walks
+/// every object of the kind in the namespace.
+#[allow(clippy::too_many_arguments)]
 async fn apply_children(
     relay: &OutboxRelay,
     ctx: &Context,
     desired: &Desired,
     monitoring: bool,
     fingerprint: u64,
+    seen: &observe::ChildrenSeen,
+    full_prune: bool,
 ) -> Result<Applied, Error> {
     let namespace = relay.namespace().unwrap_or_default();
     let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
@@ -381,7 +411,14 @@ async fn apply_children(
             .collect();
         if let Some(object) = wanted {
             let object = with_applied_digest(object)?;
-            let result = match api.get_opt(&object.name_any()).await? {
+            let current = match kind {
+                ChildKind::Deployment => dynamic(seen.deployment.as_ref())?,
+                ChildKind::ConfigMap => dynamic(seen.config_map.as_ref())?,
+                ChildKind::Service => dynamic(seen.service.as_ref())?,
+                _ if seen.deployment.is_none() => None,
+                _ => api.get_opt(&object.name_any()).await?,
+            };
+            let result = match current {
                 Some(current) if in_place(&object, &current) => current,
                 _ => ssa(&api, &object, ctx).await?,
             };
@@ -394,10 +431,52 @@ async fn apply_children(
                 _ => {}
             }
         }
-        prune(&api, &selector, &uid, &keep, ctx).await?;
+        if full_prune {
+            prune(&api, &selector, &uid, &keep, ctx).await?;
+        } else if keep.is_empty() && seen.deployment.is_some() {
+            // Built before, not now (a PodDisruptionBudget after scaling to one, a
+            // PrometheusRule with alerting turned off): by its name.
+            delete_owned(&api, &relay_object_name(relay), &uid, ctx).await?;
+        }
     }
     applied.at = Instant::now();
     Ok(applied)
+}
+
+/// A typed object as a [`DynamicObject`], for comparing with what would be applied.
+fn dynamic<K: Serialize>(object: Option<&K>) -> Result<Option<DynamicObject>, Error> {
+    object
+        .map(|o| serde_json::to_value(o).and_then(serde_json::from_value))
+        .transpose()
+        .map_err(Error::Serialize)
+}
+
+/// Deletes child `name` of one kind if the relay (`owner_uid`) owns it.
+async fn delete_owned(
+    api: &Api<DynamicObject>,
+    name: &str,
+    owner_uid: &str,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let Some(object) = api.get_opt(name).await? else {
+        return Ok(());
+    };
+    let owned = object
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.uid == owner_uid && o.controller == Some(true));
+    if owned {
+        info!(child = %name, "deleting a child the relay no longer needs");
+        ctx.metrics.wrote();
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Ok(())
 }
 
 /// The annotation on every child holding a digest of the object as last applied, so

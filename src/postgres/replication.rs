@@ -56,7 +56,7 @@ pub enum TupleValue {
     Null,
     /// An unchanged TOASTed value (updates only; never in an insert).
     UnchangedToast,
-    /// The value in the type's text format (a slice of the message, not a copy).
+    /// The value in the type's text format.
     Text(bytes::Bytes),
     /// The value in binary format (only with the `binary` option, which we do not use).
     Binary(bytes::Bytes),
@@ -159,15 +159,15 @@ pub fn decode(data: &bytes::Bytes) -> Result<PgOutput, DecodeError> {
                     "insert: expected new tuple marker 'N', got {kind:#04x}"
                 )));
             }
-            let tuple = tuple(data, &mut r)?;
+            let tuple = tuple(&mut r)?;
             Ok(PgOutput::Insert { relation, tuple })
         }
         other => Ok(PgOutput::Other(other)),
     }
 }
 
-/// The values of a tuple: slices of `data` (the message `r` reads), not copies.
-fn tuple(data: &bytes::Bytes, r: &mut Reader<'_>) -> Result<Vec<TupleValue>, DecodeError> {
+/// The values of a tuple.
+fn tuple(r: &mut Reader<'_>) -> Result<Vec<TupleValue>, DecodeError> {
     let count = r.i16("tuple column count")?;
     let mut values = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
     for _ in 0..count {
@@ -177,7 +177,11 @@ fn tuple(data: &bytes::Bytes, r: &mut Reader<'_>) -> Result<Vec<TupleValue>, Dec
             kind @ (b't' | b'b') => {
                 let len = usize::try_from(r.i32("value length")?)
                     .map_err(|_| DecodeError("negative value length".to_owned()))?;
-                let bytes = data.slice_ref(r.take(len, "value")?);
+                // Copied once, into a buffer of its own: a slice of the message would
+                // keep the reader's whole buffer alive as long as the row lives (with
+                // 16 KiB payloads that doubled the relay's peak RSS, 52 → 115 MiB).
+                // The row and the broker message share this copy.
+                let bytes = bytes::Bytes::copy_from_slice(r.take(len, "value")?);
                 if kind == b't' {
                     TupleValue::Text(bytes)
                 } else {

@@ -313,9 +313,11 @@ pub fn owner_reference(relay: &OutboxRelay) -> OwnerReference {
 }
 
 /// Whether `have` (an object as the API server returns it) holds every field of `want`
-/// with the same value: objects key by key, lists element by element in any order
-/// (each wanted element held by some element), numbers by value. An empty or null
-/// wanted value is held by an absent one, as the server drops those.
+/// with the same value: objects key by key (the server adds defaults, other managers
+/// their fields), lists element by element in the same order and of the same length
+/// (an element added, removed or moved is drift: the operator's lists are its own),
+/// numbers by value. An empty or null wanted value is held by an absent one, as the
+/// server drops those.
 pub fn holds(have: &serde_json::Value, want: &serde_json::Value) -> bool {
     use serde_json::Value;
     let empty = |v: &Value| match v {
@@ -330,7 +332,7 @@ pub fn holds(have: &serde_json::Value, want: &serde_json::Value) -> bool {
             None => empty(wv),
         }),
         (Value::Array(w), Value::Array(h)) => {
-            w.len() <= h.len() && w.iter().all(|wv| h.iter().any(|hv| holds(hv, wv)))
+            w.len() == h.len() && w.iter().zip(h).all(|(wv, hv)| holds(hv, wv))
         }
         (Value::Number(w), Value::Number(h)) => w.as_f64() == h.as_f64(),
         (w, h) if empty(w) => empty(h),

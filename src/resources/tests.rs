@@ -337,13 +337,20 @@ fn holds_compares_what_the_operator_sets_and_allows_what_the_server_adds() {
         "metadata": {"name": "r", "labels": {"a": "1"}, "annotations": {}},
         "spec": {"replicas": 2, "ports": [{"name": "metrics", "port": 9090}], "tolerations": []}
     });
-    // Defaults and other managers' fields, lists in another order: held.
+    // Defaults and other managers' fields: held.
     let served = json!({
         "metadata": {"name": "r", "labels": {"a": "1", "other": "x"}, "uid": "u", "resourceVersion": "7"},
-        "spec": {"replicas": 2.0, "ports": [{"name": "extra", "port": 1}, {"name": "metrics", "port": 9090, "protocol": "TCP"}]},
+        "spec": {"replicas": 2.0, "ports": [{"name": "metrics", "port": 9090, "protocol": "TCP"}]},
         "status": {}
     });
     assert!(holds(&served, &want));
+    // A list element added or moved: drift (args, tolerations are replaced whole).
+    let mut added = served.clone();
+    added["spec"]["ports"] = json!([{"name": "metrics", "port": 9090}, {"name": "x", "port": 1}]);
+    assert!(!holds(&added, &want));
+    let two = json!({"args": ["a", "b"]});
+    assert!(!holds(&json!({"args": ["b", "a"]}), &two));
+    assert!(!holds(&json!({"args": ["a", "b", "c"]}), &two));
     // A field the operator sets, edited or removed: drift.
     let mut edited = served.clone();
     edited["spec"]["replicas"] = json!(3);

@@ -401,12 +401,25 @@ pub struct AuditedWrite {
     pub subresource: String,
     pub name: String,
     pub request_uri: String,
+    pub user_agent: String,
     pub code: i64,
+}
+
+impl AuditedWrite {
+    /// Written by the rig's kube-controller-manager (ReplicaSets, Deployment status,
+    /// EndpointSlices: its answers to the writes of others).
+    pub fn by_kube_controller_manager(&self) -> bool {
+        self.user_agent.starts_with("kube-controller-manager")
+    }
 }
 
 impl std::fmt::Display for AuditedWrite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {} ({})", self.verb, self.request_uri, self.code)
+        write!(
+            f,
+            "{} {} ({}, by {})",
+            self.verb, self.request_uri, self.code, self.user_agent
+        )
     }
 }
 
@@ -429,6 +442,12 @@ pub fn audited_writes_since(mark: u64, namespace: &str) -> Vec<AuditedWrite> {
     let path = Rig::load().kube_audit_log();
     let mut file = std::fs::File::open(path)
         .unwrap_or_else(|e| panic!("opening the audit log {}: {e}", path.display()));
+    let length = file.metadata().map(|m| m.len()).unwrap_or_default();
+    assert!(
+        length >= mark,
+        "the audit log {} is shorter than at the mark (rotated?): restart the rig",
+        path.display()
+    );
     let mut text = String::new();
     file.seek(SeekFrom::Start(mark))
         .and_then(|_| file.read_to_string(&mut text))
@@ -444,6 +463,7 @@ pub fn audited_writes_since(mark: u64, namespace: &str) -> Vec<AuditedWrite> {
                 subresource: text(&e["objectRef"]["subresource"]),
                 name: text(&e["objectRef"]["name"]),
                 request_uri: text(&e["requestURI"]),
+                user_agent: text(&e["userAgent"]),
                 code: e["responseStatus"]["code"].as_i64().unwrap_or_default(),
             }
         })

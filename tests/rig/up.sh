@@ -254,7 +254,8 @@ env_set OUTBOX_RIG_PROMETHEUS_DIR "$RIG_DIR/prometheus"
 wait_for etcd 30 "$RIG_DIR/logs/etcd.log" curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 free_port API_PORT
 # An audit log of write requests (metadata only): tests read it to prove what the
-# controller wrote, e.g. nothing at all on a resync of unchanged relays.
+# controller wrote, e.g. nothing at all on a resync of unchanged relays. Never rotated
+# (a mark is an offset into the file).
 cat >"$KUBE_DIR/audit-policy.yaml" <<'EOP'
 apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -277,7 +278,7 @@ spawn kube-apiserver "$BIN/kube-apiserver-$K8S_VERSION" \
   --disable-admission-plugins ServiceAccount --endpoint-reconciler-type none \
   --enable-priority-and-fairness=false --profiling=false \
   --audit-policy-file "$KUBE_DIR/audit-policy.yaml" --audit-log-path "$KUBE_DIR/audit.log" \
-  --audit-log-format json --audit-log-mode blocking
+  --audit-log-format json --audit-log-mode blocking --audit-log-maxsize 1000000
 KUBECONFIG_FILE="$KUBE_DIR/kubeconfig"
 cat >"$KUBECONFIG_FILE" <<EOK
 apiVersion: v1
