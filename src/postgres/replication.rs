@@ -259,8 +259,16 @@ pub fn replication_config(
     .with_status_interval(status_interval)
     .with_wakeup_interval(status_interval.max(std::time::Duration::from_secs(1)))
     .with_application_name("outbox-relay-log-tailing")
+    .with_buffer_size(STREAM_BUFFER_EVENTS)
     .with_tls(tls))
 }
+
+/// Events the replication client buffers ahead of the relay: a batch of rows. The
+/// library's default (8,192 events) buffered 128 MiB of 16 KiB rows whenever the
+/// walsender was ahead of the broker (relay peak RSS 115–192 MiB; 74 MiB with 2,048
+/// events, no slower at 1 KiB); the batch is bounded by rows and bytes, and this keeps
+/// the read-ahead bounded too.
+const STREAM_BUFFER_EVENTS: usize = 1024;
 
 // ---------------------------------------------------------------------------------------
 // SQL around the slot. Slot and publication names passed [`check_slot_name`]; the table
