@@ -278,6 +278,7 @@ async fn run(plan: Plan) {
     common::require_listening("Kafka", rig.kafka_bootstrap()).await;
     common::require_listening("NATS", common::host_port(rig.nats_url())).await;
     let kube = common::kube_client().await;
+    drop_leftover_slots().await;
     let started = Instant::now();
     let what = if plan.full {
         "benchmark"
@@ -575,6 +576,29 @@ impl BrokerCleanup {
 }
 
 /// A fresh topic or stream and a broker client of the relay's own kind for it.
+/// Drops the inactive `bench_*` slots an earlier run left behind when it was killed
+/// (its slot guards never ran): on a rig kept up between runs they retain WAL until
+/// the disk is full (27 GB after a few killed profiling runs, and Kafka went down).
+async fn drop_leftover_slots() {
+    let admin = common::pg_admin().await;
+    let leftovers: Vec<String> = admin
+        .query(
+            "SELECT slot_name::text FROM pg_replication_slots \
+             WHERE slot_name LIKE 'bench\\_%' AND NOT active",
+            &[],
+        )
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: listing slots failed: {err}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for slot in leftovers {
+        if common::drop_slot(&admin, &slot).await {
+            eprintln!("  dropped replication slot {slot}, left by an earlier run");
+        }
+    }
+}
+
 /// Producer properties for the relays and the ceiling alike, from
 /// `OUTBOX_BENCH_KAFKA_PROPERTIES=linger.ms=5,compression.type=lz4` (for trying
 /// settings; a run without it measures the defaults users get).
