@@ -1407,15 +1407,7 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
                 .text()
                 .await
                 .ok()?;
-            Some(
-                text.lines()
-                    .filter(|l| {
-                        l.strip_prefix(name)
-                            .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
-                    })
-                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                    .sum::<f64>(),
-            )
+            Some(common::metric_sum(&text, name))
         }
     };
     common::wait_for_some_or(
@@ -1558,17 +1550,7 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
     let mut resync_writes = None;
     let mut resync_peak_rss_mib = 0.0;
     if !all_reconciled_s.is_nan() {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status();
-        let _ = tokio::time::timeout(Duration::from_secs(30), async {
-            while matches!(controller.try_wait(), Ok(None)) {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-        .await;
-        let _ = controller.kill();
-        let _ = controller.wait();
+        stop_controller(&mut controller).await;
         let mark = common::operator::audit_mark();
         let restarted = Instant::now();
         controller = spawn();
@@ -1623,7 +1605,6 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
         }
         resync_peak_rss_mib = status_kib(controller.id(), "VmHWM:").unwrap_or(0) as f64 / 1024.0;
     }
-    let pid = controller.id();
 
     // Clean up while the controller runs, so it can take its finalizers off.
     let _ = relays
@@ -1639,17 +1620,7 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
         }
     })
     .await;
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
-    let _ = tokio::time::timeout(Duration::from_secs(30), async {
-        while matches!(controller.try_wait(), Ok(None)) {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    let _ = controller.kill();
-    let _ = controller.wait();
+    stop_controller(&mut controller).await;
     common::delete_namespace(client, &ns).await;
     db.drop_database().await;
     OperatorResult {
@@ -1663,6 +1634,21 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
         resync_writes,
         resync_peak_rss_mib,
     }
+}
+
+/// SIGTERM, up to 30 s for a clean exit, then SIGKILL.
+async fn stop_controller(controller: &mut std::process::Child) {
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &controller.id().to_string()])
+        .status();
+    let _ = tokio::time::timeout(Duration::from_secs(30), async {
+        while matches!(controller.try_wait(), Ok(None)) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let _ = controller.kill();
+    let _ = controller.wait();
 }
 
 fn plan_is_full() -> bool {

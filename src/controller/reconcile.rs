@@ -318,14 +318,17 @@ async fn apply_if_changed(
     let monitoring = observed.monitoring;
     let fingerprint = fingerprint(desired, monitoring);
     let seen = &observed.children;
-    let up_to_date = ctx
+    // The periodic resync (an earlier apply, now older than `resync`) also lists each
+    // kind for children by other names (left by an older operator); other passes find
+    // children by their names.
+    let (up_to_date, full_prune) = ctx
         .applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .get(&uid)
-        .is_some_and(|a| {
-            a.fingerprint == fingerprint
-                && a.at.elapsed() < ctx.resync
+        .map_or((false, false), |a| {
+            let expired = a.at.elapsed() >= ctx.resync;
+            let same = a.fingerprint == fingerprint
                 && seen.config_map_version.is_some()
                 && seen.config_map_version == a.config_map_version
                 && seen.service_version.is_some()
@@ -333,20 +336,12 @@ async fn apply_if_changed(
                 && seen
                     .deployment
                     .as_ref()
-                    .is_some_and(|d| d.metadata.generation == a.deployment_generation)
+                    .is_some_and(|d| d.metadata.generation == a.deployment_generation);
+            (same && !expired, expired)
         });
     if up_to_date {
         return Ok(());
     }
-    // The periodic resync (an earlier apply, now older than `resync`) also lists each
-    // kind for children by other names (left by an older operator); other passes find
-    // children by their names.
-    let full_prune = ctx
-        .applied
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&uid)
-        .is_some_and(|a| a.at.elapsed() >= ctx.resync);
     let applied = apply_children(
         relay,
         ctx,
@@ -458,25 +453,32 @@ async fn delete_owned(
     owner_uid: &str,
     ctx: &Context,
 ) -> Result<(), Error> {
-    let Some(object) = api.get_opt(name).await? else {
-        return Ok(());
-    };
-    let owned = object
-        .metadata
-        .owner_references
+    match api.get_opt(name).await? {
+        Some(object) if owned_by(&object.metadata, owner_uid) => delete_child(api, name, ctx).await,
+        _ => Ok(()),
+    }
+}
+
+/// Whether the relay with `owner_uid` is the object's controller owner.
+fn owned_by(meta: &kube::api::ObjectMeta, owner_uid: &str) -> bool {
+    meta.owner_references
         .iter()
         .flatten()
-        .any(|o| o.uid == owner_uid && o.controller == Some(true));
-    if owned {
-        info!(child = %name, "deleting a child the relay no longer needs");
-        ctx.metrics.wrote();
-        match api.delete(name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
-            Err(err) => return Err(err.into()),
-        }
+        .any(|o| o.uid == owner_uid && o.controller == Some(true))
+}
+
+/// Deletes a child the relay no longer needs (already gone is fine).
+async fn delete_child<K>(api: &Api<K>, name: &str, ctx: &Context) -> Result<(), Error>
+where
+    K: Resource + DeserializeOwned + Clone + Debug,
+{
+    info!(child = %name, "deleting a child the relay no longer needs");
+    ctx.metrics.wrote();
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(err) => Err(err.into()),
     }
-    Ok(())
 }
 
 /// The annotation on every child holding a digest of the object as last applied, so
@@ -556,20 +558,8 @@ where
         .await?;
     for object in list.items {
         let name = object.metadata.name.clone().unwrap_or_default();
-        let owned = object
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.uid == owner_uid && o.controller == Some(true));
-        if owned && !keep.contains(&name) {
-            info!(child = %name, "deleting a child the relay no longer needs");
-            ctx.metrics.wrote();
-            match api.delete(&name, &DeleteParams::background()).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(status)) if status.code == 404 => {}
-                Err(err) => return Err(err.into()),
-            }
+        if owned_by(&object.metadata, owner_uid) && !keep.contains(&name) {
+            delete_child(api, &name, ctx).await?;
         }
     }
     Ok(())

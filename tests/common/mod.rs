@@ -1020,6 +1020,18 @@ impl RelayProcess {
     }
 }
 
+/// The sum of every sample of metric `name` (all label sets; `name` may include some
+/// labels) in an OpenMetrics text.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The value of the first sample of metric `name` in an OpenMetrics text.
 pub fn metric_value(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|line| {

@@ -135,15 +135,7 @@ impl ControllerProcess {
             .text()
             .await
             .ok()?;
-        Some(
-            text.lines()
-                .filter(|l| {
-                    l.strip_prefix(name)
-                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum(),
-        )
+        Some(super::metric_sum(&text, name))
     }
 
     /// SIGKILL, as a node failure or the OOM killer would: no shutdown step runs.

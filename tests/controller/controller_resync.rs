@@ -75,6 +75,18 @@ fn reconcile_writes(writes: Vec<operator::AuditedWrite>) -> Vec<operator::Audite
         .collect()
 }
 
+/// Each relay's name and `resourceVersion`.
+async fn versions(relays: &Api<OutboxRelay>) -> Vec<(Option<String>, Option<String>)> {
+    relays
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|r| (r.metadata.name, r.metadata.resource_version))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_controller_writes_nothing_for_unchanged_relays() {
     let client = common::kube_client().await;
@@ -153,14 +165,7 @@ async fn a_restarted_controller_writes_nothing_for_unchanged_relays() {
         .unwrap_or_else(|e| panic!("{e}"));
 
     let catalog_before = catalog(&db.client).await;
-    let statuses_before: Vec<_> = relays
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .map(|r| (r.metadata.name, r.metadata.resource_version))
-        .collect();
+    let statuses_before = versions(&relays).await;
     let mark = operator::audit_mark();
 
     // The resync: a new controller takes the Lease and reconciles all of them.
@@ -196,14 +201,7 @@ async fn a_restarted_controller_writes_nothing_for_unchanged_relays() {
             .collect::<String>(),
         tail()
     );
-    let statuses_after: Vec<_> = relays
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .map(|r| (r.metadata.name, r.metadata.resource_version))
-        .collect();
+    let statuses_after = versions(&relays).await;
     // Only the figures may have moved a relay (its retained WAL grows with any write).
     let moved: Vec<_> = statuses_before
         .iter()
