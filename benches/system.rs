@@ -1361,7 +1361,11 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
         .map(|a| a.port())
         .unwrap_or_else(|err| panic!("no free port: {err}"));
     let log_dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
-    let log_path = log_dir.path().join("controller.log");
+    // OUTBOX_BENCH_CONTROLLER_LOG keeps the controller's log (e.g. with RUST_LOG set to
+    // kube_runtime=debug, to see why each reconcile ran).
+    let log_path = std::env::var_os("OUTBOX_BENCH_CONTROLLER_LOG")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| log_dir.path().join("controller.log"));
     let spawn = || {
         let log_file = std::fs::OpenOptions::new()
             .create(true)
@@ -1523,7 +1527,9 @@ async fn operator_scale(client: &kube::Client, count: usize) -> OperatorResult {
             eprintln!("  operator: only {reconciled}/{count} relays reconciled after {timeout:?}");
             break f64::NAN;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        // Each look lists every relay in full (status included): looking more often
+        // would load the API server whose speed this measures.
+        tokio::time::sleep(Duration::from_secs(1)).await;
     };
     let cpu_seconds_used = cpu_seconds(pid).unwrap_or(cpu0) - cpu0;
     if let (Some(sum), Some(n)) = (

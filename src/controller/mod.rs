@@ -19,6 +19,7 @@ mod observe;
 mod protect;
 mod reconcile;
 mod status;
+mod triggers;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -32,11 +33,11 @@ use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::watcher::{self, watcher};
 use kube::{Api, Client};
 use kube_lease_manager::LeaseManagerBuilder;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{Instrument, info, warn};
 
 use crate::api::OutboxRelay;
 use crate::resources::{BuildError, BuildOptions, MANAGED_BY, default_relay_image};
@@ -171,6 +172,13 @@ pub struct ControllerArgs {
     /// (backlog, oldest unpublished age, slot lag).
     #[arg(long, env = "OUTBOX_STATUS_INTERVAL", default_value_t = 10)]
     pub status_interval_seconds: u64,
+    /// Rechecks of unchanged relays (Secrets and database looked at again, as every
+    /// status interval) allowed per second over all relays: with more relays than the
+    /// status interval allows at this rate, each is rechecked less often (1,000 relays
+    /// at 20 a second: every 50 s), so the API server's and the databases' load stays
+    /// flat as relays are added. 0: every status interval, however many.
+    #[arg(long, env = "OUTBOX_MAX_RECHECKS_PER_SECOND", default_value_t = 20.0)]
+    pub max_rechecks_per_second: f64,
     /// OutboxRelays reconciled at the same time. Each holds a database connection and a
     /// few API requests while it runs, so this bounds both (and the operator's memory)
     /// when many relays change at once.
@@ -202,6 +210,7 @@ impl ControllerArgs {
             resync_seconds: 300,
             status_interval_seconds: 10,
             max_concurrent_reconciles: 32,
+            max_rechecks_per_second: 20.0,
             allow_relay_image: false,
             allow_relay_service_account: false,
         }
@@ -240,6 +249,13 @@ pub(crate) struct Context {
     monitoring: std::sync::Mutex<Option<(bool, std::time::Instant)>>,
     /// Reconciles running now; shutdown waits for this to reach zero.
     in_flight: AtomicUsize,
+    /// The versions of the children the controller's own applies left, so their watch
+    /// events do not reconcile again.
+    echoes: Arc<triggers::Echoes>,
+    /// OutboxRelays in the controller's cache, for the recheck budget.
+    known_relays: AtomicUsize,
+    /// Rechecks of unchanged relays allowed per second, over all of them.
+    rechecks_per_second: f64,
 }
 
 /// Counts a reconcile as in flight for as long as it lives.
@@ -361,6 +377,9 @@ pub async fn run(
         applied: std::sync::Mutex::new(std::collections::HashMap::new()),
         monitoring: std::sync::Mutex::new(None),
         in_flight: AtomicUsize::new(0),
+        echoes: Arc::default(),
+        known_relays: AtomicUsize::new(0),
+        rechecks_per_second: args.max_rechecks_per_second.max(0.0),
     });
 
     let mut leader_rx = leader;
@@ -468,29 +487,63 @@ async fn run_controller(
     concurrency: u16,
     stop: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
+    use kube::runtime::{PredicateConfig, WatchStreamExt, reflector};
     let client = &ctx.client;
     let children =
         watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
-    let controller = Controller::new(
+    // Every change reaches the cache; only those a reconcile acts on trigger one (see
+    // `triggers.rs`).
+    let (relays, writer) = reflector::store();
+    let relay_triggers = watcher(
         scoped::<OutboxRelay>(client, namespace),
         watcher::Config::default(),
-    );
+    )
+    .default_backoff()
+    .reflect(writer)
+    .applied_objects()
+    .predicate_filter(triggers::relay_trigger, PredicateConfig::default());
+    let controller = Controller::for_stream(relay_triggers, relays.clone());
     // The figures task reads the relays from the controller's own cache and lives as
     // long as this leadership term: it is aborted when this future ends or is dropped
     // (shutdown drops it once no reconcile runs), so it never outlives the Lease and
     // never keeps the Context (and its Lease receiver) alive.
-    let _figures = AbortOnDrop(tokio::spawn(figures::run(ctx.clone(), controller.store())));
+    let _figures = AbortOnDrop(tokio::spawn(figures::run(ctx.clone(), relays.clone())));
+    let echoes = &ctx.echoes;
     controller
-        .owns(scoped::<ConfigMap>(client, namespace), children.clone())
-        .owns(scoped::<Deployment>(client, namespace), children.clone())
-        .owns(scoped::<Service>(client, namespace), children.clone())
-        .owns(scoped::<PodDisruptionBudget>(client, namespace), children)
+        .owns_stream(triggers::child_triggers(
+            scoped::<ConfigMap>(client, namespace),
+            children.clone(),
+            echoes.clone(),
+        ))
+        .owns_stream(triggers::child_triggers(
+            scoped::<Deployment>(client, namespace),
+            children.clone(),
+            echoes.clone(),
+        ))
+        .owns_stream(triggers::child_triggers(
+            scoped::<Service>(client, namespace),
+            children.clone(),
+            echoes.clone(),
+        ))
+        .owns_stream(triggers::child_triggers(
+            scoped::<PodDisruptionBudget>(client, namespace),
+            children,
+            echoes.clone(),
+        ))
         .with_config(kube::runtime::controller::Config::default().concurrency(concurrency.max(1)))
         .graceful_shutdown_on(stop)
         .run(
-            |relay, ctx| async move {
-                let _counted = InFlight::enter(&ctx.in_flight);
-                reconcile::reconcile(relay, ctx.clone()).await
+            move |relay, ctx| {
+                ctx.known_relays.store(relays.len(), Ordering::Relaxed);
+                // kube enters its "reconciling object" span (object and reason) only
+                // while this closure runs: carry it into the future so the reconcile's
+                // logs say which relay and why.
+                let span = tracing::Span::current();
+                async move {
+                    let _counted = InFlight::enter(&ctx.in_flight);
+                    reconcile::reconcile(relay, ctx.clone()).await
+                }
+                .instrument(span)
             },
             reconcile::error_policy,
             ctx.clone(),
@@ -514,6 +567,16 @@ impl Drop for AbortOnDrop {
 }
 
 impl Context {
+    /// When an unchanged relay is looked at again (see [`triggers::recheck_after`]).
+    fn recheck_after(&self) -> Duration {
+        triggers::recheck_after(
+            self.status_interval.min(self.resync),
+            self.known_relays.load(Ordering::Relaxed),
+            self.rechecks_per_second,
+            triggers::jitter(),
+        )
+    }
+
     /// Publishes an Event about `relay`; a failure is logged, not fatal (Events are
     /// advisory).
     async fn publish(

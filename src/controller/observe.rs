@@ -103,16 +103,25 @@ pub(super) async fn observe(
     desired: &Desired,
     ctx: &Context,
 ) -> Result<Observed, Error> {
+    let started = std::time::Instant::now();
     let (secrets, conn) = secrets(valid, ctx).await?;
+    let secrets_ms = started.elapsed().as_millis();
     let database = match conn {
         Some(conn) if secrets.problems.is_empty() => {
             database::observe(relay, valid, &conn, ctx).await
         }
         _ => DatabaseSeen::NotLooked,
     };
+    let database_ms = started.elapsed().as_millis() - secrets_ms;
     let claim = claim(relay, valid, &database, ctx).await?;
     let children = children(relay, desired, ctx).await?;
     let monitoring = monitoring_available(ctx).await?;
+    tracing::debug!(
+        secrets_ms,
+        database_ms,
+        total_ms = started.elapsed().as_millis(),
+        "observed"
+    );
     Ok(Observed {
         secrets,
         database,

@@ -16,7 +16,7 @@ use kube::{Api, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::database::{self, Cleanup};
 use super::status::{CONDITION_READY, Cond, differs, find, merge};
@@ -48,8 +48,20 @@ pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Res
         return Ok(Action::await_change());
     }
     let started = Instant::now();
+    debug!(generation = ?relay.metadata.generation, "reconcile starts");
     let namespace = relay.namespace().unwrap_or_default();
     let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
+    // A new relay gets its finalizer and its children in one pass: kube's helper would
+    // add the finalizer and wait for the update to come back before applying anything,
+    // a second reconcile of every new relay.
+    let relay = match add_finalizer(&api, relay, &ctx).await {
+        Ok(relay) => relay,
+        Err(err) => {
+            ctx.metrics
+                .reconciled(started.elapsed(), Some(err.category()));
+            return Err(err);
+        }
+    };
     let result = finalizer(&api, FINALIZER, relay, |event| async {
         match event {
             Finalizer::Apply(relay) => apply(&relay, &ctx).await,
@@ -63,6 +75,44 @@ pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Res
         result.as_ref().err().map(Error::category),
     );
     result
+}
+
+/// `relay` with the cleanup finalizer: as it is when it has it (or is being deleted),
+/// else as the API server returns it after the finalizer was added. The patch tests the
+/// list it extends, so a concurrent change to the finalizers fails it (and the
+/// reconcile retries) instead of being overwritten.
+async fn add_finalizer(
+    api: &Api<OutboxRelay>,
+    relay: Arc<OutboxRelay>,
+    ctx: &Context,
+) -> Result<Arc<OutboxRelay>, Error> {
+    if relay.metadata.deletion_timestamp.is_some()
+        || relay.finalizers().iter().any(|f| f == FINALIZER)
+    {
+        return Ok(relay);
+    }
+    let ops = match relay.metadata.finalizers.as_deref() {
+        None | Some([]) => serde_json::json!([
+            // An absent list reads as null (an empty one is not stored).
+            {"op": "test", "path": "/metadata/finalizers", "value": null},
+            {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
+        ]),
+        Some(current) => serde_json::json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": current},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
+        ]),
+    };
+    let patch: json_patch::Patch =
+        serde_json::from_value(ops).map_err(|err| Error::Kube(kube::Error::SerdeError(err)))?;
+    ctx.metrics.wrote();
+    let updated = api
+        .patch(
+            &relay.name_any(),
+            &PatchParams::default(),
+            &Patch::<()>::Json(patch),
+        )
+        .await?;
+    Ok(Arc::new(updated))
 }
 
 /// Logs, counts (in `reconcile`) and retries a failed reconcile.
@@ -262,12 +312,17 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     if let Some(slot) = decision.slot.as_mut() {
         slot.protected_secrets = protected;
     }
+    let before_status = Instant::now();
     update_status(relay, ctx, decision.conditions, decision.slot).await?;
+    debug!(
+        status_ms = before_status.elapsed().as_millis(),
+        "status updated"
+    );
     protect::release(relay, &no_longer, ctx).await?;
     Ok(match decision.next {
         decide::Next::AwaitChange => Action::await_change(),
         decide::Next::SecretRetry => Action::requeue(SECRET_RETRY),
-        decide::Next::Refresh => Action::requeue(ctx.status_interval.min(ctx.resync)),
+        decide::Next::Refresh => Action::requeue(ctx.recheck_after()),
         decide::Next::Soon => Action::requeue(HANDOVER_POLL.min(ctx.status_interval)),
     })
 }
@@ -342,6 +397,7 @@ async fn apply_if_changed(
     if up_to_date {
         return Ok(());
     }
+    let before_children = Instant::now();
     let applied = apply_children(
         relay,
         ctx,
@@ -352,6 +408,10 @@ async fn apply_if_changed(
         full_prune,
     )
     .await?;
+    debug!(
+        children_ms = before_children.elapsed().as_millis(),
+        "children applied"
+    );
     ctx.applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -415,7 +475,27 @@ async fn apply_children(
             };
             let result = match current {
                 Some(current) if in_place(&object, &current) => current,
-                _ => ssa(&api, &object, ctx).await?,
+                _ => match ssa(&api, &object, ctx).await {
+                    Err(Error::Kube(kube::Error::Api(status)))
+                        if status.is_invalid() && kind == ChildKind::Service =>
+                    {
+                        // A field that cannot change once set: a Service made before
+                        // it was headless keeps its ClusterIP. Made again (only
+                        // scrapers look at it, through its endpoints).
+                        info!(child = %object.name_any(), reason = %status.message, "making the Service again: a field of it cannot change");
+                        ctx.metrics.wrote();
+                        match api
+                            .delete(&object.name_any(), &DeleteParams::background())
+                            .await
+                        {
+                            Ok(_) => {}
+                            Err(kube::Error::Api(status)) if status.code == 404 => {}
+                            Err(err) => return Err(err.into()),
+                        }
+                        ssa(&api, &object, ctx).await?
+                    }
+                    other => other?,
+                },
             };
             match kind {
                 ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
@@ -531,13 +611,15 @@ where
         .clone()
         .ok_or(Error::MissingField("metadata.name"))?;
     ctx.metrics.wrote();
-    Ok(api
+    let applied = api
         .patch(
             &name,
             &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(object),
         )
-        .await?)
+        .await?;
+    ctx.echoes.wrote(&applied);
+    Ok(applied)
 }
 
 /// Deletes this relay's children of one kind that are not in `keep`. Children are found
@@ -632,16 +714,19 @@ async fn update_status(
     Ok(())
 }
 
-/// An Event for a change of the `Ready` condition's status or reason.
+/// An Event for a change of the `Ready` condition's status or reason. Not for a new
+/// relay whose pods are starting (no `Ready` before, now `RelayUnavailable`): that is
+/// where every relay begins, and an Event for each is a write apiece when many are
+/// created at once.
 fn ready_transition(
     current: Option<&OutboxRelayStatus>,
     conditions: &[Cond],
 ) -> Option<(EventType, &'static str, String)> {
     let new = conditions.iter().find(|c| c.type_ == CONDITION_READY)?;
     let status = if new.status { "True" } else { "False" };
-    let unchanged = find(current, CONDITION_READY)
-        .is_some_and(|old| old.status == status && old.reason == new.reason);
-    if unchanged {
+    let old = find(current, CONDITION_READY);
+    let unchanged = old.is_some_and(|old| old.status == status && old.reason == new.reason);
+    if unchanged || (old.is_none() && new.reason == "RelayUnavailable") {
         return None;
     }
     let type_ = if new.status || new.reason == "RelayUnavailable" || new.reason == "ScaledToZero" {
@@ -758,4 +843,57 @@ async fn stop_relay(relay: &OutboxRelay, ctx: &Context) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(ready: &Cond) -> OutboxRelayStatus {
+        serde_json::from_value(json!({"conditions": [{
+            "type": CONDITION_READY,
+            "status": if ready.status { "True" } else { "False" },
+            "reason": ready.reason,
+            "message": ready.message,
+            "lastTransitionTime": "2026-12-04T00:00:00Z"
+        }]}))
+        .unwrap()
+    }
+
+    #[test]
+    fn ready_events_mark_transitions_not_the_start_of_every_relay() {
+        let starting = Cond::no(
+            CONDITION_READY,
+            "RelayUnavailable",
+            "0 of 2 relay pods available",
+        );
+        let up = Cond::yes(
+            CONDITION_READY,
+            "RelayAvailable",
+            "2 of 2 relay pods available",
+        );
+        let invalid = Cond::no(CONDITION_READY, "InvalidSpec", "spec.table.name is empty");
+        // A new relay starting: no Event; a new relay refused: a Warning.
+        assert_eq!(
+            ready_transition(None, std::slice::from_ref(&starting)),
+            None
+        );
+        assert!(matches!(
+            ready_transition(None, std::slice::from_ref(&invalid)),
+            Some((EventType::Warning, "InvalidSpec", _))
+        ));
+        // Up, and down again: both are Events; no change: none.
+        assert!(matches!(
+            ready_transition(Some(&status(&starting)), std::slice::from_ref(&up)),
+            Some((EventType::Normal, "RelayAvailable", _))
+        ));
+        assert!(matches!(
+            ready_transition(Some(&status(&up)), std::slice::from_ref(&starting)),
+            Some((EventType::Normal, "RelayUnavailable", _))
+        ));
+        assert_eq!(
+            ready_transition(Some(&status(&up)), std::slice::from_ref(&up)),
+            None
+        );
+    }
 }

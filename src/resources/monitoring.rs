@@ -26,12 +26,16 @@ pub const PROMETHEUS_RULE_KIND: &str = "PrometheusRule";
 /// See [`PROMETHEUS_RULE_KIND`].
 pub const PROMETHEUS_RULE_PLURAL: &str = "prometheusrules";
 
-/// The Service in front of the relay pods' metrics port.
+/// The Service in front of the relay pods' metrics port. Headless: it is there for
+/// scrape discovery (Prometheus reads its endpoints), nothing connects to a virtual IP,
+/// so none is taken from the cluster's Service range — and creating one is the
+/// costliest write of a new relay (the API server allocates the address).
 pub fn service(relay: &OutboxRelay) -> Service {
     Service {
         metadata: child_meta(relay, relay_object_name(relay), "metrics"),
         spec: Some(ServiceSpec {
             type_: Some("ClusterIP".to_owned()),
+            cluster_ip: Some("None".to_owned()),
             selector: Some(super::selector_labels(relay)),
             ports: Some(vec![ServicePort {
                 name: Some(METRICS_PORT_NAME.to_owned()),

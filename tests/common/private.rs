@@ -437,7 +437,10 @@ appender.stdout.layout.pattern = [%d] %p %m (%c)%n
         let cluster_id = kafka_cluster_id();
         let output = kafka
             .java()
-            .args(["kafka.tools.StorageTool", "format", "-t", &cluster_id, "-c"])
+            // `=`: an id starting with "-" (one in 64) would read as an option.
+            .args(["kafka.tools.StorageTool", "format"])
+            .arg(format!("--cluster-id={cluster_id}"))
+            .arg("-c")
             .arg(&kafka.config)
             .stdin(Stdio::null())
             .output()

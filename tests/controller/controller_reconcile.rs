@@ -42,8 +42,11 @@ struct Running {
 }
 
 fn start_controller(client: &Client, namespace: &str, identity: &str) -> Running {
+    start_controller_with(client, ControllerArgs::for_namespace(namespace), identity)
+}
+
+fn start_controller_with(client: &Client, mut args: ControllerArgs, identity: &str) -> Running {
     outbox_operator::telemetry::init_logging();
-    let mut args = ControllerArgs::for_namespace(namespace);
     args.identity = Some(identity.to_owned());
     args.lease_name = "outbox-operator-test".to_owned();
     let metrics = Arc::new(Metrics::new());
@@ -209,6 +212,20 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     let services: Api<Service> = Api::namespaced(client.clone(), &ns);
     let budgets: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
 
+    // A Service left by an older operator, with a cluster IP: the relay's is headless,
+    // and a cluster IP cannot be taken away, so the controller makes it again.
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "orders-relay"},
+                "spec": {"type": "ClusterIP", "ports": [{"name": "http", "port": 8080}]}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+
     let mut manifest = example("orders-relay.yaml");
     apply_relay(&client, &ns, &manifest).await.unwrap();
 
@@ -226,6 +243,11 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     let cm = config_maps.get("orders-relay-config").await.unwrap();
     let deployment = deployments.get("orders-relay").await.unwrap();
     let service = services.get("orders-relay").await.unwrap();
+    assert_eq!(
+        service.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()),
+        Some("None"),
+        "the metrics Service is headless"
+    );
     let pdb = budgets.get("orders-relay").await.unwrap();
     for meta in [
         &cm.metadata,
@@ -377,6 +399,106 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
 
     running.stop().await;
     common::delete_namespace(&client, &ns).await;
+    database.drop_database().await;
+}
+
+/// Reconciles are what the API server's CPU goes to when many relays change: a settled
+/// relay is reconciled again for a change of someone else's, not for the echoes of the
+/// controller's own writes (its finalizer, its status, its children) nor for status
+/// written by anyone.
+#[tokio::test]
+async fn a_settled_relay_reconciles_for_others_changes_not_for_its_own_writes() {
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let database = outbox_database().await;
+    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
+    // No periodic recheck within the test.
+    let mut args = ControllerArgs::for_namespace(&ns);
+    args.status_interval_seconds = 600;
+    args.resync_seconds = 600;
+    let running = start_controller_with(&client, args, "quiet");
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+
+    apply_relay(&client, &ns, &example("orders-relay.yaml"))
+        .await
+        .unwrap();
+    wait_status(&relays, "orders", "orders status for generation 1", |r| {
+        condition(r, "DatabaseReady").is_some_and(|c| c.status == "True")
+    })
+    .await;
+    // Settled: kube-controller-manager's updates of the Deployment's status (a change
+    // of someone else's) are over once the count stands still for a while.
+    let since = std::time::Instant::now();
+    let mut settled = running.metrics.reconciles_total();
+    loop {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let now = running.metrics.reconciles_total();
+        if now == settled {
+            break;
+        }
+        settled = now;
+        assert!(
+            since.elapsed() < WAIT,
+            "the relay is reconciled again and again"
+        );
+    }
+    assert!(
+        settled <= 4,
+        "a new relay took {settled} reconciles (its own writes reconcile it again?)"
+    );
+
+    // Status written by another manager (a tool, or the operator's figures task).
+    relays
+        .patch_status(
+            "orders",
+            &PatchParams::apply("outbox-test-figures").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "outbox.dev/v1alpha1",
+                "kind": "OutboxRelay",
+                "status": {"backlogRows": 7}
+            })),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        running.metrics.reconciles_total(),
+        settled,
+        "a status-only change reconciled the relay"
+    );
+
+    // Someone edits a field of the ConfigMap the operator owns: reconciled and repaired.
+    let cm = config_maps.get("orders-relay-config").await.unwrap();
+    let (key, value) = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.iter().next())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .expect("the relay's ConfigMap holds data");
+    config_maps
+        .patch(
+            "orders-relay-config",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {key.clone(): "edited"}})),
+        )
+        .await
+        .unwrap();
+    common::wait_for("the edited ConfigMap to be repaired", WAIT, || async {
+        config_maps
+            .get("orders-relay-config")
+            .await
+            .ok()
+            .and_then(|c| c.data)
+            .and_then(|d| d.get(&key).cloned())
+            .is_some_and(|v| v == value)
+    })
+    .await;
+    assert!(running.metrics.reconciles_total() > settled);
+
+    delete_relays(&client, &ns).await;
+    running.stop().await;
     database.drop_database().await;
 }
 

@@ -110,8 +110,9 @@ async fn a_restarted_controller_writes_nothing_for_unchanged_relays() {
             names.push(name);
         }
     }
-    // Settled: every relay reconciled at its generation (slots made, Secret protected),
-    // then a quiet spell with no write from the reconciler.
+    // Settled: every relay reconciled at its generation (slots made, Secret protected)
+    // with its figures sampled once, then a quiet spell with no write from the
+    // reconciler.
     common::wait_for_some_or(
         "every relay reconciled by the first controller",
         WAIT,
@@ -122,6 +123,7 @@ async fn a_restarted_controller_writes_nothing_for_unchanged_relays() {
                 let observed = r.status.as_ref().and_then(|s| s.observed_generation);
                 let tailing = r.spec.mode.log_tailing.is_some();
                 observed == r.metadata.generation
+                    && r.status.as_ref().is_some_and(|s| s.backlog_rows.is_some())
                     && (!tailing
                         || operator::condition(r, "SlotReady").is_some_and(|c| c.status == "True"))
             });

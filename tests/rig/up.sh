@@ -205,10 +205,12 @@ EOP
 KAFKA_JAVA=(java -Xms256m -Xmx768m -XX:+UseG1GC -Djava.awt.headless=true
   "-Dlog4j2.configurationFile=$RIG_DIR/kafka/log4j2.properties" -cp "$KAFKA_HOME/libs/*")
 # A cluster id is a random UUID in unpadded URL-safe base64; made here to spare a JVM start.
+# One id in 64 starts with "-": passed as --cluster-id=..., never as a separate
+# argument, where it would read as an option.
 export KAFKA_CLUSTER_ID=$(python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
 export KAFKA_SCRAM_256="SCRAM-SHA-256=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
 export KAFKA_SCRAM_512="SCRAM-SHA-512=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
-spawn kafka sh -c '"$@" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" -c "$0" \
+spawn kafka sh -c '"$@" kafka.tools.StorageTool format --cluster-id="$KAFKA_CLUSTER_ID" -c "$0" \
     --add-scram "$KAFKA_SCRAM_256" --add-scram "$KAFKA_SCRAM_512" >/dev/null \
     && exec "$@" kafka.Kafka "$0"' "$RIG_DIR/kafka/server.properties" "${KAFKA_JAVA[@]}"
 env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
