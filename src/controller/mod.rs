@@ -245,6 +245,9 @@ pub(crate) struct Context {
     /// What was last applied for each relay (by uid), so a status refresh with nothing
     /// changed does not re-apply and re-list every child.
     applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,
+    /// The status each relay (by uid) was last given by this controller.
+    written_status:
+        std::sync::Mutex<std::collections::HashMap<String, crate::api::OutboxRelayStatus>>,
     /// Whether the Prometheus Operator's CRDs are served, and when that was looked up.
     monitoring: std::sync::Mutex<Option<(bool, std::time::Instant)>>,
     /// Reconciles running now; shutdown waits for this to reach zero.
@@ -376,6 +379,7 @@ pub async fn run(
         pools: database::Pools::default(),
         applied: std::sync::Mutex::new(std::collections::HashMap::new()),
         monitoring: std::sync::Mutex::new(None),
+        written_status: std::sync::Mutex::new(std::collections::HashMap::new()),
         in_flight: AtomicUsize::new(0),
         echoes: Arc::default(),
         known_relays: AtomicUsize::new(0),

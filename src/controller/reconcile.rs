@@ -79,40 +79,51 @@ pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Res
 
 /// `relay` with the cleanup finalizer: as it is when it has it (or is being deleted),
 /// else as the API server returns it after the finalizer was added. The patch tests the
-/// list it extends, so a concurrent change to the finalizers fails it (and the
-/// reconcile retries) instead of being overwritten.
+/// list it extends, so a concurrent change to the finalizers fails it instead of being
+/// overwritten; then the relay is read afresh (the cache may lag behind the API server)
+/// and the patch tried once more.
 async fn add_finalizer(
     api: &Api<OutboxRelay>,
-    relay: Arc<OutboxRelay>,
+    mut relay: Arc<OutboxRelay>,
     ctx: &Context,
 ) -> Result<Arc<OutboxRelay>, Error> {
-    if relay.metadata.deletion_timestamp.is_some()
-        || relay.finalizers().iter().any(|f| f == FINALIZER)
-    {
-        return Ok(relay);
+    let mut attempts = 0;
+    loop {
+        if relay.metadata.deletion_timestamp.is_some()
+            || relay.finalizers().iter().any(|f| f == FINALIZER)
+        {
+            return Ok(relay);
+        }
+        let ops = match relay.metadata.finalizers.as_deref() {
+            None | Some([]) => json!([
+                // An absent list reads as null (an empty one is not stored).
+                {"op": "test", "path": "/metadata/finalizers", "value": null},
+                {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
+            ]),
+            Some(current) => json!([
+                {"op": "test", "path": "/metadata/finalizers", "value": current},
+                {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
+            ]),
+        };
+        let patch: json_patch::Patch =
+            serde_json::from_value(ops).map_err(|err| Error::Kube(kube::Error::SerdeError(err)))?;
+        ctx.metrics.wrote();
+        attempts += 1;
+        match api
+            .patch(
+                &relay.name_any(),
+                &PatchParams::default(),
+                &Patch::<()>::Json(patch),
+            )
+            .await
+        {
+            Ok(updated) => return Ok(Arc::new(updated)),
+            Err(kube::Error::Api(status)) if status.is_invalid() && attempts < 2 => {
+                relay = Arc::new(api.get(&relay.name_any()).await?);
+            }
+            Err(err) => return Err(err.into()),
+        }
     }
-    let ops = match relay.metadata.finalizers.as_deref() {
-        None | Some([]) => serde_json::json!([
-            // An absent list reads as null (an empty one is not stored).
-            {"op": "test", "path": "/metadata/finalizers", "value": null},
-            {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
-        ]),
-        Some(current) => serde_json::json!([
-            {"op": "test", "path": "/metadata/finalizers", "value": current},
-            {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
-        ]),
-    };
-    let patch: json_patch::Patch =
-        serde_json::from_value(ops).map_err(|err| Error::Kube(kube::Error::SerdeError(err)))?;
-    ctx.metrics.wrote();
-    let updated = api
-        .patch(
-            &relay.name_any(),
-            &PatchParams::default(),
-            &Patch::<()>::Json(patch),
-        )
-        .await?;
-    Ok(Arc::new(updated))
 }
 
 /// Logs, counts (in `reconcile`) and retries a failed reconcile.
@@ -477,26 +488,39 @@ async fn apply_children(
                 Some(current) if in_place(&object, &current) => current,
                 _ => match ssa(&api, &object, ctx).await {
                     Err(Error::Kube(kube::Error::Api(status)))
-                        if status.is_invalid() && kind == ChildKind::Service =>
+                        if kind == ChildKind::Service
+                            && status.is_invalid()
+                            && status.message.contains("clusterIP") =>
                     {
-                        // A field that cannot change once set: a Service made before
-                        // it was headless keeps its ClusterIP. Made again (only
-                        // scrapers look at it, through its endpoints).
-                        info!(child = %object.name_any(), reason = %status.message, "making the Service again: a field of it cannot change");
+                        // A Service of this relay made before it was headless keeps its
+                        // cluster IP, which cannot be taken away: made again (only
+                        // scrapers look at it, through its endpoints). Only the relay's
+                        // own, exactly as seen; anything else keeps failing the apply.
+                        let Some(seen) = seen
+                            .service
+                            .as_ref()
+                            .filter(|s| owned_by(&s.metadata, &uid))
+                        else {
+                            return Err(Error::Kube(kube::Error::Api(status)));
+                        };
+                        info!(child = %object.name_any(), reason = %status.message, "making the relay's Service again: its cluster IP cannot be removed");
                         ctx.metrics.wrote();
-                        match api
-                            .delete(&object.name_any(), &DeleteParams::background())
-                            .await
-                        {
-                            Ok(_) => {}
-                            Err(kube::Error::Api(status)) if status.code == 404 => {}
-                            Err(err) => return Err(err.into()),
-                        }
+                        let only_as_seen = DeleteParams {
+                            preconditions: Some(kube::api::Preconditions {
+                                uid: seen.metadata.uid.clone(),
+                                resource_version: seen.metadata.resource_version.clone(),
+                            }),
+                            ..DeleteParams::background()
+                        };
+                        api.delete(&object.name_any(), &only_as_seen).await?;
                         ssa(&api, &object, ctx).await?
                     }
                     other => other?,
                 },
             };
+            if kind.watched() {
+                ctx.echoes.wrote(&result);
+            }
             match kind {
                 ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
                 ChildKind::ConfigMap => {
@@ -618,7 +642,6 @@ where
             &Patch::Apply(object),
         )
         .await?;
-    ctx.echoes.wrote(&applied);
     Ok(applied)
 }
 
@@ -659,7 +682,18 @@ async fn update_status(
     conditions: Vec<Cond>,
     slot: Option<SlotStatus>,
 ) -> Result<(), Error> {
-    let current = relay.status.as_ref();
+    // The cache may not hold this controller's last status write yet (a pass triggered
+    // by a child right after it): what it wrote last is what the API server holds,
+    // unless someone changed it since, which the cache then shows. So both are compared.
+    let uid = relay.uid().unwrap_or_default();
+    let last = ctx
+        .written_status
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&uid)
+        .cloned();
+    let cached = relay.status.as_ref();
+    let current = last.as_ref().or(cached);
     let generation = relay.metadata.generation;
     let merged = merge(
         current.map_or(&[][..], |s| &s.conditions[..]),
@@ -692,7 +726,10 @@ async fn update_status(
             )
         })
     };
-    if differs(current, &desired) || slot_names(current) != slot_names(Some(&desired)) {
+    let stale = |s: Option<&OutboxRelayStatus>| {
+        differs(s, &desired) || slot_names(s) != slot_names(Some(&desired))
+    };
+    if stale(current) || stale(cached) {
         let namespace = relay.namespace().unwrap_or_default();
         let api: Api<OutboxRelay> = Api::namespaced(ctx.client.clone(), &namespace);
         let patch = json!({
@@ -707,6 +744,10 @@ async fn update_status(
             &Patch::Apply(&patch),
         )
         .await?;
+        ctx.written_status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(uid, desired);
     }
     if let Some((type_, reason, note)) = event {
         ctx.publish(relay, type_, reason, note).await;
@@ -790,6 +831,10 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     // Forget the relay's bookkeeping.
     if let Some(uid) = relay.uid() {
         ctx.applied
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&uid);
+        ctx.written_status
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&uid);

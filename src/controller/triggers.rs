@@ -156,14 +156,18 @@ pub(super) fn recheck_after(
     jitter: f64,
 ) -> Duration {
     let budget = if per_second > 0.0 {
-        Duration::from_secs_f64(relays as f64 / per_second)
+        Duration::try_from_secs_f64(relays as f64 / per_second).unwrap_or(LONGEST_RECHECK)
     } else {
         status_interval
     };
     status_interval
         .max(budget)
+        .min(LONGEST_RECHECK.max(status_interval))
         .mul_f64(0.9 + 0.2 * jitter.clamp(0.0, 1.0))
 }
+
+/// However many relays and however small the budget: an hour at most between rechecks.
+const LONGEST_RECHECK: Duration = Duration::from_secs(3600);
 
 /// A number in [0, 1) that differs from call to call (the process's random hash keys
 /// over a counter); good enough to spread timers, not for anything secret.
@@ -353,6 +357,15 @@ mod tests {
         assert_eq!(recheck_after(ten, 1000, 20.0, 0.5), Duration::from_secs(50));
         // No budget: the status interval.
         assert_eq!(recheck_after(ten, 1000, 0.0, 0.5), ten);
+        // A budget next to nothing: an hour at most, never an overflow.
+        assert_eq!(
+            recheck_after(ten, 1000, 1e-300, 0.5),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(
+            recheck_after(ten, usize::MAX, 1e-20, 1.0),
+            Duration::from_secs(3960)
+        );
         let spread: Vec<f64> = (0..1000).map(|_| jitter()).collect();
         assert!(spread.iter().all(|j| (0.0..1.0).contains(j)));
         let mean = spread.iter().sum::<f64>() / spread.len() as f64;

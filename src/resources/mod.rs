@@ -180,6 +180,17 @@ impl ChildKind {
         )
     }
 
+    /// Whether the controller watches this kind (changes to it reconcile the relay).
+    pub fn watched(self) -> bool {
+        matches!(
+            self,
+            ChildKind::ConfigMap
+                | ChildKind::Deployment
+                | ChildKind::Service
+                | ChildKind::PodDisruptionBudget
+        )
+    }
+
     /// Served only where the Prometheus Operator's CRDs are installed.
     pub fn needs_monitoring_crds(self) -> bool {
         matches!(self, ChildKind::ServiceMonitor | ChildKind::PrometheusRule)

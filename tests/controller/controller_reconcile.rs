@@ -204,30 +204,33 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     let ns = common::fresh_namespace(&client).await;
     let database = outbox_database().await;
     create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
-    let running = start_controller(&client, &ns, "solo");
-
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let services: Api<Service> = Api::namespaced(client.clone(), &ns);
     let budgets: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
 
-    // A Service left by an older operator, with a cluster IP: the relay's is headless,
-    // and a cluster IP cannot be taken away, so the controller makes it again.
+    let mut manifest = example("orders-relay.yaml");
+    let created = apply_relay(&client, &ns, &manifest).await.unwrap();
+    // The relay's Service as an older operator made it, with a cluster IP: the relay's
+    // is headless now, and a cluster IP cannot be taken away, so the controller makes
+    // it again. (A Service of the same name that is not the relay's is left alone.)
     services
         .create(
             &PostParams::default(),
             &serde_json::from_value(json!({
-                "metadata": {"name": "orders-relay"},
+                "metadata": {"name": "orders-relay", "ownerReferences": [{
+                    "apiVersion": "outbox.dev/v1alpha1", "kind": "OutboxRelay",
+                    "name": "orders", "uid": created.metadata.uid,
+                    "controller": true, "blockOwnerDeletion": true
+                }]},
                 "spec": {"type": "ClusterIP", "ports": [{"name": "http", "port": 8080}]}
             }))
             .unwrap(),
         )
         .await
         .unwrap();
-
-    let mut manifest = example("orders-relay.yaml");
-    apply_relay(&client, &ns, &manifest).await.unwrap();
+    let running = start_controller(&client, &ns, "solo");
 
     // Every child exists and is controlled by the relay.
     let relay = wait_status(&relays, "orders", "orders status for generation 1", |r| {

@@ -176,7 +176,17 @@ async fn controller_as_service_account_reconciles_fully(
             );
         }
 
-        // The Ready transition was recorded as an Event by this controller.
+        // Deleting the relay: the controller removes its finalizer, so it goes.
+        relays
+            .delete("polling-nats", &DeleteParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("deleting the relay failed: {e}"));
+        common::wait_for("the relay to be gone (finalizer removed)", WAIT, || async {
+            matches!(relays.get_opt("polling-nats").await, Ok(None))
+        })
+        .await;
+        // The deletion was recorded as an Event by this controller (the chart grants
+        // it Events).
         let events: Api<Event> = Api::namespaced(admin.clone(), watch);
         common::wait_for("an Event from the controller", WAIT, || async {
             events.list(&ListParams::default()).await.is_ok_and(|l| {
@@ -188,15 +198,6 @@ async fn controller_as_service_account_reconciles_fully(
         })
         .await;
 
-        // Deleting the relay: the controller removes its finalizer, so it goes.
-        relays
-            .delete("polling-nats", &DeleteParams::default())
-            .await
-            .unwrap_or_else(|e| panic!("deleting the relay failed: {e}"));
-        common::wait_for("the relay to be gone (finalizer removed)", WAIT, || async {
-            matches!(relays.get_opt("polling-nats").await, Ok(None))
-        })
-        .await;
         assert!(metrics.writes_total() > 0);
     })
     .catch_unwind()
