@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::{RelayBroker, RelayOptions, RelayProcess};
 use futures::StreamExt;
+use outbox_operator::broker::amqp::AmqpBroker;
 use outbox_operator::broker::kafka::KafkaBroker;
 use outbox_operator::broker::nats::NatsBroker;
 use outbox_operator::broker::{Broker, BrokerKind, Message, build_message};
@@ -62,6 +63,7 @@ impl Mode {
 enum Target {
     Kafka,
     Nats,
+    RabbitMq,
 }
 
 impl Target {
@@ -69,6 +71,7 @@ impl Target {
         match self {
             Target::Kafka => "Kafka",
             Target::Nats => "NATS JetStream",
+            Target::RabbitMq => "RabbitMQ",
         }
     }
 }
@@ -203,8 +206,12 @@ impl Plan {
                     headline(polling(500), 2, 256, true),
                     tc(polling(500), Target::Kafka, 4, 2),
                     tc(Mode::LogTailing, Target::Nats, 4, 1),
+                    tc(Mode::LogTailing, Target::RabbitMq, 4, 1),
                 ],
-                latency: vec![lc(Mode::LogTailing, Target::Kafka, 200)],
+                latency: vec![
+                    lc(Mode::LogTailing, Target::Kafka, 200),
+                    lc(Mode::LogTailing, Target::RabbitMq, 200),
+                ],
             };
         }
         // Not the full cartesian product (4 modes x 2 brokers x 3 partition counts x 2
@@ -246,6 +253,8 @@ impl Plan {
                 tc(Mode::LogTailing, Target::Kafka, 4, 1),
                 tc(polling(500), Target::Nats, 4, 1),
                 tc(Mode::LogTailing, Target::Nats, 4, 1),
+                tc(polling(500), Target::RabbitMq, 4, 1),
+                tc(Mode::LogTailing, Target::RabbitMq, 4, 1),
             ],
             latency: vec![
                 lc(polling(500), Target::Kafka, 1000),
@@ -254,6 +263,7 @@ impl Plan {
                 lc(Mode::LogTailing, Target::Kafka, 5000),
                 lc(polling(500), Target::Nats, 5000),
                 lc(Mode::LogTailing, Target::Nats, 5000),
+                lc(Mode::LogTailing, Target::RabbitMq, 5000),
             ],
         }
     }
@@ -337,11 +347,18 @@ async fn run(plan: Plan) {
     }
     let nats_ceiling = best(rates);
     eprintln!("  NATS raw publish: {nats_ceiling:.0} events/s (best of {CEILING_ROUNDS})");
+    let mut rates = Vec::new();
+    for _ in 0..CEILING_ROUNDS {
+        rates.push(broker_ceiling(Target::RabbitMq, plan.ceiling_events).await);
+    }
+    let rabbitmq_ceiling = best(rates);
+    eprintln!("  RabbitMQ raw publish: {rabbitmq_ceiling:.0} events/s (best of {CEILING_ROUNDS})");
     let pg_ceiling = postgres_ceiling(plan.pg_rows).await;
     eprintln!("  PostgreSQL raw insert: {pg_ceiling:.0} rows/s");
     let ceiling = |t: Target| match t {
         Target::Kafka => kafka_ceiling,
         Target::Nats => nats_ceiling,
+        Target::RabbitMq => rabbitmq_ceiling,
     };
 
     for case in plan
@@ -400,6 +417,7 @@ async fn run(plan: Plan) {
         machine: machine(),
         kafka_ceiling,
         nats_ceiling,
+        rabbitmq_ceiling,
         pg_ceiling,
         throughput,
         latency,
@@ -552,6 +570,8 @@ async fn publish_all(broker: &dyn Broker, messages: &[Message]) {
 enum BrokerCleanup {
     KafkaTopic(String),
     NatsStream(Box<common::TestStream>),
+    /// A queue and the exchange bound to it.
+    AmqpQueue(Box<common::TestQueue>, String),
 }
 
 impl BrokerCleanup {
@@ -570,6 +590,17 @@ impl BrokerCleanup {
             }
             BrokerCleanup::NatsStream(stream) => {
                 let _ = stream.jetstream.delete_stream(&stream.name).await;
+            }
+            BrokerCleanup::AmqpQueue(queue, exchange) => {
+                use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+                let _ = queue
+                    .channel
+                    .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = queue
+                    .channel
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await;
             }
         }
     }
@@ -653,6 +684,24 @@ async fn broker_for(target: Target) -> (Box<dyn Broker>, BrokerKind, String, Bro
                 BrokerCleanup::NatsStream(Box::new(stream)),
             )
         }
+        Target::RabbitMq => {
+            let queue = common::fresh_queue().await;
+            let exchange = common::fresh_exchange_for(&queue).await;
+            let broker = AmqpBroker::new(outbox_operator::broker::amqp::RabbitMqSettings {
+                url: rig.amqp_url().to_owned(),
+                url_source: "the rig".to_owned(),
+                exchange: exchange.clone(),
+                routing_key: "outbox.events".to_owned(),
+                tls: None,
+                external: false,
+            });
+            (
+                Box::new(broker),
+                BrokerKind::Amqp,
+                "outbox.events".to_owned(),
+                BrokerCleanup::AmqpQueue(Box::new(queue), exchange),
+            )
+        }
     }
 }
 
@@ -724,6 +773,18 @@ async fn setup(mode: Mode, target: Target, partitions: i32, delete: bool) -> Set
                     subject: format!("{}.events", stream.subject_prefix),
                 },
                 BrokerCleanup::NatsStream(Box::new(stream)),
+            )
+        }
+        Target::RabbitMq => {
+            let queue = common::fresh_queue().await;
+            let exchange = common::fresh_exchange_for(&queue).await;
+            (
+                RelayBroker::Amqp {
+                    url: rig.amqp_url().to_owned(),
+                    exchange: exchange.clone(),
+                    routing_key: "outbox.events".to_owned(),
+                },
+                BrokerCleanup::AmqpQueue(Box::new(queue), exchange),
             )
         }
     };
@@ -955,7 +1016,8 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
                     .unwrap_or_else(|err| panic!("consumer: {err}"))
             }
             (_, BrokerCleanup::NatsStream(stream)) => common::consume_nats(stream).await,
-            _ => unreachable!("a NATS relay has a NATS stream"),
+            (_, BrokerCleanup::AmqpQueue(queue, _)) => common::consume_amqp(queue).await,
+            _ => unreachable!("a relay's broker has its cleanup of the same kind"),
         };
         let distinct: std::collections::HashSet<i64> = received.iter().map(|r| r.id).collect();
         assert_eq!(
@@ -1225,7 +1287,49 @@ async fn start_consumer(
                 }
             })
         }
-        RelayBroker::Amqp { .. } => unreachable!("the benchmark does not use RabbitMQ"),
+        RelayBroker::Amqp { .. } => {
+            use lapin::options::{BasicConsumeOptions, QueuePurgeOptions};
+            let BrokerCleanup::AmqpQueue(queue, _) = &setup.cleanup else {
+                unreachable!("a RabbitMQ relay has a queue")
+            };
+            // The drained backlog is still queued: dropped, so the consumer sees the
+            // probe's rows as they come, not after a backlog's worth of reads.
+            queue
+                .channel
+                .queue_purge(queue.name.as_str().into(), QueuePurgeOptions::default())
+                .await
+                .unwrap_or_else(|err| panic!("RabbitMQ purge: {err}"));
+            let mut consumer = queue
+                .channel
+                .basic_consume(
+                    queue.name.as_str().into(),
+                    format!("bench-{}", common::unique_suffix()).as_str().into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .unwrap_or_else(|err| panic!("RabbitMQ consume: {err}"));
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let next = tokio::time::timeout(Duration::from_millis(50), consumer.next());
+                    let Ok(Some(Ok(delivery))) = next.await else {
+                        continue;
+                    };
+                    let at = Instant::now();
+                    let id = delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .and_then(|v| v.as_str().parse().ok());
+                    if let (Some(id), Ok(mut r)) = (id, received.lock()) {
+                        r.entry(id).or_insert(at);
+                    }
+                }
+            })
+        }
     }
 }
 
@@ -1669,6 +1773,7 @@ struct Report {
     machine: Value,
     kafka_ceiling: f64,
     nats_ceiling: f64,
+    rabbitmq_ceiling: f64,
     pg_ceiling: f64,
     throughput: Vec<(ThroughputCase, Throughput)>,
     latency: Vec<(LatencyCase, LatencyResult)>,
@@ -1730,6 +1835,7 @@ impl Report {
         match target {
             Target::Kafka => self.kafka_ceiling,
             Target::Nats => self.nats_ceiling,
+            Target::RabbitMq => self.rabbitmq_ceiling,
         }
     }
 
@@ -1771,6 +1877,10 @@ impl Report {
         line(format!(
             "| NATS JetStream raw publish (relay's client, no database; best of {CEILING_ROUNDS}) | {:.0} |",
             self.nats_ceiling
+        ));
+        line(format!(
+            "| RabbitMQ raw publish (relay's client, publisher confirms, no database; best of {CEILING_ROUNDS}) | {:.0} |",
+            self.rabbitmq_ceiling
         ));
         line(format!(
             "| PostgreSQL raw outbox insert (4 writers, 100 rows/tx) | {:.0} |",
@@ -1873,6 +1983,7 @@ impl Report {
             "baselines": {
                 "kafka_produce_events_per_s": self.kafka_ceiling,
                 "nats_publish_events_per_s": self.nats_ceiling,
+                "rabbitmq_publish_events_per_s": self.rabbitmq_ceiling,
                 "postgres_insert_rows_per_s": self.pg_ceiling,
             },
             "throughput": self.throughput.iter().map(|(c, r)| json!({

@@ -319,6 +319,7 @@ impl Publisher {
                 let _ = stop.wait_for(|s| *s).await;
                 tokio::time::sleep(SHUTDOWN_GRACE).await;
             };
+            let polled_at = Instant::now();
             let outcome = tokio::select! {
                 outcome = self.batch(client, &table, &active) => outcome?,
                 () = grace => return Err(SessionEnd::Abandoned),
@@ -327,7 +328,11 @@ impl Publisher {
                 Outcome::Full => backoff.reset(),
                 Outcome::Partial => {
                     backoff.reset();
-                    self.nap(self.settings.interval).await;
+                    // The interval runs from this poll's start, not from the end of
+                    // its batch: a row committed just after the poll looked waits one
+                    // interval, not an interval plus the time the batch took.
+                    self.nap(self.settings.interval.saturating_sub(polled_at.elapsed()))
+                        .await;
                 }
                 Outcome::Unavailable => {
                     if self.broker.is_broken() {
