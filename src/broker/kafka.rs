@@ -100,7 +100,12 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
     client
         .set("message.timeout.ms", "20000")
         .set("socket.connection.setup.timeout.ms", "5000")
-        .set("linger.ms", "1");
+        .set("linger.ms", "1")
+        // The Java client's partitioning (murmur2 of the key): an aggregate's events land
+        // on the partition Kafka Connect, Debezium and Java producers put them on, so
+        // consumers migrating from them keep each aggregate on one partition, in order.
+        // librdkafka's own default (CRC32) would not.
+        .set("partitioner", "murmur2_random");
     for (key, value) in &config.properties {
         client.set(key, value);
     }
@@ -397,4 +402,34 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
         )),
     }
     probes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(properties: &[(&str, &str)]) -> KafkaSettings {
+        KafkaSettings {
+            bootstrap_servers: "kafka:9092".to_owned(),
+            topic: "outbox".to_owned(),
+            tls: false,
+            tls_files: Default::default(),
+            sasl: None,
+            properties: properties
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn keys_are_partitioned_as_the_java_client_does_unless_the_user_says_otherwise() {
+        let config = client_config(&settings(&[]));
+        assert_eq!(config.get("partitioner"), Some("murmur2_random"));
+        let config = client_config(&settings(&[("partitioner", "consistent_random")]));
+        assert_eq!(config.get("partitioner"), Some("consistent_random"));
+        // What correctness needs is not the user's to change.
+        let config = client_config(&settings(&[("acks", "1")]));
+        assert_eq!(config.get("acks"), Some("all"));
+    }
 }

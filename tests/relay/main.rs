@@ -16,6 +16,7 @@ mod relay_log_tailing;
 mod relay_maintenance;
 mod relay_outage;
 mod relay_ownership;
+mod relay_partitioning;
 mod relay_pooler;
 mod relay_publication;
 mod relay_tls;
