@@ -1,5 +1,5 @@
 //! End-to-end benchmark on the test rig's real servers: the relay binary (release build
-//! under `cargo bench`) between PostgreSQL and Kafka / NATS JetStream, and the controller
+//! under `cargo bench`) between PostgreSQL and Kafka / NATS JetStream / RabbitMQ, and the controller
 //! binary against the rig's kube-apiserver.
 //!
 //! `cargo bench --bench system` (what `make bench` runs, with `--bench`) measures and
@@ -214,11 +214,11 @@ impl Plan {
                 ],
             };
         }
-        // Not the full cartesian product (4 modes x 2 brokers x 3 partition counts x 2
+        // Not the full cartesian product (4 modes x 3 brokers x 3 partition counts x 2
         // replica counts = 48 runs would not fit the time budget). Each dimension is varied
         // around one reference point, polling with batch 500 to Kafka, 4 partitions, one
         // replica: batch size (100/500/2000), partitions (1/4/16) and replicas (1/2 at 4
-        // and 16 partitions), then log tailing and NATS at the reference point. Log
+        // and 16 partitions), then log tailing, NATS and RabbitMQ at the reference point. Log
         // tailing runs one consumer whatever the partitions and replicas say (a slot
         // admits one reader), so varying those for it would measure nothing.
         Plan {
@@ -287,6 +287,7 @@ async fn run(plan: Plan) {
     common::require_listening("PostgreSQL", common::host_port(rig.pg_url())).await;
     common::require_listening("Kafka", rig.kafka_bootstrap()).await;
     common::require_listening("NATS", common::host_port(rig.nats_url())).await;
+    common::require_listening("RabbitMQ", common::host_port(rig.amqp_url())).await;
     let kube = common::kube_client().await;
     drop_leftover_slots().await;
     let started = Instant::now();
@@ -1315,8 +1316,10 @@ async fn start_consumer(
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let next = tokio::time::timeout(Duration::from_millis(50), consumer.next());
-                    let Ok(Some(Ok(delivery))) = next.await else {
-                        continue;
+                    let delivery = match next.await {
+                        Ok(Some(Ok(delivery))) => delivery,
+                        Ok(None) => break,
+                        _ => continue,
                     };
                     let at = Instant::now();
                     let id = delivery

@@ -108,7 +108,7 @@ impl From<PgError> for SessionEnd {
 enum Outcome {
     /// A full batch: poll again at once.
     Full,
-    /// Less than a full batch: wait for the interval.
+    /// Less than a full batch: poll again one interval after this poll started.
     Partial,
     /// The broker is unavailable: back off.
     Unavailable,
@@ -330,9 +330,16 @@ impl Publisher {
                     backoff.reset();
                     // The interval runs from this poll's start, not from the end of
                     // its batch: a row committed just after the poll looked waits one
-                    // interval, not an interval plus the time the batch took.
-                    self.nap(self.settings.interval.saturating_sub(polled_at.elapsed()))
-                        .await;
+                    // interval, not an interval plus the time the batch took. A poll
+                    // slower than that still rests a tenth of the interval, so a slow
+                    // database gets a breath between polls.
+                    let interval = self.settings.interval;
+                    self.nap(
+                        interval
+                            .saturating_sub(polled_at.elapsed())
+                            .max(interval / 10),
+                    )
+                    .await;
                 }
                 Outcome::Unavailable => {
                     if self.broker.is_broken() {

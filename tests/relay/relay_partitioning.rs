@@ -23,13 +23,15 @@ fn java_partitions(keys: &[String]) -> BTreeMap<String, i32> {
     let source = dir.path().join("Murmur.java");
     std::fs::write(
         &source,
+        // Keys go in as hex: Java decodes command-line arguments in the locale's
+        // charset, which need not be UTF-8.
         r#"import org.apache.kafka.common.utils.Utils;
-import java.nio.charset.StandardCharsets;
+import java.util.HexFormat;
 public class Murmur {
     public static void main(String[] args) {
         int partitions = Integer.parseInt(args[0]);
         for (int i = 1; i < args.length; i++) {
-            byte[] key = args[i].getBytes(StandardCharsets.UTF_8);
+            byte[] key = HexFormat.of().parseHex(args[i]);
             System.out.println(args[i] + " " + Utils.toPositive(Utils.murmur2(key)) % partitions);
         }
     }
@@ -42,7 +44,7 @@ public class Murmur {
         .arg(format!("{}/*", rig.get("OUTBOX_RIG_KAFKA_LIBS")))
         .arg(&source)
         .arg(PARTITIONS.to_string())
-        .args(keys)
+        .args(keys.iter().map(|k| hex(k)))
         .output()
         .unwrap_or_else(|err| panic!("cannot run java (the rig's Kafka needs it): {err}"));
     assert!(
@@ -53,8 +55,18 @@ public class Murmur {
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|l| l.rsplit_once(' '))
-        .map(|(k, p)| (k.to_owned(), p.parse().unwrap()))
+        .map(|(k, p)| {
+            let key = keys
+                .iter()
+                .find(|key| hex(key) == k)
+                .unwrap_or_else(|| panic!("java answered for a key not asked: {k}"));
+            (key.clone(), p.parse().unwrap())
+        })
         .collect()
+}
+
+fn hex(key: &str) -> String {
+    key.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Reads every record of `topic` and returns each key's partitions.
