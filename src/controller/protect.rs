@@ -62,16 +62,11 @@ pub(super) async fn protect(
             continue;
         }
         let version = secret.resource_version().unwrap_or_default();
-        let add = if finalizers.is_empty() {
-            json!({"op": "add", "path": "/metadata/finalizers", "value": [ours]})
-        } else {
-            json!({"op": "add", "path": "/metadata/finalizers/-", "value": ours})
-        };
         let ops = json!([
             {"op": "test", "path": "/metadata/resourceVersion", "value": version},
-            add,
+            add_finalizer_op(finalizers, &ours),
         ]);
-        patch(&api, name, ops).await?;
+        json_patch(&api, name, ops).await?;
     }
     Ok(())
 }
@@ -96,16 +91,33 @@ pub(super) async fn release(
             {"op": "test", "path": path, "value": ours},
             {"op": "remove", "path": path},
         ]);
-        patch(&api, name, ops).await?;
+        json_patch(&api, name, ops).await?;
     }
     Ok(())
 }
 
-async fn patch(api: &Api<Secret>, name: &str, ops: serde_json::Value) -> Result<(), kube::Error> {
+/// The JSON-patch operation that appends finalizer `name` to an object whose
+/// finalizers are `current` (an empty list is not stored, so it is created).
+pub(super) fn add_finalizer_op(current: &[String], name: &str) -> serde_json::Value {
+    if current.is_empty() {
+        json!({"op": "add", "path": "/metadata/finalizers", "value": [name]})
+    } else {
+        json!({"op": "add", "path": "/metadata/finalizers/-", "value": name})
+    }
+}
+
+/// Sends JSON-patch `ops` to object `name`; returns the object as patched.
+pub(super) async fn json_patch<K>(
+    api: &Api<K>,
+    name: &str,
+    ops: serde_json::Value,
+) -> Result<K, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let ops: json_patch::Patch = serde_json::from_value(ops).map_err(kube::Error::SerdeError)?;
     api.patch(name, &PatchParams::default(), &Patch::<()>::Json(ops))
         .await
-        .map(|_| ())
 }
 
 #[cfg(test)]

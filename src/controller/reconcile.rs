@@ -94,29 +94,19 @@ async fn add_finalizer(
         {
             return Ok(relay);
         }
-        let ops = match relay.metadata.finalizers.as_deref() {
-            None | Some([]) => json!([
-                // An absent list reads as null (an empty one is not stored).
-                {"op": "test", "path": "/metadata/finalizers", "value": null},
-                {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
-            ]),
-            Some(current) => json!([
-                {"op": "test", "path": "/metadata/finalizers", "value": current},
-                {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
-            ]),
-        };
-        let patch: json_patch::Patch =
-            serde_json::from_value(ops).map_err(|err| Error::Kube(kube::Error::SerdeError(err)))?;
+        // The list extended, as it was (an absent one reads as null).
+        let current = relay
+            .metadata
+            .finalizers
+            .as_deref()
+            .filter(|f| !f.is_empty());
+        let ops = json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": current},
+            protect::add_finalizer_op(relay.finalizers(), FINALIZER),
+        ]);
         ctx.metrics.wrote();
         attempts += 1;
-        match api
-            .patch(
-                &relay.name_any(),
-                &PatchParams::default(),
-                &Patch::<()>::Json(patch),
-            )
-            .await
-        {
+        match protect::json_patch(api, &relay.name_any(), ops).await {
             Ok(updated) => return Ok(Arc::new(updated)),
             Err(kube::Error::Api(status)) if status.is_invalid() && attempts < 2 => {
                 relay = Arc::new(api.get(&relay.name_any()).await?);
