@@ -56,10 +56,6 @@ pub(super) struct ChildrenSeen {
     /// The Deployment's pods poll (its mode annotation says so; Deployments made before
     /// the annotation: a rolling update strategy, as only polling has).
     pub runs_polling: bool,
-    /// The ConfigMap's `resourceVersion`.
-    pub config_map_version: Option<String>,
-    /// The Service's `resourceVersion`.
-    pub service_version: Option<String>,
     /// The ConfigMap and the Service as read (the apply compares them with what it
     /// would send, instead of reading them again).
     pub config_map: Option<ConfigMap>,
@@ -366,12 +362,6 @@ async fn children(
         rolled_out,
         runs_polling,
         deployment,
-        config_map_version: config_map
-            .as_ref()
-            .and_then(|c| c.metadata.resource_version.clone()),
-        service_version: service
-            .as_ref()
-            .and_then(|s| s.metadata.resource_version.clone()),
         config_map,
         service,
     })

@@ -384,11 +384,16 @@ async fn apply_if_changed(
         .get(&uid)
         .map_or((false, false), |a| {
             let expired = a.at.elapsed() >= ctx.resync;
+            let version = |meta: Option<&kube::api::ObjectMeta>| {
+                meta.and_then(|m| m.resource_version.clone())
+            };
+            let config_map_version = version(seen.config_map.as_ref().map(|c| &c.metadata));
+            let service_version = version(seen.service.as_ref().map(|s| &s.metadata));
             let same = a.fingerprint == fingerprint
-                && seen.config_map_version.is_some()
-                && seen.config_map_version == a.config_map_version
-                && seen.service_version.is_some()
-                && seen.service_version == a.service_version
+                && config_map_version.is_some()
+                && config_map_version == a.config_map_version
+                && service_version.is_some()
+                && service_version == a.service_version
                 && seen
                     .deployment
                     .as_ref()
