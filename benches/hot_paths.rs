@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::broker::{BrokerKind, build_message};
+use outbox_operator::broker::{BrokerKind, Shape};
 use outbox_operator::postgres::OutboxRow;
 use outbox_operator::postgres::replication::decode;
 use outbox_operator::relay::chains::chains;
@@ -32,10 +32,11 @@ fn row(id: i64) -> OutboxRow {
         aggregate_type: "order".into(),
         aggregate_id: Some(format!("agg-{}", id % 1000)),
         event_type: Some("Happened".into()),
-        payload: payload(id).into(),
+        payload: Some(payload(id).into()),
         headers: vec![("traceparent".into(), "00-trace-01".into())],
         partition: id % 4,
         created_at: Some(1.7e9),
+        timestamp: None,
     }
 }
 
@@ -43,18 +44,10 @@ fn message_building(c: &mut Criterion) {
     let r = row(42);
     let mut group = c.benchmark_group("build_message");
     group.throughput(Throughput::Elements(1));
-    group.bench_function("kafka", |b| {
-        b.iter(|| {
-            build_message(
-                BrokerKind::Kafka,
-                "outbox.event.{aggregateType}",
-                black_box(&r),
-            )
-        })
-    });
-    group.bench_function("nats", |b| {
-        b.iter(|| build_message(BrokerKind::Nats, "outbox.{aggregateType}", black_box(&r)))
-    });
+    let kafka = Shape::new(BrokerKind::Kafka, "outbox.event.{aggregateType}");
+    group.bench_function("kafka", |b| b.iter(|| kafka.build(black_box(&r))));
+    let nats = Shape::new(BrokerKind::Nats, "outbox.{aggregateType}");
+    group.bench_function("nats", |b| b.iter(|| nats.build(black_box(&r))));
     group.finish();
 }
 

@@ -26,7 +26,7 @@ use futures::StreamExt;
 use outbox_operator::broker::amqp::AmqpBroker;
 use outbox_operator::broker::kafka::KafkaBroker;
 use outbox_operator::broker::nats::NatsBroker;
-use outbox_operator::broker::{Broker, BrokerKind, Message, build_message};
+use outbox_operator::broker::{Broker, BrokerKind, Message, Shape};
 use outbox_operator::postgres::OutboxRow;
 use serde_json::{Value, json};
 
@@ -125,6 +125,9 @@ struct Throughput {
     cpu_s_per_100k: f64,
     /// The largest peak RSS (VmHWM) of the relay processes.
     peak_rss_mib: f64,
+    /// What the database alone sustains for the same case, no relay and no broker
+    /// ([`database_alone`]).
+    database_per_s: f64,
     /// Commit → consumer latency with the same relays once the backlog is drained, at
     /// 80% of `events_per_s` (at most 10,000/s).
     probe: Option<LatencyResult>,
@@ -368,12 +371,16 @@ async fn run(plan: Plan) {
         .filter(|_| part("throughput"))
         .filter(|c| c.label().contains(&only_case))
     {
-        let result = relay_throughput(&plan, case).await;
+        let database_per_s = database_alone(&plan, case).await;
+        let mut result = relay_throughput(&plan, case).await;
+        result.database_per_s = database_per_s;
         eprintln!(
-            "  {}: {:.0} events/s ({:.0}% of the broker ceiling), {:.2} CPU s per 100k events, peak RSS {:.0} MiB",
+            "  {}: {:.0} events/s ({:.0}% of the broker ceiling, {:.0}% of the database alone at {:.0}/s), {:.2} CPU s per 100k events, peak RSS {:.0} MiB",
             case.label(),
             result.events_per_s,
             100.0 * result.events_per_s / ceiling(case.target),
+            100.0 * result.events_per_s / database_per_s,
+            database_per_s,
             result.cpu_s_per_100k,
             result.peak_rss_mib
         );
@@ -473,10 +480,11 @@ fn row(id: i64) -> OutboxRow {
         aggregate_type: "order".into(),
         aggregate_id: Some(format!("agg-{}", id % AGGREGATES)),
         event_type: Some("Happened".into()),
-        payload: payload(id).into_bytes().into(),
+        payload: Some(payload(id).into_bytes().into()),
         headers: vec![("traceparent".into(), "00-trace-01".into())],
         partition: 0,
         created_at: None,
+        timestamp: None,
     }
 }
 
@@ -541,9 +549,11 @@ const INSERT_PAYLOADS: &str = "INSERT INTO public.outbox (aggregatetype, aggrega
 /// PubAck per message), `CEILING_WINDOW` messages in flight, no database.
 async fn broker_ceiling(target: Target, events: usize) -> f64 {
     let (broker, kind, destination, cleanup) = broker_for(target).await;
+    let shape = Shape::new(kind, destination.as_str());
     let messages: Vec<Message> = (1..=i64::try_from(events).unwrap_or(0))
         .map(|i| {
-            build_message(kind, &destination, &row(i))
+            shape
+                .build(&row(i))
                 .unwrap_or_else(|err| panic!("building a message failed: {err}"))
         })
         .collect();
@@ -735,6 +745,120 @@ async fn postgres_ceiling(rows: i64) -> f64 {
     let started = Instant::now();
     futures::future::join_all(writers).await;
     let rate = (per_writer * WRITERS) as f64 / started.elapsed().as_secs_f64();
+    db.drop_database().await;
+    rate
+}
+
+/// What the database alone sustains for `case`, with neither relay nor broker: the
+/// ceiling a relay meets before any broker does, measured on the same backlog.
+/// Log tailing: the server decodes the slot (pgoutput, the relay's options) in a
+/// query that counts the messages, `pg_logical_slot_get_binary_changes` (no network,
+/// no client; `pg_recvlogical` to `/dev/null` was slower than the relay). Polling: the relay's
+/// own statements (`OutboxTable`: select a batch, mark or delete it, commit) in a loop
+/// by as many sessions as the case has replicas, each on its share of the partitions.
+async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, case.partitions).await;
+    let backlog = plan.backlog_for(case.payload);
+    let rate = match case.mode {
+        Mode::LogTailing => {
+            let guard = common::SlotGuard::new(rig.pg_url(), "alone");
+            common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+            prefill(&db.client, 1, backlog, case.payload).await;
+            let started = Instant::now();
+            let messages: i64 = db
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_logical_slot_get_binary_changes($1::text::name, \
+                     NULL, NULL, 'proto_version', '1', 'publication_names', $1::text)",
+                    &[&guard.slot],
+                )
+                .await
+                .unwrap_or_else(|err| panic!("PostgreSQL: decoding the slot failed: {err:?}"))
+                .get(0);
+            let elapsed = started.elapsed().as_secs_f64();
+            // Begin, Relation, an Insert per row, Commit.
+            assert!(
+                messages >= backlog,
+                "the slot decoded {messages} messages for {backlog} rows"
+            );
+            drop(guard);
+            backlog as f64 / elapsed
+        }
+        Mode::Polling { batch } => {
+            use outbox_operator::api::AfterPublish;
+            use outbox_operator::postgres::{Columns, OutboxTable};
+            prefill(&db.client, 1, backlog, case.payload).await;
+            let columns = Columns {
+                id: "id".to_owned(),
+                aggregate_type: "aggregatetype".to_owned(),
+                aggregate_id: "aggregateid".to_owned(),
+                event_type: "type".to_owned(),
+                payload: "payload".to_owned(),
+                created_at: Some("created_at".to_owned()),
+                published_at: "published_at".to_owned(),
+                timestamp: None,
+                headers: vec!["traceparent".to_owned()],
+            };
+            let after = if case.delete {
+                AfterPublish::Delete
+            } else {
+                AfterPublish::Mark
+            };
+            // The relay's batch is also capped at about 2 MiB of payloads.
+            let batch = i64::from(batch);
+            let limit = i64::try_from((2 * 1024 * 1024 / case.payload.max(1)).max(1))
+                .unwrap_or(batch)
+                .min(batch);
+            let mut workers = Vec::new();
+            for replica in 0..case.replicas {
+                let mut client = common::pg_connect(&db.url)
+                    .await
+                    .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                let table = OutboxTable::inspect(
+                    &client,
+                    "public",
+                    "outbox",
+                    "outbox_dead_letter",
+                    columns.clone(),
+                    after,
+                    case.partitions,
+                )
+                .await
+                .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                let share: std::collections::BTreeSet<i64> = (0..i64::from(case.partitions))
+                    .filter(|p| *p as usize % case.replicas == replica)
+                    .collect();
+                workers.push(async move {
+                    loop {
+                        let tx = client
+                            .transaction()
+                            .await
+                            .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                        let rows = table
+                            .select_batch(&tx, &share, limit)
+                            .await
+                            .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                        table
+                            .finish_published(&tx, &ids)
+                            .await
+                            .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                        tx.commit()
+                            .await
+                            .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
+                        if ids.is_empty() {
+                            break;
+                        }
+                    }
+                });
+            }
+            let started = Instant::now();
+            futures::future::join_all(workers).await;
+            backlog as f64 / started.elapsed().as_secs_f64()
+        }
+    };
     db.drop_database().await;
     rate
 }
@@ -997,6 +1121,7 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
             0.0
         },
         peak_rss_mib,
+        database_per_s: 0.0,
         probe: None,
     };
     if !plan.full {
@@ -1894,8 +2019,10 @@ impl Report {
         line(String::new());
         line("The first rows are the headline workload: keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. Events/s: a backlog drained. Latency: commit → consumer receive, measured next with the same relays at 80% of that rate (at most 10,000/s). CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory.".to_owned());
         line(String::new());
-        line("| mode | broker | partitions | replicas | payload | after publish | events/s | of broker ceiling | of PG insert rate | latency at events/s | p50 ms | p99 ms | relay CPU s / 100k events | relay peak RSS MiB |".to_owned());
-        line("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned());
+        line("| mode | broker | partitions | replicas | payload | after publish | events/s | of broker ceiling | database alone, events/s | of database alone | latency at events/s | p50 ms | p99 ms | relay CPU s / 100k events | relay peak RSS MiB |".to_owned());
+        line(
+            "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned(),
+        );
         for (case, r) in &self.throughput {
             let (probe_rate, p50, p99) =
                 r.probe
@@ -1908,7 +2035,7 @@ impl Report {
                         )
                     });
             line(format!(
-                "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {probe_rate} | {p50} | {p99} | {:.2} | {:.0} |",
+                "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {:.0} | {} | {probe_rate} | {p50} | {p99} | {:.2} | {:.0} |",
                 case.mode.label(),
                 case.target.label(),
                 case.partitions,
@@ -1921,7 +2048,8 @@ impl Report {
                 },
                 r.events_per_s,
                 pct(r.events_per_s / self.ceiling(case.target)),
-                pct(r.events_per_s / self.pg_ceiling),
+                r.database_per_s,
+                pct(r.events_per_s / r.database_per_s),
                 r.cpu_s_per_100k,
                 r.peak_rss_mib
             ));
@@ -2000,6 +2128,8 @@ impl Report {
                 "events_per_s": r.events_per_s,
                 "ratio_of_broker_ceiling": r.events_per_s / self.ceiling(c.target),
                 "ratio_of_postgres_insert": r.events_per_s / self.pg_ceiling,
+                "database_alone_events_per_s": r.database_per_s,
+                "ratio_of_database_alone": r.events_per_s / r.database_per_s,
                 "relay_cpu_seconds_per_100k_events": r.cpu_s_per_100k,
                 "relay_peak_rss_mib": r.peak_rss_mib,
                 "latency_probe": r.probe.as_ref().map(|p| json!({

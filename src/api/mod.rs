@@ -84,6 +84,30 @@ pub struct OutboxRelaySpec {
     /// Overrides for the relay pods.
     #[serde(default, skip_serializing_if = "RelayPodSpec::is_empty")]
     pub relay: RelayPodSpec,
+    /// How a row becomes a message, beyond the column mapping: the options of
+    /// Debezium's outbox event router that are not column names.
+    #[serde(default, skip_serializing_if = "MessageSpec::is_default")]
+    pub message: MessageSpec,
+}
+
+/// How a row becomes a message.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageSpec {
+    /// Debezium's `route.tombstone.on.empty.payload`. A row whose payload is NULL is
+    /// always sent to Kafka as a tombstone (a record with a null value, which deletes
+    /// its key from a compacted topic), as the router sends it; with this set, a
+    /// payload that is empty or only whitespace is sent as a tombstone too. NATS and
+    /// RabbitMQ have no tombstones: there such a row is a message with an empty body.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tombstone_on_empty_payload: bool,
+}
+
+impl MessageSpec {
+    /// Whether every field has its default (the field is then left out when written).
+    pub fn is_default(&self) -> bool {
+        self == &Self::default()
+    }
 }
 
 fn default_replicas() -> i32 {
@@ -242,6 +266,15 @@ pub struct ColumnsSpec {
     #[serde(default = "col_published_at")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub published_at: String,
+    /// Debezium's `table.field.event.timestamp`: a `timestamptz` or `timestamp`
+    /// (read as UTC) column whose value becomes the record's timestamp (Kafka's record
+    /// timestamp, RabbitMQ's `timestamp` property). Left out, the record carries the
+    /// row's commit time in log tailing and its `createdAt` column in polling (the
+    /// time of publishing when the table has none). A NULL value falls back the same
+    /// way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub timestamp: Option<String>,
 }
 
 impl Default for ColumnsSpec {
@@ -254,6 +287,7 @@ impl Default for ColumnsSpec {
             payload: col_payload(),
             created_at: col_created_at(),
             published_at: col_published_at(),
+            timestamp: None,
         }
     }
 }

@@ -79,11 +79,16 @@ impl Broker for AmqpBroker {
                     AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
                 );
             }
-            let properties = BasicProperties::default()
+            let mut properties = BasicProperties::default()
                 // 2 = persistent: the broker writes the message to disk before confirming.
                 .with_delivery_mode(2)
                 .with_message_id(ShortString::from(message.id.as_str()))
                 .with_headers(headers);
+            if let Some(ms) = message.timestamp_ms {
+                // AMQP 0-9-1 timestamps are whole seconds.
+                properties =
+                    properties.with_timestamp(u64::try_from(ms.div_euclid(1000)).unwrap_or(0));
+            }
             let confirm = channel
                 .basic_publish(
                     ShortString::from(self.exchange.as_str()),
@@ -92,7 +97,7 @@ impl Broker for AmqpBroker {
                         mandatory: true,
                         immediate: false,
                     },
-                    &message.payload,
+                    message.payload.as_deref().unwrap_or_default(),
                     properties,
                 )
                 .await;

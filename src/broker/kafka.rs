@@ -158,6 +158,9 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
             | RDKafkaErrorCode::InvalidMessageSize
             | RDKafkaErrorCode::InvalidMessage
             | RDKafkaErrorCode::InvalidRecord
+            // The record's timestamp (the event's time) is further ahead than the
+            // topic's `message.timestamp.after.max.ms` allows.
+            | RDKafkaErrorCode::InvalidTimestamp
             | RDKafkaErrorCode::InvalidTopic
             | RDKafkaErrorCode::UnknownTopic
             | RDKafkaErrorCode::UnknownTopicOrPartition
@@ -192,11 +195,16 @@ impl Broker for KafkaBroker {
                     value: Some(value.as_bytes()),
                 });
             }
-            let mut record = FutureRecord::to(&message.destination)
-                .payload(&message.payload[..])
-                .headers(headers);
+            let mut record = FutureRecord::to(&message.destination).headers(headers);
+            // No payload: a tombstone (a record with a null value).
+            if let Some(payload) = &message.payload {
+                record = record.payload(&payload[..]);
+            }
             if let Some(key) = &message.key {
                 record = record.key(key.as_str());
+            }
+            if let Some(ms) = message.timestamp_ms {
+                record = record.timestamp(ms);
             }
             // Waiting for queue space is bounded; the delivery itself is bounded by
             // message.timeout.ms.

@@ -24,15 +24,26 @@ pub struct OutboxRow {
     pub aggregate_id: Option<String>,
     /// Event type.
     pub event_type: Option<String>,
-    /// Payload bytes as stored (text forms as UTF-8); shared, not copied, by the
-    /// message built from the row.
-    pub payload: bytes::Bytes,
+    /// Payload bytes as stored (text forms as UTF-8), `None` when NULL; shared, not
+    /// copied, by the message built from the row.
+    pub payload: Option<bytes::Bytes>,
     /// Configured header columns that are not NULL.
     pub headers: Vec<(String, String)>,
     /// The row's partition.
     pub partition: i64,
-    /// Insertion time as Unix seconds, when the table has a created-at column.
+    /// Insertion time as Unix seconds, when the table has a created-at column (log
+    /// tailing: the commit time).
     pub created_at: Option<f64>,
+    /// The event's own time as Unix seconds (`table.columns.timestamp`), when
+    /// configured and not NULL.
+    pub timestamp: Option<f64>,
+}
+
+impl OutboxRow {
+    /// Payload bytes (0 for NULL), for batch sizes.
+    pub fn payload_len(&self) -> usize {
+        self.payload.as_ref().map_or(0, bytes::Bytes::len)
+    }
 }
 
 /// A message ready for a broker.
@@ -46,8 +57,13 @@ pub struct Message {
     pub id: String,
     /// Headers: `id`, `type`, `aggregateType` and the configured header columns.
     pub headers: Vec<(String, String)>,
-    /// Payload bytes as stored (the row's, shared).
-    pub payload: bytes::Bytes,
+    /// Payload bytes as stored (the row's, shared); `None` for a tombstone: Kafka
+    /// gets a record with a null value, NATS and RabbitMQ an empty body.
+    pub payload: Option<bytes::Bytes>,
+    /// Record timestamp, Unix milliseconds, never before 1970 (Kafka's record
+    /// timestamp, RabbitMQ's `timestamp` property); `None` leaves it to the client (the
+    /// time of sending).
+    pub timestamp_ms: Option<i64>,
 }
 
 /// Why a publish failed, and whether the row itself is at fault.
@@ -145,16 +161,58 @@ pub trait Broker: Send + Sync {
     }
 }
 
-/// Builds the message for `row`: destination from `template`, key = aggregate id,
-/// message id = row id, headers `id`, `type`, `aggregateType` plus header columns.
-/// Names and headers the broker would refuse are reported as row faults here, before
-/// anything is sent.
-pub fn build_message(
-    kind: BrokerKind,
-    template: &str,
-    row: &OutboxRow,
-) -> Result<Message, PublishError> {
-    let destination = template.replace(AGGREGATE_TYPE_PLACEHOLDER, &row.aggregate_type);
+/// How one relay turns rows into messages: the broker's rules, the destination
+/// template and the options of `spec.message`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    /// The broker kind (its naming and header rules).
+    pub kind: BrokerKind,
+    /// Topic, subject or routing-key template.
+    pub template: String,
+    /// `spec.message.tombstoneOnEmptyPayload`.
+    pub tombstone_on_empty_payload: bool,
+}
+
+impl Shape {
+    /// The shape with every `spec.message` option at its default.
+    pub fn new(kind: BrokerKind, template: impl Into<String>) -> Self {
+        Self {
+            kind,
+            template: template.into(),
+            tombstone_on_empty_payload: false,
+        }
+    }
+
+    /// The shape a parsed relay asks for.
+    pub fn of(valid: &crate::spec::ValidRelay) -> Self {
+        Self {
+            tombstone_on_empty_payload: valid.tombstone_on_empty_payload,
+            ..Self::new(valid.broker.kind(), valid.broker.template())
+        }
+    }
+
+    /// Builds the message for `row`: destination from the template, key = aggregate
+    /// id, message id = row id, headers `id`, `type`, `aggregateType` plus header
+    /// columns; a NULL payload (or, with `tombstoneOnEmptyPayload`, a blank one) is a
+    /// tombstone; the timestamp is the event's time column, else `createdAt` (log
+    /// tailing: the commit time). Names and headers the broker would refuse are
+    /// reported as row faults here, before anything is sent.
+    pub fn build(&self, row: &OutboxRow) -> Result<Message, PublishError> {
+        build_message(self, row)
+    }
+}
+
+/// Whether a payload is blank as Debezium's router judges it (`toString().trim()` is
+/// empty: Java's `trim` drops every character up to U+0020).
+fn blank(payload: &[u8]) -> bool {
+    payload.iter().all(|b| *b <= b' ')
+}
+
+fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError> {
+    let kind = shape.kind;
+    let destination = shape
+        .template
+        .replace(AGGREGATE_TYPE_PLACEHOLDER, &row.aggregate_type);
     check_destination(kind, &destination).map_err(|why| {
         PublishError::row(format!(
             "row {}: destination `{destination}` (from aggregate type `{}`) {why}",
@@ -177,12 +235,26 @@ pub fn build_message(
             )));
         }
     }
+    let payload = match &row.payload {
+        Some(p) if shape.tombstone_on_empty_payload && blank(p) => None,
+        other => other.clone(),
+    };
+    // Whole milliseconds, as the Kafka record and Debezium's router carry them. Kafka
+    // has no timestamps before 1970 (the Java client refuses them): such an event time
+    // falls back like a NULL one.
+    let millis = |t: f64| Some((t * 1000.0).floor()).filter(|ms| ms.is_finite() && *ms >= 0.0);
+    let timestamp_ms = row
+        .timestamp
+        .and_then(millis)
+        .or_else(|| row.created_at.and_then(millis))
+        .map(|ms| ms as i64);
     Ok(Message {
         destination,
         key: row.aggregate_id.clone(),
         id,
         headers,
-        payload: row.payload.clone(),
+        payload,
+        timestamp_ms,
     })
 }
 
@@ -196,20 +268,24 @@ mod tests {
             aggregate_type: "Order".into(),
             aggregate_id: Some("o-1".into()),
             event_type: Some("OrderCreated".into()),
-            payload: bytes::Bytes::from_static(br#"{"a":1}"#),
+            payload: Some(bytes::Bytes::from_static(br#"{"a":1}"#)),
             headers: vec![("traceparent".into(), "00-abc-01".into())],
             partition: 1,
             created_at: None,
+            timestamp: None,
         }
     }
 
     #[test]
     fn a_row_becomes_a_message_with_id_key_and_headers() {
-        let m = build_message(BrokerKind::Kafka, "outbox.event.{aggregateType}", &row()).unwrap();
+        let m = Shape::new(BrokerKind::Kafka, "outbox.event.{aggregateType}")
+            .build(&row())
+            .unwrap();
         assert_eq!(m.destination, "outbox.event.Order");
         assert_eq!(m.key.as_deref(), Some("o-1"));
         assert_eq!(m.id, "42");
-        assert_eq!(&m.payload[..], br#"{"a":1}"#);
+        assert_eq!(m.payload.as_deref(), Some(&br#"{"a":1}"#[..]));
+        assert_eq!(m.timestamp_ms, None);
         assert_eq!(
             m.headers,
             vec![
@@ -225,22 +301,114 @@ mod tests {
     fn names_the_broker_refuses_are_row_faults() {
         let mut r = row();
         r.aggregate_type = "has space".into();
-        let err = build_message(BrokerKind::Kafka, "{aggregateType}", &r).unwrap_err();
+        let err = Shape::new(BrokerKind::Kafka, "{aggregateType}")
+            .build(&r)
+            .unwrap_err();
         assert!(err.row_fault && err.message.contains("row 42"), "{err}");
-        let err = build_message(BrokerKind::Nats, "outbox.{aggregateType}", &r).unwrap_err();
+        let err = Shape::new(BrokerKind::Nats, "outbox.{aggregateType}")
+            .build(&r)
+            .unwrap_err();
         assert!(err.row_fault, "{err}");
         r.aggregate_type = String::new();
-        assert!(build_message(BrokerKind::Nats, "outbox.{aggregateType}", &r).is_err());
-        assert!(build_message(BrokerKind::Amqp, "{aggregateType}", &r).is_ok());
+        assert!(
+            Shape::new(BrokerKind::Nats, "outbox.{aggregateType}")
+                .build(&r)
+                .is_err()
+        );
+        assert!(
+            Shape::new(BrokerKind::Amqp, "{aggregateType}")
+                .build(&r)
+                .is_ok()
+        );
         r.aggregate_type = "x".repeat(300);
-        assert!(build_message(BrokerKind::Amqp, "{aggregateType}", &r).is_err());
+        assert!(
+            Shape::new(BrokerKind::Amqp, "{aggregateType}")
+                .build(&r)
+                .is_err()
+        );
     }
 
     #[test]
     fn nats_headers_cannot_break_lines() {
         let mut r = row();
         r.headers = vec![("traceparent".into(), "a\r\nb".into())];
-        assert!(build_message(BrokerKind::Nats, "o.{aggregateType}", &r).is_err());
-        assert!(build_message(BrokerKind::Kafka, "o.{aggregateType}", &r).is_ok());
+        assert!(
+            Shape::new(BrokerKind::Nats, "o.{aggregateType}")
+                .build(&r)
+                .is_err()
+        );
+        assert!(
+            Shape::new(BrokerKind::Kafka, "o.{aggregateType}")
+                .build(&r)
+                .is_ok()
+        );
+    }
+}
+
+#[cfg(test)]
+mod shape_tests {
+    use super::*;
+
+    fn row(payload: Option<&'static [u8]>) -> OutboxRow {
+        OutboxRow {
+            id: 7,
+            aggregate_type: "Order".into(),
+            aggregate_id: Some("o-1".into()),
+            event_type: None,
+            payload: payload.map(bytes::Bytes::from_static),
+            headers: Vec::new(),
+            partition: 0,
+            created_at: Some(1_700_000_000.123_9),
+            timestamp: None,
+        }
+    }
+
+    #[test]
+    fn a_null_payload_is_a_tombstone_and_a_blank_one_only_when_asked() {
+        let plain = Shape::new(BrokerKind::Kafka, "t");
+        let asked = Shape {
+            tombstone_on_empty_payload: true,
+            ..plain.clone()
+        };
+        assert_eq!(plain.build(&row(None)).unwrap().payload, None);
+        assert_eq!(asked.build(&row(None)).unwrap().payload, None);
+        for blank in [&b""[..], b"  ", b"\n\t "] {
+            assert_eq!(
+                plain.build(&row(Some(blank))).unwrap().payload.as_deref(),
+                Some(blank),
+                "{blank:?} is sent as stored by default"
+            );
+            assert_eq!(asked.build(&row(Some(blank))).unwrap().payload, None);
+        }
+        assert_eq!(
+            asked.build(&row(Some(b" {} "))).unwrap().payload.as_deref(),
+            Some(&b" {} "[..])
+        );
+    }
+
+    #[test]
+    fn the_timestamp_is_the_event_time_else_the_created_or_commit_time() {
+        let shape = Shape::new(BrokerKind::Kafka, "t");
+        let mut r = row(Some(b"{}"));
+        assert_eq!(
+            shape.build(&r).unwrap().timestamp_ms,
+            Some(1_700_000_000_123)
+        );
+        r.timestamp = Some(1_600_000_000.5);
+        assert_eq!(
+            shape.build(&r).unwrap().timestamp_ms,
+            Some(1_600_000_000_500)
+        );
+        // Kafka has no time before 1970: falls back like NULL.
+        r.timestamp = Some(-0.0005);
+        assert_eq!(
+            shape.build(&r).unwrap().timestamp_ms,
+            Some(1_700_000_000_123)
+        );
+        r.created_at = Some(-1.0);
+        assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
+        r.timestamp = None;
+        r.created_at = None;
+        assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
     }
 }

@@ -79,7 +79,7 @@ impl Broker for NatsBroker {
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
         Box::pin(async move {
             let mut publish = PublishMessage::build()
-                .payload(message.payload.clone())
+                .payload(message.payload.clone().unwrap_or_default())
                 .message_id(msg_id(&self.msg_id_scope, &message.id));
             for (key, value) in &message.headers {
                 // Names are fixed or checked SQL identifiers; values were checked for

@@ -411,6 +411,9 @@ pub async fn live_members(client: &Client, class: i32) -> Result<Vec<i32>, PgErr
         .collect())
 }
 
+/// The column types `table.columns.timestamp` may have (`information_schema` names).
+const TIMESTAMP_TYPES: [&str; 2] = ["timestamp with time zone", "timestamp without time zone"];
+
 /// Column names of the outbox table, already checked.
 #[derive(Debug, Clone)]
 pub struct Columns {
@@ -428,8 +431,29 @@ pub struct Columns {
     pub created_at: Option<String>,
     /// Publication time (mark mode).
     pub published_at: String,
+    /// The event's own time (`timestamptz` or `timestamp`), when configured.
+    pub timestamp: Option<String>,
     /// Extra header columns.
     pub headers: Vec<String>,
+}
+
+impl Columns {
+    /// The columns of a parsed relay's table, `createdAt` included (callers that do
+    /// not read it set it to `None`).
+    pub fn of(table: &crate::spec::Table) -> Self {
+        let c = &table.columns;
+        Self {
+            id: c.id.clone(),
+            aggregate_type: c.aggregate_type.clone(),
+            aggregate_id: c.aggregate_id.clone(),
+            event_type: c.event_type.clone(),
+            payload: c.payload.clone(),
+            created_at: Some(c.created_at.clone()),
+            published_at: c.published_at.clone(),
+            timestamp: c.timestamp.clone(),
+            headers: table.headers.clone(),
+        }
+    }
 }
 
 pub use crate::broker::OutboxRow;
@@ -519,6 +543,9 @@ impl OutboxTable {
         if after_publish == AfterPublish::Mark {
             required.push(("table.columns.publishedAt", columns.published_at.clone()));
         }
+        if let Some(timestamp) = &columns.timestamp {
+            required.push(("table.columns.timestamp", timestamp.clone()));
+        }
         for header in &columns.headers {
             required.push(("table.headers", header.clone()));
         }
@@ -531,6 +558,15 @@ impl OutboxTable {
             return Err(PgError::Schema(format!(
                 "{schema}.{table}: {}",
                 missing.join("; ")
+            )));
+        }
+        if let Some(timestamp) = &columns.timestamp
+            && let Some(ty) = type_of(timestamp)
+            && !TIMESTAMP_TYPES.contains(&ty.as_str())
+        {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: table.columns.timestamp: column {timestamp} is {ty}; \
+                 it must be timestamp with time zone or timestamp (read as UTC)"
             )));
         }
         // createdAt is optional: without it there is no age or lag metric.
@@ -548,6 +584,11 @@ impl OutboxTable {
             format!("convert_to({}::text, 'UTF8')", quote(&columns.payload))
         };
         let created = columns.created_at.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM {})::float8", quote(c)),
+        );
+        // `timestamp` (without time zone) is read as UTC, as Debezium reads it.
+        let event_time = columns.timestamp.as_deref().map_or_else(
             || "NULL::float8".to_owned(),
             |c| format!("extract(epoch FROM {})::float8", quote(c)),
         );
@@ -591,7 +632,7 @@ impl OutboxTable {
             tail: format!(
                 ") AS u ORDER BY u.id LIMIT $1) \
                  SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
-                 {pexpr}, {created}{headers} \
+                 {pexpr}, {created}, {event_time}{headers} \
                  FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
                  ORDER BY {id} FOR UPDATE SKIP LOCKED",
                 id = quote(&columns.id),
@@ -642,16 +683,17 @@ impl OutboxTable {
                 aggregate_type: r.get(1),
                 aggregate_id: r.get(2),
                 event_type: r.get(3),
-                payload: r.get::<_, Option<Vec<u8>>>(4).unwrap_or_default().into(),
+                payload: r.get::<_, Option<Vec<u8>>>(4).map(Into::into),
                 partition: r.get(5),
                 created_at: r.get(6),
+                timestamp: r.get(7),
                 headers: self
                     .columns
                     .headers
                     .iter()
                     .enumerate()
                     .filter_map(|(i, name)| {
-                        r.get::<_, Option<String>>(7 + i).map(|v| (name.clone(), v))
+                        r.get::<_, Option<String>>(8 + i).map(|v| (name.clone(), v))
                     })
                     .collect(),
             })

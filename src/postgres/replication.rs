@@ -218,6 +218,90 @@ pub fn decode_bytea_hex(text: &[u8]) -> Result<Vec<u8>, DecodeError> {
         .collect()
 }
 
+/// A `timestamptz` or `timestamp` value in its text form under `DateStyle=ISO` (the
+/// replication session sets it, see [`replication_config`]): `2026-12-05
+/// 02:48:00.123456+00`, the offset `±HH[:MM[:SS]]` left out for `timestamp` (read as
+/// UTC, as Debezium reads it), ` BC` for years before 1. Returns Unix seconds;
+/// `Ok(None)` for `infinity` and `-infinity`, which have no instant.
+///
+/// Written here because no crate in the tree reads PostgreSQL's own layout (RFC 3339
+/// parsers want a `T`, a colon in the offset and four-digit years).
+pub fn parse_timestamp(text: &str) -> Result<Option<f64>, DecodeError> {
+    if text == "infinity" || text == "-infinity" {
+        return Ok(None);
+    }
+    let bad = || DecodeError(format!("`{text}` is not an ISO timestamp"));
+    let (text_ad, bc) = match text.strip_suffix(" BC") {
+        Some(rest) => (rest, true),
+        None => (text, false),
+    };
+    let (date, time) = text_ad.split_once(' ').ok_or_else(bad)?;
+    let mut ymd = date.splitn(3, '-');
+    let number = |s: Option<&str>| -> Result<i64, DecodeError> {
+        s.filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(bad)
+    };
+    let year = number(ymd.next())?;
+    let (month, day) = (number(ymd.next())?, number(ymd.next())?);
+    // Year 1 BC is year 0 of the proleptic calendar.
+    let year = if bc { 1 - year } else { year };
+    // The offset starts at the first sign after the seconds.
+    let (clock, offset) = match time.find(['+', '-']) {
+        Some(i) => (&time[..i], Some(&time[i..])),
+        None => (time, None),
+    };
+    let mut hms = clock.splitn(3, ':');
+    let (hour, minute) = (number(hms.next())?, number(hms.next())?);
+    let seconds_text = hms.next().ok_or_else(bad)?;
+    let (whole, fraction) = match seconds_text.split_once('.') {
+        Some((w, f)) => (w, Some(f)),
+        None => (seconds_text, None),
+    };
+    let second = number(Some(whole))?;
+    let fraction = match fraction {
+        Some(f) if !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()) => {
+            format!("0.{f}").parse::<f64>().map_err(|_| bad())?
+        }
+        Some(_) => return Err(bad()),
+        None => 0.0,
+    };
+    let offset_seconds = match offset {
+        None => 0,
+        Some(o) => {
+            let sign = if o.starts_with('-') { -1 } else { 1 };
+            let mut parts = o[1..].splitn(3, ':');
+            let h = number(parts.next())?;
+            let m = parts.next().map_or(Ok(0), |p| number(Some(p)))?;
+            let s = parts.next().map_or(Ok(0), |p| number(Some(p)))?;
+            sign * (h * 3600 + m * 60 + s)
+        }
+    };
+    if !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 24
+        || minute > 59
+        || second > 60
+    {
+        return Err(bad());
+    }
+    let days = days_from_civil(year, month, day);
+    let local = days * 86_400 + hour * 3600 + minute * 60 + second;
+    Ok(Some((local - offset_seconds) as f64 + fraction))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's
+/// `days_from_civil`).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// The replication connection's settings from the relay's database URL: same host,
 /// port, user, password and database as its normal connections. Starts at the slot's
 /// confirmed position (`0/0` asks the server for it) and reports nothing as confirmed
@@ -259,6 +343,9 @@ pub fn replication_config(
     .with_status_interval(status_interval)
     .with_wakeup_interval(status_interval.max(std::time::Duration::from_secs(1)))
     .with_application_name("outbox-relay-log-tailing")
+    // Values stream in their text forms, which follow these settings: ISO dates and
+    // UTC offsets are what [`parse_timestamp`] reads.
+    .with_options("-c datestyle=ISO,MDY -c timezone=UTC")
     .with_buffer_size(STREAM_BUFFER_EVENTS)
     .with_tls(tls))
 }
@@ -417,6 +504,35 @@ pub async fn delete_rows(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn timestamps_in_postgres_iso_text_become_unix_seconds() {
+        let at = |t: &str| parse_timestamp(t).unwrap().unwrap();
+        assert_eq!(at("1970-01-01 00:00:00+00"), 0.0);
+        assert_eq!(at("2000-01-01 00:00:00+00"), 946_684_800.0);
+        assert_eq!(at("2000-01-01 05:30:00+05:30"), 946_684_800.0);
+        assert_eq!(at("1999-12-31 21:00:00-03"), 946_684_800.0);
+        // `timestamp` without a zone is read as UTC.
+        assert_eq!(at("2000-01-01 00:00:00"), 946_684_800.0);
+        assert_eq!(at("2000-02-29 12:00:00.25+00"), 951_825_600.25);
+        assert_eq!(at("1969-12-31 23:59:59.5+00"), -0.5);
+        // Local mean time offsets carry seconds.
+        assert_eq!(at("1900-01-01 00:09:21+00:09:21"), -2_208_988_800.0);
+        assert_eq!(at("0001-01-01 00:00:00+00"), -62_135_596_800.0);
+        assert_eq!(at("0001-12-31 00:00:00+00 BC"), -62_135_683_200.0);
+        assert_eq!(at("10000-01-01 00:00:00+00"), 253_402_300_800.0);
+        assert_eq!(parse_timestamp("infinity").unwrap(), None);
+        assert_eq!(parse_timestamp("-infinity").unwrap(), None);
+        for bad in [
+            "2000-01-01T00:00:00Z",
+            "01/01/2000 00:00:00",
+            "2000-13-01 00:00:00",
+            "",
+            "2000-01-01 00:00:00.+00",
+        ] {
+            assert!(parse_timestamp(bad).is_err(), "{bad}");
+        }
+    }
+
     use super::*;
 
     fn hex(s: &str) -> Vec<u8> {

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::broker::{Broker, BrokerKind, PublishError, build_message};
+use crate::broker::{Broker, PublishError, Shape};
 use crate::postgres::OutboxRow;
 
 /// One chain's outcome.
@@ -52,15 +52,14 @@ pub fn chains(rows: Vec<OutboxRow>, per_aggregate: bool) -> Vec<Vec<OutboxRow>> 
 /// chain comes back unsent, as after an outage.
 pub(super) async fn publish_chains(
     broker: &dyn Broker,
-    kind: BrokerKind,
-    template: &str,
+    shape: &Shape,
     chains: Vec<Vec<OutboxRow>>,
     fence: Option<Instant>,
 ) -> Vec<ChainResult> {
     futures::future::join_all(
         chains
             .into_iter()
-            .map(|chain| publish_chain(broker, kind, template, chain, fence)),
+            .map(|chain| publish_chain(broker, shape, chain, fence)),
     )
     .await
 }
@@ -69,8 +68,7 @@ pub(super) async fn publish_chains(
 /// fence).
 pub(super) async fn publish_chain(
     broker: &dyn Broker,
-    kind: BrokerKind,
-    template: &str,
+    shape: &Shape,
     chain: Vec<OutboxRow>,
     fence: Option<Instant>,
 ) -> ChainResult {
@@ -82,7 +80,7 @@ pub(super) async fn publish_chain(
                 "not sent: the database session that holds this partition was last seen alive too long ago (fence)",
             ))
         } else {
-            match build_message(kind, template, &row) {
+            match shape.build(&row) {
                 Ok(message) => broker.publish(&message).await,
                 Err(err) => Err(err),
             }
@@ -115,10 +113,11 @@ mod tests {
             aggregate_type: "A".into(),
             aggregate_id: Some(aggregate.into()),
             event_type: None,
-            payload: bytes::Bytes::new(),
+            payload: Some(bytes::Bytes::new()),
             headers: Vec::new(),
             partition: 0,
             created_at: None,
+            timestamp: None,
         }
     }
 
@@ -146,8 +145,7 @@ mod tests {
         let open = Instant::now() + std::time::Duration::from_secs(60);
         let results = publish_chains(
             &broker,
-            BrokerKind::Nats,
-            "s",
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
             chains(rows.clone(), true),
             Some(open),
         )
@@ -159,8 +157,7 @@ mod tests {
         let passed = Instant::now() - std::time::Duration::from_millis(1);
         let results = publish_chains(
             &broker,
-            BrokerKind::Nats,
-            "s",
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
             chains(rows, true),
             Some(passed),
         )

@@ -65,7 +65,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         .await
         .map_err(|e| RelayError::Broker(e.message))?;
     let kind = settings.broker.kind();
-    let template = settings.broker.template().to_owned();
+    let shape = crate::broker::Shape::of(&settings.valid);
     tracing::info!(
         relay_namespace = %identity.namespace,
         relay_name = %identity.name,
@@ -92,12 +92,12 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     }
     let result = match settings.log_tailing.clone() {
         Some(lt) => {
-            log_tailing::LogTailer::new(settings, lt, broker, kind, template, health, stop_rx)
+            log_tailing::LogTailer::new(settings, lt, broker, shape, health, stop_rx)
                 .run()
                 .await
         }
         None => {
-            publisher::Publisher::new(settings, broker, kind, template, health, stop_rx)
+            publisher::Publisher::new(settings, broker, shape, health, stop_rx)
                 .run()
                 .await
         }

@@ -57,7 +57,7 @@ use super::http::Health;
 use super::metrics::ErrorLabels;
 use super::ownership;
 use crate::api::{AfterPublish, OnExhausted};
-use crate::broker::{Broker, BrokerKind, PublishError};
+use crate::broker::{Broker, PublishError, Shape};
 use crate::postgres::{
     self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
 };
@@ -118,8 +118,7 @@ enum Outcome {
 pub(super) struct Publisher {
     settings: Settings,
     broker: Arc<dyn Broker>,
-    kind: BrokerKind,
-    template: String,
+    shape: Shape,
     health: Arc<Health>,
     stop: watch::Receiver<bool>,
     class: i32,
@@ -149,8 +148,7 @@ impl Publisher {
     pub(super) fn new(
         settings: Settings,
         broker: Arc<dyn Broker>,
-        kind: BrokerKind,
-        template: String,
+        shape: Shape,
         health: Arc<Health>,
         stop: watch::Receiver<bool>,
     ) -> Self {
@@ -159,8 +157,7 @@ impl Publisher {
         Self {
             settings,
             broker,
-            kind,
-            template,
+            shape,
             health,
             stop,
             class,
@@ -446,7 +443,7 @@ impl Publisher {
         let asked = Instant::now();
         let limit = self.limit;
         let rows = table.select_batch(&tx, active, limit).await?;
-        let bytes = rows.iter().map(|r| r.payload.len()).sum();
+        let bytes = rows.iter().map(OutboxRow::payload_len).sum();
         self.limit = next_limit(self.settings.batch_size, limit, rows.len(), bytes);
         let fence = asked + FENCE;
         let selected = rows.len();
@@ -459,9 +456,8 @@ impl Publisher {
         }
         let chains = chains(rows, self.per_aggregate());
         let broker = self.broker.as_ref();
-        let (kind, template) = (self.kind, self.template.as_str());
         let results: Vec<ChainResult> =
-            publish_chains(broker, kind, template, chains, Some(fence)).await;
+            publish_chains(broker, &self.shape, chains, Some(fence)).await;
         let mut ids = Vec::with_capacity(selected);
         let mut lags = Vec::new();
         let mut unavailable = false;
@@ -681,16 +677,7 @@ async fn housekeeping_session(settings: &Settings) -> Option<(Client, OutboxTabl
 async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTable, PgError> {
     let valid = &settings.valid;
     let t = &valid.table;
-    let columns = Columns {
-        id: t.columns.id.clone(),
-        aggregate_type: t.columns.aggregate_type.clone(),
-        aggregate_id: t.columns.aggregate_id.clone(),
-        event_type: t.columns.event_type.clone(),
-        payload: t.columns.payload.clone(),
-        created_at: Some(t.columns.created_at.clone()),
-        published_at: t.columns.published_at.clone(),
-        headers: t.headers.clone(),
-    };
+    let columns = Columns::of(t);
     let after_publish = match &valid.mode {
         crate::spec::ValidMode::Polling(p) => p.after_publish,
         crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,

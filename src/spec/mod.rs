@@ -76,6 +76,8 @@ pub struct Columns {
     pub created_at: String,
     /// Publication time (polling with `afterPublish: mark`).
     pub published_at: String,
+    /// The event's own time, when configured: the record timestamp.
+    pub timestamp: Option<String>,
 }
 
 impl Columns {
@@ -284,6 +286,8 @@ pub struct ValidRelay {
     pub failure: Failure,
     /// Alerting thresholds.
     pub alerting: Alerting,
+    /// An empty or blank payload is sent as a tombstone too (a NULL one always is).
+    pub tombstone_on_empty_payload: bool,
 }
 
 /// The spec field of the PostgreSQL CA reference.

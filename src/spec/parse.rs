@@ -88,6 +88,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         payload: c.payload.clone(),
         created_at: c.created_at.clone(),
         published_at: c.published_at.clone(),
+        timestamp: c.timestamp.clone(),
     };
     for (field, value) in [
         ("spec.table.schema", &t.schema),
@@ -97,6 +98,9 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
     }
     for (field, value, _) in columns.catalogue() {
         identifier(&mut p, field, value);
+    }
+    if let Some(timestamp) = &columns.timestamp {
+        identifier(&mut p, "spec.table.columns.timestamp", timestamp);
     }
     for (i, header) in t.headers.iter().enumerate() {
         let field = format!("spec.table.headers[{i}]");
@@ -351,6 +355,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                     backlog_rows: spec.alerting.backlog_rows,
                     slot_retained_wal_bytes: wal.unwrap_or_default(),
                 },
+                tombstone_on_empty_payload: spec.message.tombstone_on_empty_payload,
             })
         }
         _ => Err(p),

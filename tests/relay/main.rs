@@ -19,4 +19,5 @@ mod relay_ownership;
 mod relay_partitioning;
 mod relay_pooler;
 mod relay_publication;
+mod relay_records;
 mod relay_tls;

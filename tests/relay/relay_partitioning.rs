@@ -10,14 +10,14 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use outbox_operator::broker::kafka::{KafkaBroker, KafkaSettings};
-use outbox_operator::broker::{Broker, BrokerKind, build_message};
+use outbox_operator::broker::{Broker, BrokerKind, Shape};
 use outbox_operator::postgres::OutboxRow;
 
 const PARTITIONS: i32 = 12;
 
 /// Partition of each key by Java's `Utils.toPositive(Utils.murmur2(key)) % partitions`,
 /// the Java producer's choice for a keyed record.
-fn java_partitions(keys: &[String]) -> BTreeMap<String, i32> {
+pub(crate) fn java_partitions(keys: &[String], partitions: i32) -> BTreeMap<String, i32> {
     let rig = common::Rig::load();
     let dir = tempfile::tempdir().unwrap();
     let source = dir.path().join("Murmur.java");
@@ -43,7 +43,7 @@ public class Murmur {
         .arg("-cp")
         .arg(format!("{}/*", rig.get("OUTBOX_RIG_KAFKA_LIBS")))
         .arg(&source)
-        .arg(PARTITIONS.to_string())
+        .arg(partitions.to_string())
         .args(keys.iter().map(|k| hex(k)))
         .output()
         .unwrap_or_else(|err| panic!("cannot run java (the rig's Kafka needs it): {err}"));
@@ -135,17 +135,20 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
                 aggregate_type: "order".into(),
                 aggregate_id: Some(key.clone()),
                 event_type: Some("Placed".into()),
-                payload: bytes::Bytes::from_static(b"{}"),
+                payload: Some(bytes::Bytes::from_static(b"{}")),
                 headers: Vec::new(),
                 partition: 0,
                 created_at: None,
+                timestamp: None,
             };
-            let message = build_message(BrokerKind::Kafka, &topic, &row).unwrap();
+            let message = Shape::new(BrokerKind::Kafka, topic.as_str())
+                .build(&row)
+                .unwrap();
             broker.publish(&message).await.unwrap();
         }
     }
     let found = partitions_by_key(&topic, keys.len() * 2);
-    let expected = java_partitions(&keys);
+    let expected = java_partitions(&keys, PARTITIONS);
     assert_eq!(expected.len(), keys.len(), "java answered for every key");
     for key in &keys {
         let want = expected[key];

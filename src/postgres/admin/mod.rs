@@ -192,6 +192,9 @@ impl Plan {
                 });
             }
         }
+        if let Some(timestamp) = &t.columns.timestamp {
+            columns.push(("table.columns.timestamp".to_owned(), timestamp.clone()));
+        }
         for header in &t.headers {
             columns.push(("table.headers".to_owned(), header.clone()));
         }

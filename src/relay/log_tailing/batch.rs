@@ -175,7 +175,7 @@ impl LogTailer {
                             let row = layout.row(tuple, commit).map_err(|e| {
                                 SessionEnd::Stream(format!("an outbox insert: {e}"))
                             })?;
-                            batch.bytes += row.payload.len();
+                            batch.bytes += row.payload_len();
                             batch.rows.push(row);
                         }
                     }
@@ -244,9 +244,8 @@ impl LogTailer {
         while !pending.is_empty() {
             self.health.turned();
             let broker = self.broker.as_ref();
-            let (kind, template) = (self.kind, self.template.as_str());
             let results: Vec<ChainResult> =
-                publish_chains(broker, kind, template, std::mem::take(&mut pending), None).await;
+                publish_chains(broker, &self.shape, std::mem::take(&mut pending), None).await;
             let now_unix = unix_now();
             for result in results {
                 for (id, created) in result.published {
@@ -458,10 +457,11 @@ mod tests {
             aggregate_type: "order".into(),
             aggregate_id: Some("a".into()),
             event_type: None,
-            payload: vec![b'x'; bytes].into(),
+            payload: Some(vec![b'x'; bytes].into()),
             headers: Vec::new(),
             partition: 0,
             created_at: None,
+            timestamp: None,
         }
     }
 

@@ -13,6 +13,8 @@ pub(super) struct Layout {
     event_type: usize,
     payload: usize,
     payload_bytea: bool,
+    /// `table.columns.timestamp`, when configured.
+    timestamp: Option<usize>,
     headers: Vec<(String, usize)>,
 }
 
@@ -51,6 +53,7 @@ impl Layout {
             event_type: find(&columns.event_type)?,
             payload,
             payload_bytea: relation.columns[payload].type_oid == BYTEA_OID,
+            timestamp: columns.timestamp.as_deref().map(find).transpose()?,
             headers: columns
                 .headers
                 .iter()
@@ -81,6 +84,15 @@ impl Layout {
         let aggregate_type = text(self.aggregate_type)?.unwrap_or_default();
         let aggregate_id = text(self.aggregate_id)?;
         let event_type = text(self.event_type)?;
+        let timestamp = match self.timestamp {
+            Some(i) => match text(i)? {
+                // `infinity` and its kin have no instant: the commit time stands in.
+                Some(t) => repl::parse_timestamp(&t)
+                    .map_err(|e| format!("row {id}: timestamp column: {e}"))?,
+                None => None,
+            },
+            None => None,
+        };
         let mut headers = Vec::new();
         for (name, i) in &self.headers {
             if let Some(v) = text(*i)? {
@@ -92,11 +104,13 @@ impl Layout {
             .get_mut(self.payload)
             .map(|v| std::mem::replace(v, TupleValue::Null))
         {
-            Some(TupleValue::Text(b)) if self.payload_bytea => repl::decode_bytea_hex(&b)
-                .map_err(|e| format!("row {id}: payload: {e}"))?
-                .into(),
-            Some(TupleValue::Text(b)) => b,
-            Some(TupleValue::Null) => bytes::Bytes::new(),
+            Some(TupleValue::Text(b)) if self.payload_bytea => Some(
+                repl::decode_bytea_hex(&b)
+                    .map_err(|e| format!("row {id}: payload: {e}"))?
+                    .into(),
+            ),
+            Some(TupleValue::Text(b)) => Some(b),
+            Some(TupleValue::Null) => None,
             _ => return Err(format!("row {id}: payload column missing")),
         };
         Ok(OutboxRow {
@@ -108,6 +122,7 @@ impl Layout {
             headers,
             partition: 0,
             created_at: Some(commit_unix),
+            timestamp,
         })
     }
 }
@@ -126,6 +141,7 @@ mod tests {
             payload: "payload".into(),
             created_at: None,
             published_at: "published_at".into(),
+            timestamp: None,
             headers: vec!["traceparent".into()],
         }
     }
@@ -170,7 +186,7 @@ mod tests {
         let row = layout.row(tuple.to_vec(), 5.0).unwrap();
         assert_eq!(row.id, 42);
         assert_eq!(row.aggregate_id.as_deref(), Some("o-1"));
-        assert_eq!(&row.payload[..], br#"{"a": 1}"#);
+        assert_eq!(row.payload.as_deref(), Some(&br#"{"a": 1}"#[..]));
         assert_eq!(
             row.headers,
             vec![("traceparent".into(), "00-abc-01".into())]
@@ -179,7 +195,49 @@ mod tests {
         nulls[4] = TupleValue::Null;
         nulls[5] = TupleValue::Null;
         let row = layout.row(nulls.to_vec(), 5.0).unwrap();
-        assert!(row.payload.is_empty() && row.headers.is_empty());
+        assert!(row.payload.is_none() && row.headers.is_empty());
+    }
+
+    #[test]
+    fn the_timestamp_column_is_read_from_its_text_form() {
+        let mut r = relation(3802);
+        r.columns.push(RelationColumn {
+            name: "occurred_at".into(),
+            type_oid: 1184,
+        });
+        let cols = Columns {
+            timestamp: Some("occurred_at".into()),
+            ..columns()
+        };
+        let layout = Layout::of(&r, true, "public", "outbox", &cols)
+            .unwrap()
+            .unwrap();
+        let mut tuple = vec![
+            text("1"),
+            text("A"),
+            text("a"),
+            text("T"),
+            text("{}"),
+            TupleValue::Null,
+            text("2000-01-01 00:00:00.5+00"),
+        ];
+        let row = layout.row(tuple.clone(), 7.0).unwrap();
+        assert_eq!(
+            (row.timestamp, row.created_at),
+            (Some(946_684_800.5), Some(7.0))
+        );
+        tuple[6] = TupleValue::Null;
+        assert_eq!(layout.row(tuple.clone(), 7.0).unwrap().timestamp, None);
+        tuple[6] = text("infinity");
+        assert_eq!(layout.row(tuple.clone(), 7.0).unwrap().timestamp, None);
+        tuple[6] = text("Sat Jan 01 00:00:00 2000 UTC");
+        let err = layout.row(tuple, 7.0).unwrap_err();
+        assert!(err.contains("row 1: timestamp column"), "{err}");
+        let missing = Columns {
+            timestamp: Some("nope".into()),
+            ..columns()
+        };
+        assert!(Layout::of(&relation(25), true, "public", "outbox", &missing).is_err());
     }
 
     #[test]
@@ -196,8 +254,8 @@ mod tests {
             TupleValue::Null,
         ];
         assert_eq!(
-            layout.row(tuple.to_vec(), 0.0).unwrap().payload,
-            vec![0, 255]
+            layout.row(tuple.to_vec(), 0.0).unwrap().payload.as_deref(),
+            Some(&[0, 255][..])
         );
     }
 

@@ -98,7 +98,7 @@ use super::backoff::Backoff;
 use super::config::Settings;
 use super::http::Health;
 use crate::api::AfterPublish;
-use crate::broker::{Broker, BrokerKind};
+use crate::broker::{Broker, Shape};
 use crate::postgres::replication as repl;
 use crate::postgres::{self, Columns, OutboxTable, PgError, admin};
 use crate::spec::LogTailing as LogTailingSettings;
@@ -159,8 +159,7 @@ pub(super) struct LogTailer {
     settings: Settings,
     lt: LogTailingSettings,
     broker: Arc<dyn Broker>,
-    kind: BrokerKind,
-    template: String,
+    shape: Shape,
     health: Arc<Health>,
     stop: watch::Receiver<bool>,
     columns: Columns,
@@ -189,29 +188,21 @@ impl LogTailer {
         settings: Settings,
         lt: LogTailingSettings,
         broker: Arc<dyn Broker>,
-        kind: BrokerKind,
-        template: String,
+        shape: Shape,
         health: Arc<Health>,
         stop: watch::Receiver<bool>,
     ) -> Self {
-        let t = &settings.valid.table;
         let columns = Columns {
-            id: t.columns.id.clone(),
-            aggregate_type: t.columns.aggregate_type.clone(),
-            aggregate_id: t.columns.aggregate_id.clone(),
-            event_type: t.columns.event_type.clone(),
-            payload: t.columns.payload.clone(),
+            // The commit time stands in for it.
             created_at: None,
-            published_at: t.columns.published_at.clone(),
-            headers: t.headers.clone(),
+            ..Columns::of(&settings.valid.table)
         };
         let (covered_tx, covered) = watch::channel(Lsn(0));
         Self {
             settings,
             lt,
             broker,
-            kind,
-            template,
+            shape,
             health,
             stop,
             columns,
