@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::broker::{BrokerKind, Shape};
+use outbox_operator::broker::{BrokerKind, ColumnValue, Shape, ValueKind};
 use outbox_operator::postgres::OutboxRow;
 use outbox_operator::postgres::replication::decode;
 use outbox_operator::relay::chains::chains;
@@ -33,7 +33,11 @@ fn row(id: i64) -> OutboxRow {
         aggregate_id: Some(format!("agg-{}", id % 1000)),
         event_type: Some("Happened".into()),
         payload: Some(payload(id).into()),
-        headers: vec![("traceparent".into(), "00-trace-01".into())],
+        extra: vec![ColumnValue::new(
+            "traceparent",
+            "00-trace-01".into(),
+            ValueKind::Text,
+        )],
         partition: id % 4,
         created_at: Some(1.7e9),
         timestamp: None,

@@ -26,7 +26,7 @@ use futures::StreamExt;
 use outbox_operator::broker::amqp::AmqpBroker;
 use outbox_operator::broker::kafka::KafkaBroker;
 use outbox_operator::broker::nats::NatsBroker;
-use outbox_operator::broker::{Broker, BrokerKind, Message, Shape};
+use outbox_operator::broker::{Broker, BrokerKind, ColumnValue, Message, Shape, ValueKind};
 use outbox_operator::postgres::OutboxRow;
 use serde_json::{Value, json};
 
@@ -481,7 +481,11 @@ fn row(id: i64) -> OutboxRow {
         aggregate_id: Some(format!("agg-{}", id % AGGREGATES)),
         event_type: Some("Happened".into()),
         payload: Some(payload(id).into_bytes().into()),
-        headers: vec![("traceparent".into(), "00-trace-01".into())],
+        extra: vec![ColumnValue::new(
+            "traceparent",
+            "00-trace-01".into(),
+            ValueKind::Text,
+        )],
         partition: 0,
         created_at: None,
         timestamp: None,
@@ -799,7 +803,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
                 created_at: Some("created_at".to_owned()),
                 published_at: "published_at".to_owned(),
                 timestamp: None,
-                headers: vec!["traceparent".to_owned()],
+                extra: vec!["traceparent".to_owned()],
             };
             let after = if case.delete {
                 AfterPublish::Delete

@@ -54,6 +54,7 @@ pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
 #[x_kube(validation = Rule::new("!(has(self.mode.polling) && has(self.retention) && has(self.retention.publishedRows) && has(self.mode.polling.interval) && (!has(self.mode.polling.afterPublish) || self.mode.polling.afterPublish == 'mark')) || duration(self.retention.publishedRows) >= duration(self.mode.polling.interval)").message("spec.retention.publishedRows is shorter than the poll interval (keep published rows at least one poll interval)"))]
 #[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter' && !has(self.failure.deadLetterTable)) || !has(self.table) || !has(self.table.name) || size(self.table.name) <= 51").message("spec.failure.deadLetterTable: the default <table>_dead_letter is longer than 63 characters: set spec.failure.deadLetterTable"))]
 #[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.deadLetterTable) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter') || self.failure.deadLetterTable != (has(self.table) && has(self.table.name) ? self.table.name : 'outbox')").message("spec.failure.deadLetterTable is the outbox table itself: name another table for exhausted rows"))]
+#[x_kube(validation = Rule::new("!has(self.table) || !has(self.table.additionalFields) || !self.table.additionalFields.exists(f, f.placement == 'partition') || has(self.broker.kafka)").message("spec.table.additionalFields: only Kafka has partitions; place the column as a header"))]
 pub struct OutboxRelaySpec {
     /// The database that holds the outbox table.
     pub database: DatabaseSpec,
@@ -101,6 +102,12 @@ pub struct MessageSpec {
     /// RabbitMQ have no tombstones: there such a row is a message with an empty body.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub tombstone_on_empty_payload: bool,
+    /// Debezium's `table.expand.json.payload`, for the envelope
+    /// (`table.additionalFields` with `placement: envelope`): the payload is embedded
+    /// as JSON, as stored, instead of as a string holding it. A payload that does not
+    /// start with `{` or `[` or is not JSON stays a string, as the router keeps it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expand_json_payload: bool,
 }
 
 impl MessageSpec {
@@ -213,7 +220,49 @@ pub struct TableSpec {
     #[schemars(length(max = 32), inner(regex(pattern = IDENTIFIER_PATTERN)))]
     #[x_kube(validation = Rule::new("self.all(h, !(h in ['id', 'type', 'aggregateType']))").message("spec.table.headers may not name id, type or aggregateType: the relay sets those headers itself"))]
     pub headers: Vec<String>,
+    /// Debezium's `table.fields.additional.placement`, one entry per
+    /// `column:placement[:alias]`: more columns placed as headers (under another name
+    /// than the column's, unlike `headers`), as fields of a JSON envelope around the
+    /// payload, or as the Kafka partition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self.filter(f, f.placement == 'partition').size() <= 1").message("spec.table.additionalFields: at most one column sets the partition"))]
+    pub additional_fields: Vec<AdditionalField>,
 }
+
+/// A column placed in the message (one item of Debezium's
+/// `table.fields.additional.placement`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.placement != 'partition' || !has(self.as)").message("spec.table.additionalFields: a partition placement takes no alias (`as`)"))]
+pub struct AdditionalField {
+    /// The column.
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub column: String,
+    /// Where the value goes.
+    pub placement: Placement,
+    /// The header or envelope field name; the column's name when left out.
+    #[serde(default, rename = "as", skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = FIELD_NAME_PATTERN))]
+    pub alias: Option<String>,
+}
+
+/// Where an additional column goes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum Placement {
+    /// A message header (text form; a NULL value sends no header).
+    Header,
+    /// A field of the JSON envelope the value becomes: `{"payload": …, "<as>": …}`,
+    /// numbers and booleans as JSON numbers and booleans, other types as strings of
+    /// their text form, NULL as `null`.
+    Envelope,
+    /// The Kafka partition (an integer column; NULL leaves it to the partitioner).
+    Partition,
+}
+
+/// Names of headers and envelope fields.
+pub const FIELD_NAME_PATTERN: &str = "^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$";
 
 impl Default for TableSpec {
     fn default() -> Self {
@@ -222,6 +271,7 @@ impl Default for TableSpec {
             name: default_table(),
             columns: ColumnsSpec::default(),
             headers: Vec::new(),
+            additional_fields: Vec::new(),
         }
     }
 }

@@ -164,6 +164,8 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
             | RDKafkaErrorCode::InvalidTopic
             | RDKafkaErrorCode::UnknownTopic
             | RDKafkaErrorCode::UnknownTopicOrPartition
+            // A `partition` placement naming a partition the topic does not have.
+            | RDKafkaErrorCode::UnknownPartition
             | RDKafkaErrorCode::TopicAuthorizationFailed
     )
 }
@@ -205,6 +207,9 @@ impl Broker for KafkaBroker {
             }
             if let Some(ms) = message.timestamp_ms {
                 record = record.timestamp(ms);
+            }
+            if let Some(partition) = message.partition {
+                record = record.partition(partition);
             }
             // Waiting for queue space is bounded; the delivery itself is bounded by
             // message.timeout.ms.

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
+use crate::api::Placement;
+
 pub use crate::rules::{AGGREGATE_TYPE_PLACEHOLDER, BrokerKind, check_destination, check_template};
 
 /// One outbox row as the relay publishes it.
@@ -27,8 +29,8 @@ pub struct OutboxRow {
     /// Payload bytes as stored (text forms as UTF-8), `None` when NULL; shared, not
     /// copied, by the message built from the row.
     pub payload: Option<bytes::Bytes>,
-    /// Configured header columns that are not NULL.
-    pub headers: Vec<(String, String)>,
+    /// The `table.headers` and `table.additionalFields` columns that are not NULL.
+    pub extra: Vec<ColumnValue>,
     /// The row's partition.
     pub partition: i64,
     /// Insertion time as Unix seconds, when the table has a created-at column (log
@@ -44,6 +46,92 @@ impl OutboxRow {
     pub fn payload_len(&self) -> usize {
         self.payload.as_ref().map_or(0, bytes::Bytes::len)
     }
+
+    /// The value of extra column `column`, `None` when NULL.
+    pub fn extra(&self, column: &str) -> Option<&ColumnValue> {
+        self.extra.iter().find(|v| v.column == column)
+    }
+}
+
+/// A non-NULL value of an extra column, in its text form.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ColumnValue {
+    /// The column.
+    pub column: String,
+    /// The text form (booleans as `true` / `false`).
+    pub text: String,
+    /// How it goes into a JSON envelope.
+    pub kind: ValueKind,
+}
+
+impl ColumnValue {
+    /// A value of `kind` from PostgreSQL's text form (booleans come as `t`/`f` from
+    /// the replication stream and `true`/`false` from a `::text` cast: both become the
+    /// latter, so headers read the same in both modes).
+    pub fn new(column: &str, text: String, kind: ValueKind) -> Self {
+        let text = match (kind, text.as_str()) {
+            (ValueKind::Boolean, "t") => "true".to_owned(),
+            (ValueKind::Boolean, "f") => "false".to_owned(),
+            _ => text,
+        };
+        Self {
+            column: column.to_owned(),
+            text,
+            kind,
+        }
+    }
+
+    /// The value as JSON: numbers and booleans as such, the rest (and numbers JSON
+    /// cannot hold, `NaN`, `Infinity`) as strings.
+    fn json(&self) -> String {
+        let raw = match self.kind {
+            ValueKind::Number => serde_json::from_str::<serde_json::Number>(&self.text).is_ok(),
+            ValueKind::Boolean => matches!(self.text.as_str(), "true" | "false"),
+            ValueKind::Text => false,
+        };
+        if raw {
+            self.text.clone()
+        } else {
+            json_string(&self.text)
+        }
+    }
+}
+
+/// How a column's values go into JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueKind {
+    /// Integer and floating-point types.
+    Number,
+    /// `boolean`.
+    Boolean,
+    /// Everything else, as a string of its text form.
+    Text,
+}
+
+impl ValueKind {
+    /// The kind of a type as `information_schema.columns.data_type` names it.
+    pub fn of_type_name(name: &str) -> Self {
+        match name {
+            "smallint" | "integer" | "bigint" | "real" | "double precision" => Self::Number,
+            "boolean" => Self::Boolean,
+            _ => Self::Text,
+        }
+    }
+
+    /// The kind of a type by its OID (the replication stream's Relation message).
+    pub fn of_oid(oid: u32) -> Self {
+        match oid {
+            // int8, int2, int4, float4, float8
+            20 | 21 | 23 | 700 | 701 => Self::Number,
+            16 => Self::Boolean,
+            _ => Self::Text,
+        }
+    }
+}
+
+/// `s` as a JSON string literal.
+fn json_string(s: &str) -> String {
+    serde_json::Value::String(s.to_owned()).to_string()
 }
 
 /// A message ready for a broker.
@@ -64,6 +152,9 @@ pub struct Message {
     /// timestamp, RabbitMQ's `timestamp` property); `None` leaves it to the client (the
     /// time of sending).
     pub timestamp_ms: Option<i64>,
+    /// The Kafka partition a `partition` placement chose; `None` leaves it to the
+    /// partitioner.
+    pub partition: Option<i32>,
 }
 
 /// Why a publish failed, and whether the row itself is at fault.
@@ -162,31 +253,40 @@ pub trait Broker: Send + Sync {
 }
 
 /// How one relay turns rows into messages: the broker's rules, the destination
-/// template and the options of `spec.message`.
+/// template, where extra columns go and the options of `spec.message`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Shape {
     /// The broker kind (its naming and header rules).
     pub kind: BrokerKind,
     /// Topic, subject or routing-key template.
     pub template: String,
+    /// Extra columns and where each goes (`table.headers`, then
+    /// `table.additionalFields`).
+    pub placed: Vec<crate::spec::Placed>,
     /// `spec.message.tombstoneOnEmptyPayload`.
     pub tombstone_on_empty_payload: bool,
+    /// `spec.message.expandJsonPayload`.
+    pub expand_json_payload: bool,
 }
 
 impl Shape {
-    /// The shape with every `spec.message` option at its default.
+    /// The shape with no extra columns and every `spec.message` option at its default.
     pub fn new(kind: BrokerKind, template: impl Into<String>) -> Self {
         Self {
             kind,
             template: template.into(),
+            placed: Vec::new(),
             tombstone_on_empty_payload: false,
+            expand_json_payload: false,
         }
     }
 
     /// The shape a parsed relay asks for.
     pub fn of(valid: &crate::spec::ValidRelay) -> Self {
         Self {
+            placed: valid.table.placed(),
             tombstone_on_empty_payload: valid.tombstone_on_empty_payload,
+            expand_json_payload: valid.expand_json_payload,
             ..Self::new(valid.broker.kind(), valid.broker.template())
         }
     }
@@ -225,7 +325,31 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         headers.push(("type".to_owned(), t.clone()));
     }
     headers.push(("aggregateType".to_owned(), row.aggregate_type.clone()));
-    headers.extend(row.headers.iter().cloned());
+    let mut envelope = Vec::new();
+    let mut partition = None;
+    for placed in &shape.placed {
+        let value = row.extra(&placed.column);
+        match placed.placement {
+            Placement::Header => {
+                if let Some(v) = value {
+                    headers.push((placed.name.clone(), v.text.clone()));
+                }
+            }
+            Placement::Envelope => envelope.push((&placed.name, value)),
+            Placement::Partition => {
+                if let Some(v) = value {
+                    partition = Some(v.text.parse::<i32>().ok().filter(|p| *p >= 0).ok_or_else(
+                        || {
+                            PublishError::row(format!(
+                                "row {}: partition column {} holds `{}`, not a partition number",
+                                row.id, placed.column, v.text
+                            ))
+                        },
+                    )?);
+                }
+            }
+        }
+    }
     if kind == BrokerKind::Nats {
         // NATS headers are text lines: a line break would end the header block.
         if let Some((name, _)) = headers.iter().find(|(_, v)| v.contains(['\r', '\n'])) {
@@ -237,6 +361,31 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
     }
     let payload = match &row.payload {
         Some(p) if shape.tombstone_on_empty_payload && blank(p) => None,
+        None if shape.tombstone_on_empty_payload => None,
+        // The router's envelope: the payload (NULL as null), then the placed fields.
+        payload if !envelope.is_empty() => {
+            let mut json = String::from("{\"payload\":");
+            match payload {
+                None => json.push_str("null"),
+                // As the router: a payload that starts with `{` or `[` and parses.
+                Some(p)
+                    if shape.expand_json_payload
+                        && p.first().is_some_and(|b| matches!(b, b'{' | b'['))
+                        && serde_json::from_slice::<serde::de::IgnoredAny>(p).is_ok() =>
+                {
+                    json.push_str(std::str::from_utf8(p).unwrap_or("null"));
+                }
+                Some(p) => json.push_str(&json_string(&String::from_utf8_lossy(p))),
+            }
+            for (name, value) in envelope {
+                json.push(',');
+                json.push_str(&json_string(name));
+                json.push(':');
+                json.push_str(&value.map_or_else(|| "null".to_owned(), ColumnValue::json));
+            }
+            json.push('}');
+            Some(bytes::Bytes::from(json))
+        }
         other => other.clone(),
     };
     // Whole milliseconds, as the Kafka record and Debezium's router carry them. Kafka
@@ -255,6 +404,7 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         headers,
         payload,
         timestamp_ms,
+        partition,
     })
 }
 
@@ -269,16 +419,32 @@ mod tests {
             aggregate_id: Some("o-1".into()),
             event_type: Some("OrderCreated".into()),
             payload: Some(bytes::Bytes::from_static(br#"{"a":1}"#)),
-            headers: vec![("traceparent".into(), "00-abc-01".into())],
+            extra: vec![ColumnValue::new(
+                "traceparent",
+                "00-abc-01".into(),
+                ValueKind::Text,
+            )],
             partition: 1,
             created_at: None,
             timestamp: None,
         }
     }
 
+    /// A shape placing `traceparent` as a header, as `table.headers: [traceparent]`.
+    fn traced(kind: BrokerKind, template: &str) -> Shape {
+        Shape {
+            placed: vec![crate::spec::Placed {
+                column: "traceparent".into(),
+                placement: Placement::Header,
+                name: "traceparent".into(),
+            }],
+            ..Shape::new(kind, template)
+        }
+    }
+
     #[test]
     fn a_row_becomes_a_message_with_id_key_and_headers() {
-        let m = Shape::new(BrokerKind::Kafka, "outbox.event.{aggregateType}")
+        let m = traced(BrokerKind::Kafka, "outbox.event.{aggregateType}")
             .build(&row())
             .unwrap();
         assert_eq!(m.destination, "outbox.event.Order");
@@ -331,14 +497,24 @@ mod tests {
     #[test]
     fn nats_headers_cannot_break_lines() {
         let mut r = row();
-        r.headers = vec![("traceparent".into(), "a\r\nb".into())];
+        r.extra = vec![ColumnValue::new(
+            "traceparent",
+            "a\r\nb".into(),
+            ValueKind::Text,
+        )];
         assert!(
-            Shape::new(BrokerKind::Nats, "o.{aggregateType}")
+            traced(BrokerKind::Nats, "o.{aggregateType}")
                 .build(&r)
                 .is_err()
         );
         assert!(
-            Shape::new(BrokerKind::Kafka, "o.{aggregateType}")
+            traced(BrokerKind::Kafka, "o.{aggregateType}")
+                .build(&r)
+                .is_ok()
+        );
+        // A column not placed as a header is not checked.
+        assert!(
+            Shape::new(BrokerKind::Nats, "o.{aggregateType}")
                 .build(&r)
                 .is_ok()
         );
@@ -356,7 +532,7 @@ mod shape_tests {
             aggregate_id: Some("o-1".into()),
             event_type: None,
             payload: payload.map(bytes::Bytes::from_static),
-            headers: Vec::new(),
+            extra: Vec::new(),
             partition: 0,
             created_at: Some(1_700_000_000.123_9),
             timestamp: None,
@@ -410,5 +586,118 @@ mod shape_tests {
         r.timestamp = None;
         r.created_at = None;
         assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
+    }
+
+    fn placed(column: &str, placement: Placement, name: &str) -> crate::spec::Placed {
+        crate::spec::Placed {
+            column: column.into(),
+            placement,
+            name: name.into(),
+        }
+    }
+
+    fn with_extra(payload: Option<&'static [u8]>) -> OutboxRow {
+        OutboxRow {
+            extra: vec![
+                ColumnValue::new("event_type", "OrderCreated".into(), ValueKind::Text),
+                ColumnValue::new("version", "3".into(), ValueKind::Number),
+                ColumnValue::new("urgent", "t".into(), ValueKind::Boolean),
+                ColumnValue::new("ratio", "NaN".into(), ValueKind::Number),
+                ColumnValue::new("quote", "say \"hi\"\n".into(), ValueKind::Text),
+                ColumnValue::new("part", "2".into(), ValueKind::Number),
+            ],
+            ..row(payload)
+        }
+    }
+
+    #[test]
+    fn placed_columns_go_to_headers_under_their_alias() {
+        let shape = Shape {
+            placed: vec![
+                placed("event_type", Placement::Header, "eventType"),
+                placed("urgent", Placement::Header, "urgent"),
+                placed("missing", Placement::Header, "absent"),
+            ],
+            ..Shape::new(BrokerKind::Kafka, "t")
+        };
+        let m = shape.build(&with_extra(Some(b"{}"))).unwrap();
+        assert_eq!(
+            &m.headers[1..],
+            &[
+                ("aggregateType".to_owned(), "Order".to_owned()),
+                ("eventType".to_owned(), "OrderCreated".to_owned()),
+                // Booleans read the same in both modes (`t` from the stream).
+                ("urgent".to_owned(), "true".to_owned()),
+            ]
+        );
+        assert_eq!(m.payload.as_deref(), Some(&b"{}"[..]));
+    }
+
+    #[test]
+    fn envelope_fields_wrap_the_payload_as_the_router_does() {
+        let mut shape = Shape {
+            placed: vec![
+                placed("event_type", Placement::Envelope, "type"),
+                placed("version", Placement::Envelope, "version"),
+                placed("urgent", Placement::Envelope, "urgent"),
+                placed("ratio", Placement::Envelope, "ratio"),
+                placed("quote", Placement::Envelope, "quote"),
+                placed("missing", Placement::Envelope, "gone"),
+            ],
+            ..Shape::new(BrokerKind::Kafka, "t")
+        };
+        let value = |shape: &Shape, payload| {
+            let m = shape.build(&with_extra(payload)).unwrap();
+            m.payload.map(|p| String::from_utf8(p.to_vec()).unwrap())
+        };
+        let fields = r#""type":"OrderCreated","version":3,"urgent":true,"ratio":"NaN","quote":"say \"hi\"\n","gone":null}"#;
+        assert_eq!(
+            value(&shape, Some(br#"{"a": 1}"#)).unwrap(),
+            format!(r#"{{"payload":"{{\"a\": 1}}",{fields}"#)
+        );
+        // A NULL payload is a null field, not a tombstone.
+        assert_eq!(
+            value(&shape, None).unwrap(),
+            format!(r#"{{"payload":null,{fields}"#)
+        );
+        shape.expand_json_payload = true;
+        assert_eq!(
+            value(&shape, Some(br#"{"a": 1}"#)).unwrap(),
+            format!(r#"{{"payload":{{"a": 1}},{fields}"#)
+        );
+        // Not JSON, or not starting with `{` or `[`: stays a string.
+        assert_eq!(
+            value(&shape, Some(b"{oops")).unwrap(),
+            format!(r#"{{"payload":"{{oops",{fields}"#)
+        );
+        assert_eq!(
+            value(&shape, Some(b" {}")).unwrap(),
+            format!(r#"{{"payload":" {{}}",{fields}"#)
+        );
+        for v in [value(&shape, Some(br#"{"a": 1}"#)), value(&shape, None)] {
+            let parsed: serde_json::Value = serde_json::from_str(&v.unwrap()).unwrap();
+            assert_eq!(parsed["version"], 3);
+        }
+        // With the option, an empty payload is a tombstone even with an envelope.
+        shape.tombstone_on_empty_payload = true;
+        assert_eq!(value(&shape, None), None);
+        assert_eq!(value(&shape, Some(b" ")), None);
+    }
+
+    #[test]
+    fn a_partition_column_chooses_the_kafka_partition() {
+        let shape = Shape {
+            placed: vec![placed("part", Placement::Partition, "part")],
+            ..Shape::new(BrokerKind::Kafka, "t")
+        };
+        assert_eq!(shape.build(&with_extra(None)).unwrap().partition, Some(2));
+        assert_eq!(shape.build(&row(None)).unwrap().partition, None);
+        let mut r = with_extra(None);
+        r.extra[5].text = "-1".into();
+        let err = shape.build(&r).unwrap_err();
+        assert!(
+            err.row_fault && err.message.contains("partition column part"),
+            "{err}"
+        );
     }
 }

@@ -433,8 +433,8 @@ pub struct Columns {
     pub published_at: String,
     /// The event's own time (`timestamptz` or `timestamp`), when configured.
     pub timestamp: Option<String>,
-    /// Extra header columns.
-    pub headers: Vec<String>,
+    /// Extra columns (`table.headers`, `table.additionalFields`), distinct.
+    pub extra: Vec<String>,
 }
 
 impl Columns {
@@ -451,7 +451,7 @@ impl Columns {
             created_at: Some(c.created_at.clone()),
             published_at: c.published_at.clone(),
             timestamp: c.timestamp.clone(),
-            headers: table.headers.clone(),
+            extra: table.extra_columns(),
         }
     }
 }
@@ -472,6 +472,8 @@ pub struct OutboxTable {
     after_publish: AfterPublish,
     partitions: i32,
     select: SelectSql,
+    /// How each extra column's values go into JSON, in `columns.extra`'s order.
+    extra_kinds: Vec<crate::broker::ValueKind>,
 }
 
 /// The batch query in pieces: a branch per owned partition goes between `WITH
@@ -546,8 +548,8 @@ impl OutboxTable {
         if let Some(timestamp) = &columns.timestamp {
             required.push(("table.columns.timestamp", timestamp.clone()));
         }
-        for header in &columns.headers {
-            required.push(("table.headers", header.clone()));
+        for column in &columns.extra {
+            required.push(("table.headers / table.additionalFields", column.clone()));
         }
         let missing: Vec<String> = required
             .iter()
@@ -593,9 +595,14 @@ impl OutboxTable {
             |c| format!("extract(epoch FROM {})::float8", quote(c)),
         );
         let headers: String = columns
-            .headers
+            .extra
             .iter()
             .map(|h| format!(", {}::text", quote(h)))
+            .collect();
+        let extra_kinds = columns
+            .extra
+            .iter()
+            .map(|c| crate::broker::ValueKind::of_type_name(&type_of(c).unwrap_or_default()))
             .collect();
         let qualified = format!("{}.{}", quote(schema), quote(table));
         let unpublished = match after_publish {
@@ -649,6 +656,7 @@ impl OutboxTable {
             after_publish,
             partitions,
             select,
+            extra_kinds,
         })
     }
 
@@ -687,13 +695,15 @@ impl OutboxTable {
                 partition: r.get(5),
                 created_at: r.get(6),
                 timestamp: r.get(7),
-                headers: self
+                extra: self
                     .columns
-                    .headers
+                    .extra
                     .iter()
+                    .zip(&self.extra_kinds)
                     .enumerate()
-                    .filter_map(|(i, name)| {
-                        r.get::<_, Option<String>>(8 + i).map(|v| (name.clone(), v))
+                    .filter_map(|(i, (name, kind))| {
+                        r.get::<_, Option<String>>(8 + i)
+                            .map(|v| crate::broker::ColumnValue::new(name, v, *kind))
                     })
                     .collect(),
             })

@@ -114,7 +114,7 @@ mod tests {
             aggregate_id: Some(aggregate.into()),
             event_type: None,
             payload: Some(bytes::Bytes::new()),
-            headers: Vec::new(),
+            extra: Vec::new(),
             partition: 0,
             created_at: None,
             timestamp: None,

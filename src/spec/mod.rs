@@ -142,6 +142,48 @@ pub struct Table {
     pub columns: Columns,
     /// Header columns.
     pub headers: Vec<String>,
+    /// `table.additionalFields`, validated.
+    pub additional: Vec<crate::api::AdditionalField>,
+}
+
+/// An extra column and where it goes, its name resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// The column.
+    pub column: String,
+    /// Where.
+    pub placement: crate::api::Placement,
+    /// The header or envelope field name (the column's unless aliased).
+    pub name: String,
+}
+
+impl Table {
+    /// Every extra column and where it goes: `headers` (under the column's name), then
+    /// `additionalFields`.
+    pub fn placed(&self) -> Vec<Placed> {
+        let headers = self.headers.iter().map(|h| Placed {
+            column: h.clone(),
+            placement: crate::api::Placement::Header,
+            name: h.clone(),
+        });
+        let additional = self.additional.iter().map(|f| Placed {
+            column: f.column.clone(),
+            placement: f.placement,
+            name: f.alias.clone().unwrap_or_else(|| f.column.clone()),
+        });
+        headers.chain(additional).collect()
+    }
+
+    /// The distinct extra columns the relay reads, in order.
+    pub fn extra_columns(&self) -> Vec<String> {
+        let mut columns: Vec<String> = Vec::new();
+        for p in self.placed() {
+            if !columns.contains(&p.column) {
+                columns.push(p.column);
+            }
+        }
+        columns
+    }
 }
 
 /// Polling settings.
@@ -288,6 +330,8 @@ pub struct ValidRelay {
     pub alerting: Alerting,
     /// An empty or blank payload is sent as a tombstone too (a NULL one always is).
     pub tombstone_on_empty_payload: bool,
+    /// The payload is embedded in the envelope as JSON.
+    pub expand_json_payload: bool,
 }
 
 /// The spec field of the PostgreSQL CA reference.

@@ -114,6 +114,22 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "additional fields the router would not place either",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {headers: [traceparent], columns: {timestamp: \"t s\"}, additionalFields: [{column: \"a b\", placement: header}, {column: x, placement: header, as: type}, {column: y, placement: header, as: traceparent}, {column: z, placement: envelope, as: payload}, {column: w, placement: envelope, as: \"no space\"}, {column: p, placement: partition, as: q}, {column: r, placement: partition}]}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &[
+            "spec.table.columns.timestamp",
+            "spec.table.additionalFields[0].column",
+            "spec.table.additionalFields[1]",
+            "spec.table.additionalFields[2]",
+            "spec.table.additionalFields[3]",
+            "spec.table.additionalFields[4].as",
+            "spec.table.additionalFields[5].as",
+            "spec.table.additionalFields[5]",
+            "spec.table.additionalFields[6]",
+            "spec.table.additionalFields[6]",
+        ],
+    ),
+    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[
@@ -234,4 +250,33 @@ fn the_install_policy_refuses_image_and_service_account_unless_allowed() {
     };
     assert!(open.check(&r).is_empty());
     assert!(Policy::default().check(&relay(BASE)).is_empty());
+}
+
+#[test]
+fn additional_fields_resolve_to_placements_after_the_headers() {
+    let valid = parse(&with_spec(
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {headers: [traceparent], additionalFields: [{column: event_type, placement: header, as: eventType}, {column: event_type, placement: envelope}, {column: part, placement: partition}]}\n  mode: {polling: {}}\n  broker: {kafka: {bootstrapServers: \"k:9092\"}}\n  message: {expandJsonPayload: true}",
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let placed: Vec<(String, crate::api::Placement, String)> = valid
+        .table
+        .placed()
+        .into_iter()
+        .map(|p| (p.column, p.placement, p.name))
+        .collect();
+    use crate::api::Placement::*;
+    assert_eq!(
+        placed,
+        [
+            ("traceparent".into(), Header, "traceparent".into()),
+            ("event_type".into(), Header, "eventType".into()),
+            ("event_type".into(), Envelope, "event_type".into()),
+            ("part".into(), Partition, "part".into()),
+        ]
+    );
+    assert_eq!(
+        valid.table.extra_columns(),
+        ["traceparent", "event_type", "part"]
+    );
+    assert!(valid.expand_json_payload && !valid.tombstone_on_empty_payload);
 }

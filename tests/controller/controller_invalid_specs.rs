@@ -153,6 +153,34 @@ const CASES: &[Case] = &[
         expect: &["spec.table.headers"],
     },
     Case {
+        what: "a partition placement on NATS",
+        edit: |s| {
+            s["table"] = json!({"additionalFields": [{"column": "part", "placement": "partition"}]})
+        },
+        expect: &["only Kafka has partitions"],
+    },
+    Case {
+        what: "two partition placements, one with an alias",
+        edit: |s| {
+            s["broker"] = json!({"kafka": {"bootstrapServers": "kafka:9092"}});
+            s["table"] = json!({"additionalFields": [
+                {"column": "a", "placement": "partition", "as": "p"},
+                {"column": "b", "placement": "partition"}
+            ]});
+        },
+        expect: &["at most one column sets the partition", "takes no alias"],
+    },
+    Case {
+        what: "an envelope field named payload",
+        edit: |s| s["table"] = json!({"additionalFields": [{"column": "x", "placement": "envelope", "as": "payload"}]}),
+        expect: &["spec.table.additionalFields[0]"],
+    },
+    Case {
+        what: "a bad timestamp column",
+        edit: |s| s["table"] = json!({"columns": {"timestamp": "occurred at"}}),
+        expect: &["spec.table.columns.timestamp"],
+    },
+    Case {
         what: "partitions 0",
         edit: |s| s["ordering"] = json!({"partitions": 0}),
         expect: &["spec.ordering.partitions"],

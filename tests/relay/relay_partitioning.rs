@@ -136,7 +136,7 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
                 aggregate_id: Some(key.clone()),
                 event_type: Some("Placed".into()),
                 payload: Some(bytes::Bytes::from_static(b"{}")),
-                headers: Vec::new(),
+                extra: Vec::new(),
                 partition: 0,
                 created_at: None,
                 timestamp: None,

@@ -78,7 +78,8 @@ async fn create_table(client: &tokio_postgres::Client) {
     client
         .batch_execute(
             "ALTER TABLE public.outbox ALTER COLUMN payload TYPE text, \
-             ALTER COLUMN aggregateid DROP NOT NULL, ADD COLUMN occurred_at timestamptz",
+             ALTER COLUMN aggregateid DROP NOT NULL, ADD COLUMN occurred_at timestamptz, \
+             ADD COLUMN version int4, ADD COLUMN urgent boolean, ADD COLUMN part int4",
         )
         .await
         .unwrap();
@@ -90,13 +91,15 @@ async fn insert_rows(client: &mut tokio_postgres::Client) -> (Vec<(i64, i64)>, (
     let before = now_ms();
     let tx = client.transaction().await.unwrap();
     let mut ids = Vec::new();
-    for (key, ty, payload, trace, at) in ROWS {
+    for (i, (key, ty, payload, trace, at)) in ROWS.into_iter().enumerate() {
+        let (version, urgent, part) = placed_values(i);
         let row = tx
             .query_one(
-                "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent, occurred_at) \
-                 VALUES ('Order', $1, $2, $3, $4, $5::text::timestamptz) \
+                "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent, \
+                 occurred_at, version, urgent, part) \
+                 VALUES ('Order', $1, $2, $3, $4, $5::text::timestamptz, $6, $7, $8) \
                  RETURNING id, floor(extract(epoch FROM created_at) * 1000)::int8",
-                &[&key, &ty, &payload, &trace, &at],
+                &[&key, &ty, &payload, &trace, &at, &version, &urgent, &part],
             )
             .await
             .unwrap();
@@ -104,6 +107,24 @@ async fn insert_rows(client: &mut tokio_postgres::Client) -> (Vec<(i64, i64)>, (
     }
     tx.commit().await.unwrap();
     (ids, (before, now_ms()))
+}
+
+/// Row `i`'s `version`, `urgent` and `part` columns (placed by the `placed` scenario).
+fn placed_values(i: usize) -> (i32, bool, Option<i32>) {
+    let i = i32::try_from(i).unwrap();
+    (i, i % 2 == 0, (i % 3 != 0).then_some(i % PARTITIONS))
+}
+
+/// The value the router's envelope holds for row `i` with `table.expand.json.payload`:
+/// `{"payload": …, "version": …, "isUrgent": …}`.
+fn envelope(i: usize, payload: Option<&str>) -> serde_json::Value {
+    let (version, urgent, _) = placed_values(i);
+    let payload = match payload {
+        None => serde_json::Value::Null,
+        Some(p) if p.starts_with(['{', '[']) => serde_json::from_str(p).unwrap(),
+        Some(p) => serde_json::Value::String(p.to_owned()),
+    };
+    serde_json::json!({"payload": payload, "version": version, "isUrgent": urgent})
 }
 
 fn now_ms() -> i64 {
@@ -139,12 +160,14 @@ fn expected(
     commit_window: Option<(i64, i64)>,
     events: &BTreeMap<i64, i64>,
     tombstone_on_empty: bool,
+    placed: bool,
 ) -> Vec<Record> {
     let keys: Vec<String> = ROWS.iter().filter_map(|r| r.0.map(str::to_owned)).collect();
     let java = java_partitions(&keys, PARTITIONS);
     ROWS.iter()
         .zip(ids)
-        .map(|((key, ty, payload, trace, _), (id, created))| {
+        .enumerate()
+        .map(|(i, ((key, ty, payload, trace, _), (id, created)))| {
             let mut headers = vec![
                 ("id".to_owned(), id.to_string()),
                 ("type".to_owned(), (*ty).to_owned()),
@@ -153,17 +176,22 @@ fn expected(
             if let Some(t) = trace {
                 headers.push(("traceparent".to_owned(), (*t).to_owned()));
             }
+            if placed {
+                headers.push(("eventType".to_owned(), (*ty).to_owned()));
+            }
             let value = match payload {
                 Some(p) if tombstone_on_empty && p.trim().is_empty() => None,
+                other if placed => Some(envelope(i, *other).to_string()),
                 other => other.map(str::to_owned),
             };
+            let part = placed_values(i).2.filter(|_| placed);
             let timestamp = match (events.get(id), commit_window) {
                 (Some(at), _) => (*at, *at),
                 (None, Some(window)) => window,
                 (None, None) => (*created, *created),
             };
             Record {
-                partition: key.map(|k| java[k]),
+                partition: part.or_else(|| key.map(|k| java[k])),
                 key: key.map(str::to_owned),
                 value,
                 headers,
@@ -247,7 +275,7 @@ fn kcat_records(topic: &str, count: usize) -> Vec<(Record, i64)> {
     }
 }
 
-async fn scenario(log_tailing: bool, tombstone_on_empty: bool) {
+async fn scenario(log_tailing: bool, tombstone_on_empty: bool, placed: bool) {
     let rig = common::Rig::load();
     let mut db = common::fresh_database().await;
     create_table(&db.client).await;
@@ -267,6 +295,23 @@ async fn scenario(log_tailing: bool, tombstone_on_empty: bool) {
             "\n  message: {tombstoneOnEmptyPayload: true}\nlisten:",
         );
     }
+    if placed {
+        // transforms.outbox.table.fields.additional.placement=
+        //   type:header:eventType,version:envelope,urgent:envelope:isUrgent,part:partition
+        // transforms.outbox.table.expand.json.payload=true
+        yaml = common::with_spec_line(
+            &yaml,
+            "table",
+            "{schema: public, name: outbox, headers: [traceparent], columns: {timestamp: occurred_at}, \
+             additionalFields: [{column: type, placement: header, as: eventType}, \
+             {column: version, placement: envelope}, {column: urgent, placement: envelope, as: isUrgent}, \
+             {column: part, placement: partition}]}",
+        );
+        yaml = yaml.replace(
+            "\nlisten:",
+            "\n  message: {expandJsonPayload: true}\nlisten:",
+        );
+    }
     let guard = log_tailing.then(|| SlotGuard::new(rig.pg_url(), "records"));
     if let Some(guard) = &guard {
         common::create_replication(&db.client, &guard.slot, &guard.slot).await;
@@ -284,6 +329,7 @@ async fn scenario(log_tailing: bool, tombstone_on_empty: bool) {
         log_tailing.then_some(window),
         &events,
         tombstone_on_empty,
+        placed,
     );
     assert_eq!(got.len(), want.len(), "one record per row: {got:#?}");
     for ((record, id), want) in got.iter().zip(&want) {
@@ -301,11 +347,16 @@ async fn scenario(log_tailing: bool, tombstone_on_empty: bool) {
         if want.partition.is_some() {
             assert_eq!(*partition, want.partition, "partition of {context}");
         }
-        assert_eq!(
-            (key, value, headers),
-            (&want.key, &want.value, &want.headers),
-            "{context}"
-        );
+        assert_eq!((key, headers), (&want.key, &want.headers), "{context}");
+        if placed && let (Some(got), Some(want)) = (value, &want.value) {
+            // The envelope's fields in the router's order, payload first; the values
+            // compared as JSON.
+            assert!(got.starts_with("{\"payload\":"), "{context}");
+            let parse = |v: &str| serde_json::from_str::<serde_json::Value>(v).unwrap();
+            assert_eq!(parse(got), parse(want), "{context}");
+        } else {
+            assert_eq!(value, &want.value, "{context}");
+        }
         assert!(
             (want.timestamp.0..=want.timestamp.1).contains(at),
             "timestamp of {context}"
@@ -318,15 +369,21 @@ async fn scenario(log_tailing: bool, tombstone_on_empty: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_sends_the_records_debeziums_router_sends() {
-    scenario(false, false).await;
+    scenario(false, false, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blank_payloads_become_tombstones_when_asked() {
-    scenario(false, true).await;
+    scenario(false, true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_tailing_sends_the_same_records_stamped_with_the_commit_time() {
-    scenario(true, false).await;
+    scenario(true, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placed_columns_go_to_headers_envelope_and_partition_in_both_modes() {
+    scenario(false, false, true).await;
+    scenario(true, false, true).await;
 }

@@ -198,6 +198,9 @@ impl Plan {
         for header in &t.headers {
             columns.push(("table.headers".to_owned(), header.clone()));
         }
+        for field in &t.additional {
+            columns.push(("table.additionalFields".to_owned(), field.column.clone()));
+        }
         Self {
             schema: t.schema.clone(),
             table: t.name.clone(),

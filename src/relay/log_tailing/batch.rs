@@ -458,7 +458,7 @@ mod tests {
             aggregate_id: Some("a".into()),
             event_type: None,
             payload: Some(vec![b'x'; bytes].into()),
-            headers: Vec::new(),
+            extra: Vec::new(),
             partition: 0,
             created_at: None,
             timestamp: None,

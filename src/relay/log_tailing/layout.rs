@@ -1,6 +1,7 @@
 //! Where the outbox columns sit in the table's tuples as `pgoutput` streams them, and
 //! the outbox row an inserted tuple becomes.
 
+use crate::broker::{ColumnValue, ValueKind};
 use crate::postgres::replication::{self as repl, BYTEA_OID, Relation, TupleValue};
 use crate::postgres::{Columns, OutboxRow};
 
@@ -15,7 +16,8 @@ pub(super) struct Layout {
     payload_bytea: bool,
     /// `table.columns.timestamp`, when configured.
     timestamp: Option<usize>,
-    headers: Vec<(String, usize)>,
+    /// Extra columns: name, position, JSON kind.
+    extra: Vec<(String, usize, ValueKind)>,
 }
 
 impl Layout {
@@ -54,10 +56,17 @@ impl Layout {
             payload,
             payload_bytea: relation.columns[payload].type_oid == BYTEA_OID,
             timestamp: columns.timestamp.as_deref().map(find).transpose()?,
-            headers: columns
-                .headers
+            extra: columns
+                .extra
                 .iter()
-                .map(|h| Ok((h.clone(), find(h)?)))
+                .map(|h| {
+                    let i = find(h)?;
+                    Ok((
+                        h.clone(),
+                        i,
+                        ValueKind::of_oid(relation.columns[i].type_oid),
+                    ))
+                })
                 .collect::<Result<_, String>>()?,
         }))
     }
@@ -93,10 +102,10 @@ impl Layout {
             },
             None => None,
         };
-        let mut headers = Vec::new();
-        for (name, i) in &self.headers {
+        let mut extra = Vec::new();
+        for (name, i, kind) in &self.extra {
             if let Some(v) = text(*i)? {
-                headers.push((name.clone(), v));
+                extra.push(ColumnValue::new(name, v, *kind));
             }
         }
         // Read last, as it is moved out of the tuple.
@@ -119,7 +128,7 @@ impl Layout {
             aggregate_id,
             event_type,
             payload,
-            headers,
+            extra,
             partition: 0,
             created_at: Some(commit_unix),
             timestamp,
@@ -142,7 +151,7 @@ mod tests {
             created_at: None,
             published_at: "published_at".into(),
             timestamp: None,
-            headers: vec!["traceparent".into()],
+            extra: vec!["traceparent".into()],
         }
     }
 
@@ -188,14 +197,18 @@ mod tests {
         assert_eq!(row.aggregate_id.as_deref(), Some("o-1"));
         assert_eq!(row.payload.as_deref(), Some(&br#"{"a": 1}"#[..]));
         assert_eq!(
-            row.headers,
-            vec![("traceparent".into(), "00-abc-01".into())]
+            row.extra,
+            vec![ColumnValue::new(
+                "traceparent",
+                "00-abc-01".into(),
+                ValueKind::Text
+            )]
         );
         let mut nulls = tuple.clone();
         nulls[4] = TupleValue::Null;
         nulls[5] = TupleValue::Null;
         let row = layout.row(nulls.to_vec(), 5.0).unwrap();
-        assert!(row.payload.is_none() && row.headers.is_empty());
+        assert!(row.payload.is_none() && row.extra.is_empty());
     }
 
     #[test]
