@@ -5,6 +5,7 @@ pub mod api;
 pub mod broker;
 pub mod check;
 pub mod controller;
+pub mod debezium;
 pub mod error;
 pub mod http;
 pub mod postgres;

@@ -27,14 +27,35 @@ enum Command {
     },
     /// Print the OutboxRelay CustomResourceDefinition as YAML.
     Crd,
-    /// Print every object the operator would create for a manifest, offline.
+    /// Print every object the operator would create for a manifest, offline; or, with
+    /// --from-debezium, the OutboxRelay equivalent to a Debezium connector.
     Render {
         /// OutboxRelay manifest to render.
-        #[arg(short = 'f', long = "file", value_name = "FILE")]
-        file: PathBuf,
+        #[arg(
+            short = 'f',
+            long = "file",
+            value_name = "FILE",
+            required_unless_present = "from_debezium"
+        )]
+        file: Option<PathBuf>,
         /// Image for relays whose spec names none.
         #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = outbox_operator::resources::default_relay_image())]
         relay_image: String,
+        /// A Debezium PostgreSQL connector running the outbox event router (Kafka
+        /// Connect JSON, or Debezium Server application.properties): print the
+        /// equivalent OutboxRelay, with what changes as comments.
+        #[arg(long, value_name = "FILE", conflicts_with = "file")]
+        from_debezium: Option<PathBuf>,
+        /// Name of the translated OutboxRelay (default: the connector's name).
+        #[arg(long, requires = "from_debezium")]
+        name: Option<String>,
+        /// Namespace of the translated OutboxRelay.
+        #[arg(long, requires = "from_debezium")]
+        namespace: Option<String>,
+        /// Kafka bootstrap servers, when the connector file has none (Kafka Connect
+        /// keeps them in the worker's configuration).
+        #[arg(long, requires = "from_debezium")]
+        bootstrap_servers: Option<String>,
     },
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
@@ -59,8 +80,27 @@ fn main() -> ExitCode {
         Command::Crd => outbox_operator::render::crd_yaml()
             .map(|yaml| print_out(&yaml))
             .map_err(Error::from),
-        Command::Render { file, relay_image } => {
+        Command::Render {
+            from_debezium: Some(path),
+            name,
+            namespace,
+            bootstrap_servers,
+            ..
+        } => {
+            let options = outbox_operator::debezium::Options {
+                name,
+                namespace,
+                bootstrap_servers,
+            };
+            outbox_operator::render::from_debezium(&path, &options)
+                .map(|yaml| print_out(&yaml))
+                .map_err(Error::from)
+        }
+        Command::Render {
+            file, relay_image, ..
+        } => {
             let options = outbox_operator::resources::BuildOptions { relay_image };
+            let file = file.unwrap_or_default();
             outbox_operator::render::render_file(&file, &options)
                 .map(|yaml| print_out(&yaml))
                 .map_err(Error::from)

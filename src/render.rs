@@ -18,6 +18,25 @@ pub fn crd_yaml() -> Result<String, Error> {
     ))
 }
 
+/// The OutboxRelay equivalent to the Debezium connector in the file at `path`, as YAML
+/// with notes as comments.
+pub fn from_debezium(path: &Path, options: &crate::debezium::Options) -> Result<String, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadManifest {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let manifest = |message: String| Error::Manifest {
+        origin: path.display().to_string(),
+        document: 1,
+        message,
+    };
+    let (name, config) =
+        crate::debezium::parse_config(&text).map_err(|e| manifest(e.to_string()))?;
+    let translation = crate::debezium::translate(name.as_deref(), &config, options)
+        .map_err(|e| manifest(e.to_string()))?;
+    translation.to_yaml().map_err(Error::Yaml)
+}
+
 /// Renders every OutboxRelay in the manifest file at `path`.
 pub fn render_file(path: &Path, options: &BuildOptions) -> Result<String, Error> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::ReadManifest {

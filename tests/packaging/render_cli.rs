@@ -71,3 +71,50 @@ fn render_of_a_bad_manifest_names_the_problem_and_prints_nothing() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_debezium_connector_translates_to_a_relay_that_renders() {
+    let output = outbox_operator(&[
+        "render",
+        "--from-debezium",
+        "examples/debezium-outbox-connector.json",
+        "--bootstrap-servers",
+        "kafka.shop.svc:9092",
+        "--namespace",
+        "shop",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    for line in [
+        "  name: orders-outbox",
+        "      slotName: orders_outbox",
+        "      topic: orders.{aggregateType}",
+        "    tombstoneOnEmptyPayload: true",
+        "      as: eventType",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "no line `{line}` in:\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("# - create Secret orders-outbox-db with key uri = postgres://debezium:<password>@orders-db.shop.svc:5432/orders "),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("secrets/orders-db"), "{stdout}");
+    // What it prints is a manifest `render` takes.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("relay.yaml");
+    std::fs::write(&path, stdout.as_bytes()).unwrap();
+    let rendered = outbox_operator(&["render", "-f", path.to_str().unwrap()]);
+    assert!(rendered.status.success(), "{rendered:?}");
+    assert!(String::from_utf8_lossy(&rendered.stdout).contains("kind: Deployment"));
+    // Kafka Connect keeps the brokers in the worker: without the flag, the reason.
+    let output = outbox_operator(&[
+        "render",
+        "--from-debezium",
+        "examples/debezium-outbox-connector.json",
+    ]);
+    assert!(!output.status.success() && output.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--bootstrap-servers"));
+}
