@@ -267,6 +267,7 @@ pub fn translate(
             .is_some_and(|v| v.eq_ignore_ascii_case("true")),
         expand_json_payload: take("table.expand.json.payload")
             .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        cloud_events: None,
     };
 
     // The destination.

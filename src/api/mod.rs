@@ -108,6 +108,46 @@ pub struct MessageSpec {
     /// start with `{` or `[` or is not JSON stays a string, as the router keeps it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expand_json_payload: bool,
+    /// Send each row as a CloudEvents 1.0 event: `id` the row id, `source` the relay,
+    /// `type` the event type column (a row without one is refused), `subject` the
+    /// aggregate id, `time` the record timestamp.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_events: Option<CloudEventsSpec>,
+}
+
+/// CloudEvents 1.0 on the wire.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CloudEventsSpec {
+    /// `binary`: the payload as the body, attributes as headers (`ce_` for Kafka,
+    /// `ce-` for NATS, `cloudEvents_` for RabbitMQ, per the protocol bindings);
+    /// `structured`: the body is the event in JSON (`application/cloudevents+json`).
+    #[serde(default)]
+    pub mode: CloudEventsMode,
+    /// The `source` attribute, a URI reference naming where events come from; default
+    /// `/outboxrelays/<namespace>/<name>`. With the row id it identifies an event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub source: Option<String>,
+    /// The `datacontenttype` attribute: the payload's media type.
+    #[serde(default = "default_data_content_type")]
+    #[schemars(length(min = 1, max = 255))]
+    pub data_content_type: String,
+}
+
+fn default_data_content_type() -> String {
+    "application/json".to_owned()
+}
+
+/// The CloudEvents content mode.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum CloudEventsMode {
+    /// Attributes in headers, the payload as the body.
+    #[default]
+    Binary,
+    /// The whole event as a JSON body.
+    Structured,
 }
 
 impl MessageSpec {

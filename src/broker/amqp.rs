@@ -84,6 +84,9 @@ impl Broker for AmqpBroker {
                 .with_delivery_mode(2)
                 .with_message_id(ShortString::from(message.id.as_str()))
                 .with_headers(headers);
+            if let Some(media_type) = &message.content_type {
+                properties = properties.with_content_type(ShortString::from(media_type.as_str()));
+            }
             if let Some(ms) = message.timestamp_ms {
                 // AMQP 0-9-1 timestamps are whole seconds.
                 properties =

@@ -155,6 +155,9 @@ pub struct Message {
     /// The Kafka partition a `partition` placement chose; `None` leaves it to the
     /// partitioner.
     pub partition: Option<i32>,
+    /// The body's media type (CloudEvents): RabbitMQ's `content_type` property; Kafka
+    /// and NATS carry it as the `content-type` header too.
+    pub content_type: Option<String>,
 }
 
 /// Why a publish failed, and whether the row itself is at fault.
@@ -267,7 +270,23 @@ pub struct Shape {
     pub tombstone_on_empty_payload: bool,
     /// `spec.message.expandJsonPayload`.
     pub expand_json_payload: bool,
+    /// `spec.message.cloudEvents`, resolved.
+    pub cloud_events: Option<CloudEvents>,
 }
+
+/// CloudEvents 1.0 settings of a relay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloudEvents {
+    /// Binary or structured content mode.
+    pub mode: crate::api::CloudEventsMode,
+    /// The `source` attribute.
+    pub source: String,
+    /// The `datacontenttype` attribute.
+    pub data_content_type: String,
+}
+
+/// The media type of a structured-mode CloudEvent in JSON.
+pub const CLOUDEVENTS_JSON: &str = "application/cloudevents+json; charset=UTF-8";
 
 impl Shape {
     /// The shape with no extra columns and every `spec.message` option at its default.
@@ -278,6 +297,7 @@ impl Shape {
             placed: Vec::new(),
             tombstone_on_empty_payload: false,
             expand_json_payload: false,
+            cloud_events: None,
         }
     }
 
@@ -287,6 +307,7 @@ impl Shape {
             placed: valid.table.placed(),
             tombstone_on_empty_payload: valid.tombstone_on_empty_payload,
             expand_json_payload: valid.expand_json_payload,
+            cloud_events: valid.cloud_events.clone(),
             ..Self::new(valid.broker.kind(), valid.broker.template())
         }
     }
@@ -350,15 +371,6 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
             }
         }
     }
-    if kind == BrokerKind::Nats {
-        // NATS headers are text lines: a line break would end the header block.
-        if let Some((name, _)) = headers.iter().find(|(_, v)| v.contains(['\r', '\n'])) {
-            return Err(PublishError::row(format!(
-                "row {}: header `{name}` contains a line break, which NATS headers cannot carry",
-                row.id
-            )));
-        }
-    }
     let payload = match &row.payload {
         Some(p) if shape.tombstone_on_empty_payload && blank(p) => None,
         None if shape.tombstone_on_empty_payload => None,
@@ -397,6 +409,26 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         .and_then(millis)
         .or_else(|| row.created_at.and_then(millis))
         .map(|ms| ms as i64);
+    let mut content_type = None;
+    let mut payload = payload;
+    if let Some(ce) = &shape.cloud_events {
+        let (body, media_type) =
+            cloud_event(ce, kind, row, &id, timestamp_ms, payload, &mut headers)?;
+        payload = body;
+        if kind != BrokerKind::Amqp {
+            headers.push(("content-type".to_owned(), media_type.clone()));
+        }
+        content_type = Some(media_type);
+    }
+    if kind == BrokerKind::Nats {
+        // NATS headers are text lines: a line break would end the header block.
+        if let Some((name, _)) = headers.iter().find(|(_, v)| v.contains(['\r', '\n'])) {
+            return Err(PublishError::row(format!(
+                "row {}: header `{name}` contains a line break, which NATS headers cannot carry",
+                row.id
+            )));
+        }
+    }
     Ok(Message {
         destination,
         key: row.aggregate_id.clone(),
@@ -405,7 +437,97 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         payload,
         timestamp_ms,
         partition,
+        content_type,
     })
+}
+
+/// The CloudEvent of a row: in binary mode the attributes join `headers` (with the
+/// binding's prefix) and the body stays; in structured mode the body becomes the event
+/// in JSON. Returns the body and its media type. A row without an event type cannot be
+/// an event (`type` is required).
+fn cloud_event(
+    ce: &CloudEvents,
+    kind: BrokerKind,
+    row: &OutboxRow,
+    id: &str,
+    timestamp_ms: Option<i64>,
+    payload: Option<bytes::Bytes>,
+    headers: &mut Vec<(String, String)>,
+) -> Result<(Option<bytes::Bytes>, String), PublishError> {
+    let event_type = row
+        .event_type
+        .as_deref()
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            PublishError::row(format!(
+                "row {}: a CloudEvent needs a type, and the row's type column is NULL or empty",
+                row.id
+            ))
+        })?;
+    let time = timestamp_ms.and_then(|ms| {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).ok()?);
+        Some(humantime::format_rfc3339_millis(at).to_string())
+    });
+    let mut attributes = vec![
+        ("specversion", "1.0".to_owned()),
+        ("id", id.to_owned()),
+        ("source", ce.source.clone()),
+        ("type", event_type.to_owned()),
+    ];
+    if let Some(subject) = &row.aggregate_id {
+        attributes.push(("subject", subject.clone()));
+    }
+    if let Some(time) = time {
+        attributes.push(("time", time));
+    }
+    match ce.mode {
+        crate::api::CloudEventsMode::Binary => {
+            let prefix = match kind {
+                BrokerKind::Kafka => "ce_",
+                BrokerKind::Nats => "ce-",
+                BrokerKind::Amqp => "cloudEvents_",
+            };
+            for (name, value) in attributes {
+                headers.push((format!("{prefix}{name}"), value));
+            }
+            Ok((payload, ce.data_content_type.clone()))
+        }
+        crate::api::CloudEventsMode::Structured => {
+            let mut json = String::from("{");
+            for (name, value) in &attributes {
+                json.push_str(&json_string(name));
+                json.push(':');
+                json.push_str(&json_string(value));
+                json.push(',');
+            }
+            json.push_str("\"datacontenttype\":");
+            json.push_str(&json_string(&ce.data_content_type));
+            if let Some(p) = &payload {
+                let media = ce
+                    .data_content_type
+                    .split(';')
+                    .next()
+                    .unwrap_or_default()
+                    .trim();
+                let json_media = media == "application/json" || media.ends_with("+json");
+                if json_media && serde_json::from_slice::<serde::de::IgnoredAny>(p).is_ok() {
+                    json.push_str(",\"data\":");
+                    json.push_str(std::str::from_utf8(p).unwrap_or("null"));
+                } else if let Ok(text) = std::str::from_utf8(p) {
+                    json.push_str(",\"data\":");
+                    json.push_str(&json_string(text));
+                } else {
+                    use base64::Engine as _;
+                    json.push_str(",\"data_base64\":");
+                    json.push_str(&json_string(
+                        &base64::engine::general_purpose::STANDARD.encode(p),
+                    ));
+                }
+            }
+            json.push('}');
+            Ok((Some(bytes::Bytes::from(json)), CLOUDEVENTS_JSON.to_owned()))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -697,6 +819,85 @@ mod shape_tests {
         let err = shape.build(&r).unwrap_err();
         assert!(
             err.row_fault && err.message.contains("partition column part"),
+            "{err}"
+        );
+    }
+
+    fn cloud(mode: crate::api::CloudEventsMode, kind: BrokerKind) -> Shape {
+        Shape {
+            cloud_events: Some(CloudEvents {
+                mode,
+                source: "/outboxrelays/shop/orders".into(),
+                data_content_type: "application/json".into(),
+            }),
+            ..Shape::new(kind, "t")
+        }
+    }
+
+    fn typed(payload: Option<&'static [u8]>) -> OutboxRow {
+        OutboxRow {
+            event_type: Some("OrderCreated".into()),
+            ..row(payload)
+        }
+    }
+
+    #[test]
+    fn binary_cloud_events_use_each_bindings_header_names() {
+        use crate::api::CloudEventsMode::Binary;
+        for (kind, prefix) in [
+            (BrokerKind::Kafka, "ce_"),
+            (BrokerKind::Nats, "ce-"),
+            (BrokerKind::Amqp, "cloudEvents_"),
+        ] {
+            let m = cloud(Binary, kind).build(&typed(Some(b"{}"))).unwrap();
+            let header = |n: &str| {
+                m.headers
+                    .iter()
+                    .find(|(k, _)| *k == format!("{prefix}{n}"))
+                    .map(|(_, v)| v.as_str())
+            };
+            assert_eq!(header("specversion"), Some("1.0"));
+            assert_eq!(header("id"), Some("7"));
+            assert_eq!(header("source"), Some("/outboxrelays/shop/orders"));
+            assert_eq!(header("type"), Some("OrderCreated"));
+            assert_eq!(header("subject"), Some("o-1"));
+            assert_eq!(header("time"), Some("2023-11-14T22:13:20.123Z"));
+            assert_eq!(m.content_type.as_deref(), Some("application/json"));
+            // Kafka and NATS carry the media type as a header; AMQP as its property.
+            let content_header = m.headers.iter().any(|(k, _)| k == "content-type");
+            assert_eq!(content_header, kind != BrokerKind::Amqp, "{kind:?}");
+            assert_eq!(m.payload.as_deref(), Some(&b"{}"[..]));
+        }
+    }
+
+    #[test]
+    fn structured_cloud_events_embed_json_data_and_encode_the_rest() {
+        use crate::api::CloudEventsMode::Structured;
+        let shape = cloud(Structured, BrokerKind::Kafka);
+        let event = |payload| {
+            let m = shape.build(&typed(payload)).unwrap();
+            assert_eq!(m.content_type.as_deref(), Some(CLOUDEVENTS_JSON));
+            let body = m.payload.unwrap();
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+        };
+        let e = event(Some(br#"{"a": [1, 2]}"#));
+        assert_eq!(e["specversion"], "1.0");
+        assert_eq!(e["id"], "7");
+        assert_eq!(e["type"], "OrderCreated");
+        assert_eq!(e["datacontenttype"], "application/json");
+        assert_eq!(e["data"], serde_json::json!({"a": [1, 2]}));
+        assert_eq!(event(Some(b"not json"))["data"], "not json");
+        assert_eq!(event(Some(&[0xff, 0x00]))["data_base64"], "/wA=");
+        let none = event(None);
+        assert!(none.get("data").is_none() && none.get("data_base64").is_none());
+    }
+
+    #[test]
+    fn an_event_without_a_type_is_a_refused_row() {
+        let shape = cloud(crate::api::CloudEventsMode::Binary, BrokerKind::Nats);
+        let err = shape.build(&row(Some(b"{}"))).unwrap_err();
+        assert!(
+            err.row_fault && err.message.contains("needs a type"),
             "{err}"
         );
     }

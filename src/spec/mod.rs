@@ -332,6 +332,8 @@ pub struct ValidRelay {
     pub tombstone_on_empty_payload: bool,
     /// The payload is embedded in the envelope as JSON.
     pub expand_json_payload: bool,
+    /// CloudEvents on the wire, with the source resolved.
+    pub cloud_events: Option<crate::broker::CloudEvents>,
 }
 
 /// The spec field of the PostgreSQL CA reference.

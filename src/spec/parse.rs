@@ -122,6 +122,35 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         );
     }
 
+    // CloudEvents.
+    let cloud_events = spec.message.cloud_events.as_ref().map(|ce| {
+        let printable = |s: &str| !s.is_empty() && !s.chars().any(char::is_control);
+        if let Some(source) = &ce.source
+            && (!printable(source) || source.contains(char::is_whitespace))
+        {
+            p.push(
+                "spec.message.cloudEvents.source",
+                "is not a URI reference (empty, or with spaces or control characters)",
+                "use a URI or a path such as /orders/outbox",
+            );
+        }
+        if !printable(&ce.data_content_type) {
+            p.push(
+                "spec.message.cloudEvents.dataContentType",
+                "is not a media type (empty, or with control characters)",
+                "use a media type such as application/json",
+            );
+        }
+        crate::broker::CloudEvents {
+            mode: ce.mode,
+            source: ce
+                .source
+                .clone()
+                .unwrap_or_else(|| format!("/outboxrelays/{namespace}/{name}")),
+            data_content_type: ce.data_content_type.clone(),
+        }
+    });
+
     // Mode.
     let mode = match (&spec.mode.polling, &spec.mode.log_tailing) {
         (Some(_), Some(_)) | (None, None) => {
@@ -359,6 +388,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                 },
                 tombstone_on_empty_payload: spec.message.tombstone_on_empty_payload,
                 expand_json_payload: spec.message.expand_json_payload,
+                cloud_events,
             })
         }
         _ => Err(p),

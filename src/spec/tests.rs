@@ -130,6 +130,14 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "cloud events with a bad source and media type",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  message: {cloudEvents: {source: \"/a b\", dataContentType: \"\"}}",
+        &[
+            "spec.message.cloudEvents.source",
+            "spec.message.cloudEvents.dataContentType",
+        ],
+    ),
+    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[
@@ -279,4 +287,16 @@ fn additional_fields_resolve_to_placements_after_the_headers() {
         ["traceparent", "event_type", "part"]
     );
     assert!(valid.expand_json_payload && !valid.tombstone_on_empty_payload);
+}
+
+#[test]
+fn cloud_events_name_the_relay_as_their_source_by_default() {
+    let valid = parse(&with_spec(
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  message: {cloudEvents: {}}",
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ce = valid.cloud_events.unwrap();
+    assert_eq!(ce.source, "/outboxrelays/shop/orders");
+    assert_eq!(ce.data_content_type, "application/json");
+    assert_eq!(ce.mode, crate::api::CloudEventsMode::Binary);
 }

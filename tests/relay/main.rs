@@ -10,6 +10,7 @@ mod common;
 
 mod relay_broker_tls;
 mod relay_brokers;
+mod relay_cloudevents;
 mod relay_crash;
 mod relay_failures;
 mod relay_log_tailing;

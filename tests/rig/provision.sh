@@ -65,6 +65,8 @@ go_build k8s k8s.io/kubernetes/cmd/kube-apiserver "$BIN/kube-apiserver-$K8S_VERS
 go_build k8s k8s.io/kubernetes/cmd/kube-controller-manager "$BIN/kube-controller-manager-$K8S_VERSION" "$k8s_ldflags"
 go_build k8s k8s.io/kubernetes/cmd/kubectl "$BIN/kubectl-$K8S_VERSION" "$k8s_ldflags"
 go_build k8s go.etcd.io/etcd/server/v3 "$BIN/etcd-$ETCD_VERSION"
+go_build clients github.com/nats-io/natscli/nats "$BIN/nats-$NATSCLI_VERSION"
+go_build clients ./amqpget "$BIN/amqpget-$AMQPGET_BUILD"
 go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
 
 # --- Apache Kafka from Maven Central ------------------------------------------------------
