@@ -89,6 +89,31 @@ pub struct OutboxRelaySpec {
     /// Debezium's outbox event router that are not column names.
     #[serde(default, skip_serializing_if = "MessageSpec::is_default")]
     pub message: MessageSpec,
+    /// OpenTelemetry traces of publishing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracing: Option<TracingSpec>,
+}
+
+/// OpenTelemetry traces: a span per published message, sent over OTLP.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TracingSpec {
+    /// The collector's OTLP/HTTP base URL (`http://otel-collector.observability:4318`;
+    /// plain HTTP): spans go to `<otlpEndpoint>/v1/traces` as OTLP JSON. Each span (kind producer,
+    /// named `send <destination>`) lasts from sending to the broker's acknowledgement
+    /// and is a child of the message's `traceparent` header (a column placed as that
+    /// header, with `tracestate`), so a trace continues from the request that wrote the
+    /// row to the consumer.
+    #[schemars(length(min = 1, max = 512))]
+    pub otlp_endpoint: String,
+    /// The spans' `service.name`.
+    #[serde(default = "default_service_name")]
+    #[schemars(length(min = 1, max = 255))]
+    pub service_name: String,
+}
+
+fn default_service_name() -> String {
+    "outbox-relay".to_owned()
 }
 
 /// How a row becomes a message.

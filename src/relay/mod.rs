@@ -8,6 +8,7 @@ mod log_tailing;
 pub mod metrics;
 pub mod ownership;
 mod publisher;
+pub mod traces;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -66,6 +67,21 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         .map_err(|e| RelayError::Broker(e.message))?;
     let kind = settings.broker.kind();
     let shape = crate::broker::Shape::of(&settings.valid);
+    let (broker, traces) = match settings.valid.tracing.clone() {
+        Some(t) => {
+            let (ns, name) = (identity.namespace.clone(), identity.name.clone());
+            let started =
+                tokio::task::spawn_blocking(move || traces::Traces::start(&t, &ns, &name))
+                    .await
+                    .map_err(|e| RelayError::Broker(format!("starting the span exporter: {e}")))?
+                    .map_err(RelayError::Broker)?;
+            let (traces, tracer) = started;
+            let traced: Arc<dyn crate::broker::Broker> =
+                Arc::new(traces::TracedBroker::new(broker, tracer, kind));
+            (traced, Some(traces))
+        }
+        None => (broker, None),
+    };
     tracing::info!(
         relay_namespace = %identity.namespace,
         relay_name = %identity.name,
@@ -102,6 +118,9 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
                 .await
         }
     };
+    if let Some(traces) = traces {
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+    }
     tracing::info!("relay stopped");
     result
 }

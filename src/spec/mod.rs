@@ -334,6 +334,17 @@ pub struct ValidRelay {
     pub expand_json_payload: bool,
     /// CloudEvents on the wire, with the source resolved.
     pub cloud_events: Option<crate::broker::CloudEvents>,
+    /// OpenTelemetry traces, when an OTLP endpoint is set.
+    pub tracing: Option<Tracing>,
+}
+
+/// Where the relay sends its spans.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tracing {
+    /// OTLP/HTTP base URL.
+    pub otlp_endpoint: String,
+    /// `service.name`.
+    pub service_name: String,
 }
 
 /// The spec field of the PostgreSQL CA reference.

@@ -151,6 +151,35 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         }
     });
 
+    // Tracing.
+    let tracing = spec.tracing.as_ref().map(|t| {
+        let endpoint = t.otlp_endpoint.trim_end_matches('/');
+        if endpoint.starts_with("https://") {
+            p.push(
+                "spec.tracing.otlpEndpoint",
+                "is https://: the relay exports spans over plain HTTP only",
+                "use the collector's plain OTLP/HTTP port inside the cluster, e.g. http://otel-collector:4318",
+            );
+        } else if !endpoint.starts_with("http://") || endpoint.contains(char::is_whitespace) {
+            p.push(
+                "spec.tracing.otlpEndpoint",
+                "is not an http:// URL",
+                "give the collector's OTLP/HTTP base URL, e.g. http://otel-collector:4318",
+            );
+        }
+        if t.service_name.trim().is_empty() {
+            p.push(
+                "spec.tracing.serviceName",
+                "is empty",
+                "leave it out for outbox-relay",
+            );
+        }
+        crate::spec::Tracing {
+            otlp_endpoint: endpoint.to_owned(),
+            service_name: t.service_name.clone(),
+        }
+    });
+
     // Mode.
     let mode = match (&spec.mode.polling, &spec.mode.log_tailing) {
         (Some(_), Some(_)) | (None, None) => {
@@ -389,6 +418,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                 tombstone_on_empty_payload: spec.message.tombstone_on_empty_payload,
                 expand_json_payload: spec.message.expand_json_payload,
                 cloud_events,
+                tracing,
             })
         }
         _ => Err(p),

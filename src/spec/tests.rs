@@ -138,6 +138,11 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "a tracing endpoint that is not a URL",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  tracing: {otlpEndpoint: \"otel:4318\", serviceName: \" \"}",
+        &["spec.tracing.otlpEndpoint", "spec.tracing.serviceName"],
+    ),
+    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[

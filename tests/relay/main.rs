@@ -22,3 +22,4 @@ mod relay_pooler;
 mod relay_publication;
 mod relay_records;
 mod relay_tls;
+mod relay_tracing;

@@ -1,0 +1,164 @@
+//! OpenTelemetry spans of publishing (`spec.tracing`): a producer span per message,
+//! from sending to the broker's acknowledgement, child of the message's `traceparent`
+//! (and `tracestate`) header, exported as OTLP/HTTP JSON by the SDK's batch processor
+//! (its own thread; exports never hold up publishing).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{Span, SpanKind, Status, Tracer, TracerProvider};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+
+use crate::broker::{Broker, BrokerKind, Message, PublishError};
+
+/// The exporter of a relay's spans; [`Traces::shutdown`] sends what is left.
+pub struct Traces {
+    provider: SdkTracerProvider,
+}
+
+impl Traces {
+    /// Starts exporting to `<endpoint>/v1/traces`. Blocking (the HTTP client starts a
+    /// thread): call it from `spawn_blocking`.
+    pub fn start(
+        tracing: &crate::spec::Tracing,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(Self, SdkTracer), String> {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpJson)
+            .with_endpoint(format!("{}/v1/traces", tracing.otlp_endpoint))
+            .with_timeout(std::time::Duration::from_secs(5))
+            .build()
+            .map_err(|e| format!("OTLP exporter to {}: {e}", tracing.otlp_endpoint))?;
+        let resource = Resource::builder()
+            .with_service_name(tracing.service_name.clone())
+            .with_attributes([
+                KeyValue::new("k8s.namespace.name", namespace.to_owned()),
+                KeyValue::new("outbox.relay", name.to_owned()),
+            ])
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(resource)
+            .build();
+        let tracer = provider.tracer("outbox-operator");
+        Ok((Self { provider }, tracer))
+    }
+
+    /// Sends the spans still queued and stops. Blocking.
+    pub fn shutdown(self) {
+        if let Err(err) = self.provider.shutdown() {
+            tracing::warn!(error = %err, "sending the last spans failed");
+        }
+    }
+}
+
+/// A broker whose publishes are spans.
+pub struct TracedBroker {
+    inner: Arc<dyn Broker>,
+    tracer: SdkTracer,
+    system: &'static str,
+}
+
+impl TracedBroker {
+    /// Wraps `inner` (a `kind` broker).
+    pub fn new(inner: Arc<dyn Broker>, tracer: SdkTracer, kind: BrokerKind) -> Self {
+        let system = match kind {
+            BrokerKind::Kafka => "kafka",
+            BrokerKind::Nats => "nats",
+            BrokerKind::Amqp => "rabbitmq",
+        };
+        Self {
+            inner,
+            tracer,
+            system,
+        }
+    }
+}
+
+/// The trace a message continues: its `traceparent` and `tracestate` headers (W3C
+/// Trace Context); an empty context (a new trace) without a valid `traceparent`.
+pub fn parent_context(headers: &[(String, String)]) -> Context {
+    let carrier: HashMap<String, String> = headers
+        .iter()
+        .filter(|(k, _)| k == "traceparent" || k == "tracestate")
+        .cloned()
+        .collect();
+    TraceContextPropagator::new().extract(&carrier)
+}
+
+impl Broker for TracedBroker {
+    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+        Box::pin(async move {
+            let parent = parent_context(&message.headers);
+            let mut span = self
+                .tracer
+                .span_builder(format!("send {}", message.destination))
+                .with_kind(SpanKind::Producer)
+                .with_attributes(vec![
+                    KeyValue::new("messaging.system", self.system),
+                    KeyValue::new("messaging.operation.type", "send"),
+                    KeyValue::new("messaging.destination.name", message.destination.clone()),
+                    KeyValue::new("messaging.message.id", message.id.clone()),
+                ])
+                .start_with_context(&self.tracer, &parent);
+            let result = self.inner.publish(message).await;
+            if let Err(err) = &result {
+                span.set_status(Status::error(err.message.clone()));
+                let context = span.span_context();
+                tracing::warn!(
+                    trace_id = %context.trace_id(),
+                    span_id = %context.span_id(),
+                    message_id = %message.id,
+                    destination = %message.destination,
+                    error = %err.message,
+                    "publish failed"
+                );
+            }
+            span.end();
+            result
+        })
+    }
+
+    fn is_broken(&self) -> bool {
+        self.inner.is_broken()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::TraceContextExt;
+
+    #[test]
+    fn the_parent_is_the_messages_traceparent() {
+        let headers = vec![
+            ("id".to_owned(), "1".to_owned()),
+            (
+                "traceparent".to_owned(),
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+            ),
+            ("tracestate".to_owned(), "vendor=x".to_owned()),
+        ];
+        let cx = parent_context(&headers);
+        let parent = cx.span().span_context().clone();
+        assert!(parent.is_valid() && parent.is_remote() && parent.is_sampled());
+        assert_eq!(
+            parent.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(parent.span_id().to_string(), "00f067aa0ba902b7");
+        assert_eq!(parent.trace_state().get("vendor"), Some("x"));
+        for broken in ["", "garbage", "00-0000-00f067aa0ba902b7-01"] {
+            let cx = parent_context(&[("traceparent".to_owned(), broken.to_owned())]);
+            assert!(!cx.span().span_context().is_valid(), "{broken}");
+        }
+    }
+}
