@@ -5,8 +5,8 @@
 use super::database::DatabaseSeen;
 use super::observe::{Claim, Observed};
 use super::status::{
-    CONDITION_DATABASE_READY, CONDITION_DEGRADED, CONDITION_MONITORING_READY, CONDITION_READY,
-    CONDITION_SLOT_READY, Cond,
+    CONDITION_DATABASE_READY, CONDITION_DEGRADED, CONDITION_FAILOVER_READY,
+    CONDITION_MONITORING_READY, CONDITION_READY, CONDITION_SLOT_READY, Cond,
 };
 use crate::api::SlotStatus;
 use crate::postgres::admin::{self, Origin, Owner, Plan, Scope};
@@ -166,6 +166,7 @@ pub(super) fn decide(
         );
     }
     let mut slot_cond = None;
+    let mut failover = None;
     let slot;
     let mut actions = Vec::new();
     if let Some(lt) = &plan.log_tailing {
@@ -204,6 +205,7 @@ pub(super) fn decide(
                 describe(planned.outcome.publication),
             ),
         ));
+        failover = Some(failover_cond(lt, facts));
         slot = Some(SlotStatus {
             name: lt.slot.clone(),
             publication: Some(lt.publication.clone()),
@@ -225,6 +227,7 @@ pub(super) fn decide(
                 secrets.broker.clone(),
             ];
             conditions.extend(slot_cond);
+            conditions.extend(failover);
             return Decision {
                 conditions,
                 provision: actions,
@@ -325,6 +328,7 @@ pub(super) fn decide(
         monitoring,
     ];
     conditions.extend(slot_cond);
+    conditions.extend(failover);
     Decision {
         conditions,
         provision: actions,
@@ -334,6 +338,56 @@ pub(super) fn decide(
         backfill: false,
         next: Next::Refresh,
     }
+}
+
+/// Whether the slot survives the promotion of a standby: a PostgreSQL 17+ failover
+/// slot that the standbys synchronise (the primary waits for the standby slots named in
+/// `synchronized_standby_slots` before logical decoding sends a change, so a promoted
+/// standby's copy of the slot is never behind what the relay confirmed). Only the
+/// primary is visible from here: the standbys' side (`sync_replication_slots`,
+/// `hot_standby_feedback`) is named in the message, not checked.
+fn failover_cond(lt: &admin::SlotPlan, facts: &admin::Facts) -> Cond {
+    let server = &facts.server;
+    if !server.has_failover_slots() {
+        return Cond::no(
+            CONDITION_FAILOVER_READY,
+            "FailoverSlotsUnsupported",
+            format!(
+                "PostgreSQL {} has no failover slots (17 and later): if a standby is promoted, replication slot {} is not on it and the relay cannot go on from its position; failover is not protected",
+                server.major(),
+                lt.slot
+            ),
+        );
+    }
+    if facts.slot.as_ref().and_then(|s| s.failover) == Some(false) {
+        return Cond::no(
+            CONDITION_FAILOVER_READY,
+            "SlotWithoutFailover",
+            format!(
+                "replication slot {0} was created without failover (by an older operator or by someone else), so standbys do not keep it: run ALTER_REPLICATION_SLOT {0} (FAILOVER true) on a replication connection while no relay streams it",
+                lt.slot
+            ),
+        );
+    }
+    let standbys = server.synchronized_standby_slots.trim();
+    if standbys.is_empty() {
+        return Cond::no(
+            CONDITION_FAILOVER_READY,
+            "StandbySyncNotConfigured",
+            format!(
+                "replication slot {} is a failover slot, but synchronized_standby_slots is empty on the primary, so a promoted standby may lack the slot's latest position: set it to the standbys' physical slots, and on each standby sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name and a dbname in primary_conninfo",
+                lt.slot
+            ),
+        );
+    }
+    Cond::yes(
+        CONDITION_FAILOVER_READY,
+        "FailoverSlot",
+        format!(
+            "replication slot {} is a failover slot; the primary sends changes only once standby slot(s) {standbys} have them (each standby must run with sync_replication_slots = on and hot_standby_feedback = on)",
+            lt.slot
+        ),
+    )
 }
 
 /// A log-tailing slot created now (a new relay, one recreated or renamed after its slot

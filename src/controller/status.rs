@@ -18,6 +18,8 @@ pub const CONDITION_BROKER_READY: &str = "BrokerReady";
 /// Log tailing: wal_level, replication privilege, free slots, and the slot and
 /// publication themselves.
 pub const CONDITION_SLOT_READY: &str = "SlotReady";
+/// Whether the log-tailing slot survives the promotion of a standby.
+pub const CONDITION_FAILOVER_READY: &str = "FailoverReady";
 /// Whether the ServiceMonitor and PrometheusRule could be created.
 pub const CONDITION_MONITORING_READY: &str = "MonitoringReady";
 

@@ -47,6 +47,9 @@ pub enum Action {
     CreateSlot {
         /// Slot name.
         slot: String,
+        /// Made a failover slot (PostgreSQL 17+): standbys that synchronise slots keep
+        /// it, so it survives a promotion.
+        failover: bool,
     },
     /// Drop the slot and publication of a relay that no longer tails the log, as the
     /// finalizer does: only what the marker says the operator created for `owner`.
@@ -136,6 +139,7 @@ pub fn plan(plan: &Plan, owner: &Owner, facts: &Facts, successor: bool) -> Provi
     if !slot_exists {
         actions.push(Action::CreateSlot {
             slot: lt.slot.clone(),
+            failover: facts.server.has_failover_slots(),
         });
     }
     ProvisionPlan {
@@ -208,13 +212,15 @@ pub async fn execute(client: &Client, actions: &[Action]) -> Result<(), PgError>
             } => {
                 super::admin::drop_owned(client, slot, publication, owner).await?;
             }
-            Action::CreateSlot { slot } => {
-                let created = client
-                    .query_one(
-                        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                        &[slot],
-                    )
-                    .await;
+            Action::CreateSlot { slot, failover } => {
+                // (slot_name, plugin, temporary, twophase, failover): the fifth argument
+                // exists from PostgreSQL 17 on.
+                let sql = if *failover {
+                    "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+                } else {
+                    "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+                };
+                let created = client.query_one(sql, &[slot]).await;
                 match created {
                     Ok(_) => {}
                     Err(e) if e.code() == Some(&SqlState::DUPLICATE_OBJECT) => {}
@@ -274,6 +280,8 @@ mod tests {
                 user: "u".into(),
                 database: "d".into(),
                 can_create: true,
+                version_num: 150_000,
+                synchronized_standby_slots: String::new(),
             },
             table: TableFacts {
                 exists: true,
@@ -285,6 +293,7 @@ mod tests {
                 database: Some("d".into()),
                 plugin: Some("pgoutput".into()),
                 slot_type: "logical".into(),
+                failover: None,
             }),
             publication: publication.map(|comment| PublicationFacts {
                 publishes_insert: true,

@@ -288,9 +288,10 @@ impl TestDatabase {
     /// Best-effort cleanup: closes our connection and drops the database, ending any
     /// session still in it. Tests need not call it: the rig's cluster is thrown away.
     pub async fn drop_database(self) {
-        let TestDatabase { name, client, .. } = self;
+        let TestDatabase { name, client, url } = self;
         drop(client);
-        if let Ok(admin) = pg_connect(Rig::load().pg_url()).await {
+        // The server it lives on (the rig's 15 or its 18).
+        if let Ok(admin) = pg_connect(&pg_url_for(&url, "postgres")).await {
             let _ = admin
                 .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                 .await;
@@ -338,6 +339,26 @@ pub async fn pg_admin() -> tokio_postgres::Client {
             host_port(rig.pg_url())
         )
     })
+}
+
+/// Creates database `test_<random>` on the rig's PostgreSQL 18 and connects to it.
+pub async fn fresh_database_18() -> TestDatabase {
+    let rig = Rig::load();
+    let server = rig.get("OUTBOX_RIG_PG18_URL").to_owned();
+    require_listening("PostgreSQL 18", host_port(&server)).await;
+    let admin = pg_connect(&server).await.unwrap_or_else(|err| {
+        panic!("PostgreSQL 18 refused the test connection ({err}): {START_HINT}")
+    });
+    let name = format!("test_{}", unique_suffix());
+    admin
+        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL 18: CREATE DATABASE {name} failed: {err}"));
+    let url = pg_url_for(&server, &name);
+    let client = pg_connect(&url)
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL 18: connecting to {name} failed: {err}"));
+    TestDatabase { name, url, client }
 }
 
 /// Creates database `test_<random>` and connects to it.

@@ -1149,3 +1149,112 @@ async fn a_transaction_pooling_pgbouncer_is_refused_with_a_condition() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_are_failover_slots_on_postgresql_18_and_the_condition_says_what_protects_them() {
+    let db18 = common::fresh_database_18().await;
+    common::create_outbox_table(&db18.client, 4).await;
+    let db15 = outbox_database().await;
+    let standby_slot = format!("standby_{}", common::unique_suffix());
+    let (url18, url15) = (db18.url.clone(), db15.url.clone());
+    {
+        let (c18, c15, standby) = (&db18.client, &db15.client, standby_slot.clone());
+        with_controller(|client, ns, _metrics| async move {
+            operator::create_secret(&client, &ns, "db", &[("uri", &url18)]).await;
+            operator::create_secret(&client, &ns, "db15", &[("uri", &url15)]).await;
+            let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+            operator::apply_relay(&client, &ns, &manifest("orders", json!({"logTailing": {}})))
+                .await;
+            let mut old = manifest("legacy", json!({"logTailing": {}}));
+            old["spec"]["database"]["postgres"]["connectionSecretRef"]["name"] = json!("db15");
+            operator::apply_relay(&client, &ns, &old).await;
+            let failover = |r: &OutboxRelay| condition(r, "FailoverReady");
+            let relay = wait_relay(&relays, "orders", "FailoverReady on 18", |r| {
+                failover(r).is_some_and(|c| c.reason == "StandbySyncNotConfigured")
+            })
+            .await;
+            let slot = relay
+                .status
+                .as_ref()
+                .unwrap()
+                .slot
+                .as_ref()
+                .unwrap()
+                .name
+                .clone();
+            let made: bool = c18
+                .query_one(
+                    "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert!(made, "the slot on PostgreSQL 18 is not a failover slot");
+            assert!(
+                failover(&relay)
+                    .unwrap()
+                    .message
+                    .contains("synchronized_standby_slots is empty"),
+                "{}",
+                describe(&relay)
+            );
+            // A standby's physical slot named in synchronized_standby_slots: protected.
+            for sql in [
+                format!("SELECT pg_create_physical_replication_slot('{standby}')"),
+                format!("ALTER SYSTEM SET synchronized_standby_slots = '{standby}'"),
+                "SELECT pg_reload_conf()".to_owned(),
+            ] {
+                c18.batch_execute(&sql).await.unwrap();
+            }
+            let relay = wait_relay(&relays, "orders", "FailoverReady=True", |r| {
+                failover(r).is_some_and(|c| c.status == "True")
+            })
+            .await;
+            let cond = failover(&relay).unwrap();
+            assert_eq!(cond.reason, "FailoverSlot");
+            assert!(cond.message.contains(&standby), "{}", cond.message);
+            // PostgreSQL 15 has no failover slots: the condition says so.
+            let legacy = wait_relay(&relays, "legacy", "FailoverReady on 15", |r| {
+                failover(r).is_some()
+                    && condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+            })
+            .await;
+            let cond = failover(&legacy).unwrap();
+            assert_eq!(
+                (cond.status.as_str(), cond.reason.as_str()),
+                ("False", "FailoverSlotsUnsupported")
+            );
+            assert!(cond.message.contains("PostgreSQL 15"), "{}", cond.message);
+            let legacy_slot = legacy
+                .status
+                .as_ref()
+                .unwrap()
+                .slot
+                .as_ref()
+                .unwrap()
+                .name
+                .clone();
+            assert_eq!(slot_count(c15, &legacy_slot).await, 1);
+            for sql in [
+                "ALTER SYSTEM RESET synchronized_standby_slots",
+                "SELECT pg_reload_conf()",
+            ] {
+                c18.batch_execute(sql).await.unwrap();
+            }
+            delete_and_wait_gone(&relays, "orders").await;
+            delete_and_wait_gone(&relays, "legacy").await;
+            assert_eq!(slot_count(c18, &slot).await, 0);
+        })
+        .await;
+    }
+    for sql in [
+        "ALTER SYSTEM RESET synchronized_standby_slots".to_owned(),
+        "SELECT pg_reload_conf()".to_owned(),
+        format!("SELECT pg_drop_replication_slot('{standby_slot}')"),
+    ] {
+        let _ = db18.client.batch_execute(&sql).await;
+    }
+    db18.drop_database().await;
+    db15.drop_database().await;
+}

@@ -276,8 +276,17 @@ fn kcat_records(topic: &str, count: usize) -> Vec<(Record, i64)> {
 }
 
 async fn scenario(log_tailing: bool, tombstone_on_empty: bool, placed: bool) {
+    scenario_on(false, log_tailing, tombstone_on_empty, placed).await;
+}
+
+/// [`scenario`] on the rig's PostgreSQL 18 (`pg18`) or 15.
+async fn scenario_on(pg18: bool, log_tailing: bool, tombstone_on_empty: bool, placed: bool) {
     let rig = common::Rig::load();
-    let mut db = common::fresh_database().await;
+    let mut db = if pg18 {
+        common::fresh_database_18().await
+    } else {
+        common::fresh_database().await
+    };
     create_table(&db.client).await;
     let topic = common::fresh_topic(PARTITIONS).await;
     let broker = RelayBroker::Kafka {
@@ -312,7 +321,8 @@ async fn scenario(log_tailing: bool, tombstone_on_empty: bool, placed: bool) {
             "\n  message: {expandJsonPayload: true}\nlisten:",
         );
     }
-    let guard = log_tailing.then(|| SlotGuard::new(rig.pg_url(), "records"));
+    let admin_url = common::pg_url_for(&db.url, "postgres");
+    let guard = log_tailing.then(|| SlotGuard::new(&admin_url, "records"));
     if let Some(guard) = &guard {
         common::create_replication(&db.client, &guard.slot, &guard.slot).await;
         yaml = common::with_spec_line(&yaml, "mode", &common::log_tailing_mode(&guard.slot, false));
@@ -386,4 +396,10 @@ async fn log_tailing_sends_the_same_records_stamped_with_the_commit_time() {
 async fn placed_columns_go_to_headers_envelope_and_partition_in_both_modes() {
     scenario(false, false, true).await;
     scenario(true, false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_18_streams_the_same_records_in_both_modes() {
+    scenario_on(true, true, false, true).await;
+    scenario_on(true, false, false, true).await;
 }

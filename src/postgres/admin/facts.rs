@@ -15,7 +15,9 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                     (SELECT count(*) FROM pg_replication_slots)::int4, \
                     current_setting('max_wal_senders')::int4, \
                     r.rolreplication, r.rolsuper, current_user::text, current_database()::text, \
-                    has_database_privilege(current_database(), 'CREATE') \
+                    has_database_privilege(current_database(), 'CREATE'), \
+                    current_setting('server_version_num')::int4, \
+                    coalesce(current_setting('synchronized_standby_slots', true), '') \
              FROM pg_roles r WHERE r.rolname = current_user",
             &[],
         )
@@ -31,6 +33,8 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         user: row.get(6),
         database: row.get(7),
         can_create: row.get(8),
+        version_num: row.get(9),
+        synchronized_standby_slots: row.get(10),
     };
     let table_row = client
         .query_opt(
@@ -88,8 +92,10 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
     if let Some(lt) = &plan.log_tailing {
         slot = client
             .query_opt(
-                "SELECT database::text, plugin::text, slot_type::text \
-                 FROM pg_replication_slots WHERE slot_name = $1",
+                // `failover` exists from PostgreSQL 17 on: read through jsonb, NULL before.
+                "SELECT database::text, plugin::text, slot_type::text, \
+                        (to_jsonb(s) ->> 'failover')::bool \
+                 FROM pg_replication_slots s WHERE slot_name = $1",
                 &[&lt.slot],
             )
             .await
@@ -98,6 +104,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 database: r.get(0),
                 plugin: r.get(1),
                 slot_type: r.get(2),
+                failover: r.get(3),
             });
         publication = read_publication(client, &lt.publication, plan).await?;
         other_markers = super::list_marked(client)

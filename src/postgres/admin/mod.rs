@@ -322,6 +322,25 @@ pub struct ServerFacts {
     pub database: String,
     /// May create publications (CREATE on the database).
     pub can_create: bool,
+    /// `server_version_num` (170000 and up have failover slots).
+    pub version_num: i32,
+    /// `synchronized_standby_slots` (PostgreSQL 17+; empty when unset or older).
+    pub synchronized_standby_slots: String,
+}
+
+/// The first PostgreSQL release with failover slots.
+pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
+
+impl ServerFacts {
+    /// Whether slots can be made to survive a failover.
+    pub fn has_failover_slots(&self) -> bool {
+        self.version_num >= FAILOVER_SLOTS_SINCE
+    }
+
+    /// The major version as people say it (`15`, `18`).
+    pub fn major(&self) -> i32 {
+        self.version_num / 10_000
+    }
 }
 
 /// What the server says about the outbox table.
@@ -346,6 +365,8 @@ pub struct SlotFacts {
     pub plugin: Option<String>,
     /// `logical` or `physical`.
     pub slot_type: String,
+    /// Its `failover` flag (PostgreSQL 17+; `None` on older servers).
+    pub failover: Option<bool>,
 }
 
 /// An existing publication of that name.
