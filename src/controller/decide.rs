@@ -369,7 +369,43 @@ fn failover_cond(lt: &admin::SlotPlan, facts: &admin::Facts) -> Cond {
             ),
         );
     }
-    let standbys = server.synchronized_standby_slots.trim();
+    let named = server.standby_slots();
+    let standbys = named.join(", ");
+    let missing: Vec<&str> = named
+        .iter()
+        .filter(|n| !server.physical_slots.iter().any(|(s, _)| s == *n))
+        .map(String::as_str)
+        .collect();
+    let idle: Vec<&str> = named
+        .iter()
+        .filter(|n| {
+            server
+                .physical_slots
+                .iter()
+                .any(|(s, active)| s == *n && !active)
+        })
+        .map(String::as_str)
+        .collect();
+    if !missing.is_empty() {
+        return Cond::no(
+            CONDITION_FAILOVER_READY,
+            "StandbySlotMissing",
+            format!(
+                "synchronized_standby_slots names {}, which is no physical slot on this server: logical decoding waits for it, so the relay receives nothing (after a promotion, name the new primary's standby slots, or reset it)",
+                missing.join(", ")
+            ),
+        );
+    }
+    if !idle.is_empty() {
+        return Cond::no(
+            CONDITION_FAILOVER_READY,
+            "StandbyNotStreaming",
+            format!(
+                "standby slot(s) {} named in synchronized_standby_slots have no standby streaming: the primary holds changes back from the relay until they catch up",
+                idle.join(", ")
+            ),
+        );
+    }
     if standbys.is_empty() {
         return Cond::no(
             CONDITION_FAILOVER_READY,

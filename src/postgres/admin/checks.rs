@@ -262,6 +262,7 @@ mod tests {
                 can_create: true,
                 version_num: 150_000,
                 synchronized_standby_slots: String::new(),
+                physical_slots: Vec::new(),
             },
             table: TableFacts {
                 exists: true,

@@ -35,6 +35,16 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         can_create: row.get(8),
         version_num: row.get(9),
         synchronized_standby_slots: row.get(10),
+        physical_slots: client
+            .query(
+                "SELECT slot_name::text, active FROM pg_replication_slots WHERE slot_type = 'physical'",
+                &[],
+            )
+            .await
+            .map_err(db("listing physical replication slots"))?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect(),
     };
     let table_row = client
         .query_opt(

@@ -326,6 +326,8 @@ pub struct ServerFacts {
     pub version_num: i32,
     /// `synchronized_standby_slots` (PostgreSQL 17+; empty when unset or older).
     pub synchronized_standby_slots: String,
+    /// Physical slots on the server (the standbys'), with whether one streams now.
+    pub physical_slots: Vec<(String, bool)>,
 }
 
 /// The first PostgreSQL release with failover slots.
@@ -335,6 +337,15 @@ impl ServerFacts {
     /// Whether slots can be made to survive a failover.
     pub fn has_failover_slots(&self) -> bool {
         self.version_num >= FAILOVER_SLOTS_SINCE
+    }
+
+    /// The slots `synchronized_standby_slots` names.
+    pub fn standby_slots(&self) -> Vec<String> {
+        self.synchronized_standby_slots
+            .split(',')
+            .map(|s| s.trim().trim_matches('"').to_owned())
+            .filter(|s| !s.is_empty())
+            .collect()
     }
 
     /// The major version as people say it (`15`, `18`).
