@@ -307,6 +307,7 @@ pub fn translate(
             ),
         // Debezium leaves published rows in the table.
         delete_after_publish: false,
+        sweep: None,
     };
     notes.push(
         "deleteAfterPublish is false, as Debezium leaves rows in the table; set it to true to have the relay delete published rows".to_owned(),

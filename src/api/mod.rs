@@ -547,6 +547,34 @@ pub struct LogTailingSpec {
     /// Delete rows once published, so the table stays small (deletes are not published).
     #[serde(default = "default_true")]
     pub delete_after_publish: bool,
+    /// A reconciliation sweep: now and then the relay looks in the table for rows older
+    /// than `olderThan` (with `deleteAfterPublish`, rows the log tail should long have
+    /// published and deleted: the publication was altered, the slot recreated) and
+    /// publishes them, counting them in `outbox_relay_sweep_found_total`, which the
+    /// `OutboxRelaySweepFoundRows` alert watches. Needs the `createdAt` column.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<SweepSpec>,
+}
+
+/// The reconciliation sweep of a log-tailing relay.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SweepSpec {
+    /// Time between sweeps.
+    #[serde(default = "default_sweep_interval")]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    pub interval: String,
+    /// Age (by `createdAt`) from which a row still in the table counts as missed.
+    #[serde(default = "default_sweep_older_than")]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    pub older_than: String,
+}
+
+fn default_sweep_interval() -> String {
+    "1m".to_owned()
+}
+fn default_sweep_older_than() -> String {
+    "5m".to_owned()
 }
 
 impl Default for LogTailingSpec {
@@ -556,6 +584,7 @@ impl Default for LogTailingSpec {
             publication_name: None,
             heartbeat_interval: default_heartbeat(),
             delete_after_publish: true,
+            sweep: None,
         }
     }
 }

@@ -483,6 +483,8 @@ struct SelectSql {
     branch_head: String,
     branch_tail: String,
     tail: String,
+    /// The reconciliation sweep's query; `None` without a created-at column.
+    stale: Option<String>,
 }
 
 impl SelectSql {
@@ -630,6 +632,15 @@ impl OutboxTable {
         // the predicate on the current row version, so a row published meanwhile drops
         // out; SKIP LOCKED leaves rows a concurrent batch holds (ordering none, or a
         // dying owner's open transaction) alone instead of waiting for them.
+        // What a row is read as (see `row_of`).
+        let row_list = format!(
+            "{id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+             {pexpr}, {created}, {event_time}{headers}",
+            id = quote(&columns.id),
+            at = quote(&columns.aggregate_type),
+            aid = quote(&columns.aggregate_id),
+            ty = quote(&columns.event_type),
+        );
         let select = SelectSql {
             branch_head: format!(
                 "(SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = ",
@@ -638,15 +649,21 @@ impl OutboxTable {
             branch_tail: format!(" ORDER BY {} LIMIT $1)", quote(&columns.id)),
             tail: format!(
                 ") AS u ORDER BY u.id LIMIT $1) \
-                 SELECT {id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
-                 {pexpr}, {created}, {event_time}{headers} \
+                 SELECT {row_list} \
                  FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
                  ORDER BY {id} FOR UPDATE SKIP LOCKED",
                 id = quote(&columns.id),
-                at = quote(&columns.aggregate_type),
-                aid = quote(&columns.aggregate_id),
-                ty = quote(&columns.event_type),
             ),
+            // The sweep's: rows inserted more than $1 seconds ago, oldest first.
+            stale: columns.created_at.as_deref().map(|c| {
+                format!(
+                    "SELECT {row_list} FROM {qualified} \
+                     WHERE {unpublished}{created_at} < now() - make_interval(secs => $1) \
+                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                    created_at = quote(c),
+                    id = quote(&columns.id),
+                )
+            }),
         };
         Ok(Self {
             qualified,
@@ -684,30 +701,54 @@ impl OutboxTable {
             .query(&self.select.for_partitions(partitions), &[&limit])
             .await
             .map_err(db("selecting a batch"))?;
-        Ok(rows
-            .iter()
-            .map(|r| OutboxRow {
-                id: r.get(0),
-                aggregate_type: r.get(1),
-                aggregate_id: r.get(2),
-                event_type: r.get(3),
-                payload: r.get::<_, Option<Vec<u8>>>(4).map(Into::into),
-                partition: r.get(5),
-                created_at: r.get(6),
-                timestamp: r.get(7),
-                extra: self
-                    .columns
-                    .extra
-                    .iter()
-                    .zip(&self.extra_kinds)
-                    .enumerate()
-                    .filter_map(|(i, (name, kind))| {
-                        r.get::<_, Option<String>>(8 + i)
-                            .map(|v| crate::broker::ColumnValue::new(name, v, *kind))
-                    })
-                    .collect(),
-            })
-            .collect())
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// Rows inserted more than `older_than` ago that are still in the table, oldest
+    /// first, at most `limit`, locked for this transaction (the log-tailing relay's
+    /// reconciliation sweep); an error when the table has no created-at column.
+    pub async fn select_stale(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        older_than: std::time::Duration,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        let sql = self.select.stale.as_deref().ok_or_else(|| {
+            PgError::Schema(format!(
+                "{}: the sweep needs the createdAt column (table.columns.createdAt)",
+                self.qualified
+            ))
+        })?;
+        let rows = tx
+            .query(sql, &[&older_than.as_secs_f64(), &limit])
+            .await
+            .map_err(db("sweeping for missed rows"))?;
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// An outbox row from a row of the batch or sweep query.
+    fn row_of(&self, r: &tokio_postgres::Row) -> OutboxRow {
+        OutboxRow {
+            id: r.get(0),
+            aggregate_type: r.get(1),
+            aggregate_id: r.get(2),
+            event_type: r.get(3),
+            payload: r.get::<_, Option<Vec<u8>>>(4).map(Into::into),
+            partition: r.get(5),
+            created_at: r.get(6),
+            timestamp: r.get(7),
+            extra: self
+                .columns
+                .extra
+                .iter()
+                .zip(&self.extra_kinds)
+                .enumerate()
+                .filter_map(|(i, (name, kind))| {
+                    r.get::<_, Option<String>>(8 + i)
+                        .map(|v| crate::broker::ColumnValue::new(name, v, *kind))
+                })
+                .collect(),
+        }
     }
 
     /// Marks (`published_at = now()`) or deletes published rows, per `afterPublish`.

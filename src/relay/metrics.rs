@@ -56,6 +56,8 @@ pub struct Metrics {
     pub slot_active: Gauge,
     /// Log tailing: 1 for the slot's current `wal_status`, 0 for the others.
     pub slot_wal_status: Family<WalStatusLabels, Gauge>,
+    /// Log tailing: rows the reconciliation sweep found (missed by the tail) and published.
+    pub sweep_found: Counter,
     registry: Registry,
 }
 
@@ -89,6 +91,7 @@ impl Metrics {
         let last_success = Gauge::<f64, AtomicU64>::default();
         let slot_retained_wal = Gauge::default();
         let slot_active = Gauge::default();
+        let sweep_found = Counter::default();
         let slot_wal_status = Family::<WalStatusLabels, Gauge>::default();
         for status in WAL_STATUSES {
             drop(slot_wal_status.get_or_create(&WalStatusLabels { status }));
@@ -109,6 +112,11 @@ impl Metrics {
                 "outbox_relay_slot_wal_status",
                 "1 for the replication slot's current wal_status",
                 slot_wal_status.clone(),
+            );
+            registry.register(
+                "outbox_relay_sweep_found",
+                "Rows the reconciliation sweep found still in the table long after their insert (missed by the log tail) and published",
+                sweep_found.clone(),
             );
         }
         // Counters get their `_total` suffix from the library.
@@ -176,6 +184,7 @@ impl Metrics {
             slot_retained_wal,
             slot_active,
             slot_wal_status,
+            sweep_found,
             registry,
         }
     }

@@ -93,6 +93,7 @@ const METRIC_PARTITIONS_BLOCKED: &str = "outbox_relay_partitions_blocked";
 /// `pg_replication_slots`).
 const METRIC_SLOT_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 const METRIC_SLOT_ACTIVE: &str = "outbox_relay_slot_active";
+const METRIC_SWEEP_FOUND: &str = "outbox_relay_sweep_found_total";
 const METRIC_SLOT_WAL_STATUS: &str = "outbox_relay_slot_wal_status";
 
 /// How bad an alert is: `critical` pages (events are not flowing, or the database is at
@@ -255,6 +256,21 @@ pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
             summary: format!("{who} has partitions blocked by a failing row"),
             description: format!(
                 "{{{{ $value }}}} partitions of {who} are stopped by a row that exhausted spec.failure.maxAttempts (onExhausted: block): later rows of those partitions wait until it is published or removed."
+            ),
+        });
+    }
+    if let ValidMode::LogTailing(lt) = &valid.mode
+        && lt.sweep.is_some()
+    {
+        alerts.push(Alert {
+            name: "OutboxRelaySweepFoundRows",
+            // Any row the sweep finds is one the log tail missed: one is enough.
+            expr: format!("sum(increase({METRIC_SWEEP_FOUND}{{{own}}}[15m])) > 0"),
+            for_: "0m",
+            severity: Severity::Warning,
+            summary: format!("The log tail of {who} missed rows; the sweep published them"),
+            description: format!(
+                "The reconciliation sweep of {who} found {{{{ $value | humanize }}}} rows in the last 15 minutes that were still in the table long after their insert: the log tail missed them (publication altered, slot recreated). They are published now, after later events of their aggregates."
             ),
         });
     }

@@ -208,6 +208,17 @@ pub struct LogTailing {
     pub heartbeat: Duration,
     /// Delete rows once their commit is confirmed.
     pub delete_after_publish: bool,
+    /// The reconciliation sweep, when configured.
+    pub sweep: Option<Sweep>,
+}
+
+/// The reconciliation sweep of a log-tailing relay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sweep {
+    /// Time between sweeps.
+    pub interval: Duration,
+    /// Age from which a row still in the table counts as missed.
+    pub older_than: Duration,
 }
 
 /// The mode.

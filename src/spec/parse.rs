@@ -237,11 +237,37 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                     &l.heartbeat_interval,
                     MIN_HEARTBEAT,
                 );
+                let sweep = l.sweep.as_ref().map(|s| {
+                    if !l.delete_after_publish {
+                        p.push(
+                            "spec.mode.logTailing.sweep",
+                            "needs deleteAfterPublish: with published rows kept, the table cannot tell a missed row from a published one",
+                            "set deleteAfterPublish: true, or remove the sweep",
+                        );
+                    }
+                    let interval = duration(
+                        &mut p,
+                        "spec.mode.logTailing.sweep.interval",
+                        &s.interval,
+                        Duration::from_secs(1),
+                    );
+                    let older_than = duration(
+                        &mut p,
+                        "spec.mode.logTailing.sweep.olderThan",
+                        &s.older_than,
+                        Duration::from_secs(1),
+                    );
+                    crate::spec::Sweep {
+                        interval: interval.unwrap_or_default(),
+                        older_than: older_than.unwrap_or_default(),
+                    }
+                });
                 Some(ValidMode::LogTailing(LogTailing {
                     slot,
                     publication,
                     heartbeat: heartbeat.unwrap_or_default(),
                     delete_after_publish: l.delete_after_publish,
+                    sweep,
                 }))
             }
             None => None,

@@ -143,6 +143,15 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         &["spec.tracing.otlpEndpoint", "spec.tracing.serviceName"],
     ),
     (
+        "a sweep without deleteAfterPublish, and too short",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {deleteAfterPublish: false, sweep: {interval: 10ms, olderThan: 5x}}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &[
+            "spec.mode.logTailing.sweep",
+            "spec.mode.logTailing.sweep.interval",
+            "spec.mode.logTailing.sweep.olderThan",
+        ],
+    ),
+    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[

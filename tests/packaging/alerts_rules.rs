@@ -31,7 +31,7 @@ kind: OutboxRelay
 metadata: {name: orders, namespace: shop}
 spec:
   database: {postgres: {connectionSecretRef: {name: orders-db}}}
-  mode: {logTailing: {}}
+  mode: {logTailing: {sweep: {}}}
   broker: {kafka: {bootstrapServers: "kafka:9092"}}
   alerting: {slotRetainedWal: 1Gi}
 "#;
@@ -145,6 +145,7 @@ fn each_mode_renders_the_alerts_that_apply_to_it() {
         "OutboxRelaySlotRetainedWalHigh",
         "OutboxRelaySlotInactive",
         "OutboxRelaySlotWalAtRisk",
+        "OutboxRelaySweepFoundRows",
     ];
     let set = |names: &[&[&str]]| -> BTreeSet<String> {
         names

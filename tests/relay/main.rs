@@ -22,5 +22,6 @@ mod relay_partitioning;
 mod relay_pooler;
 mod relay_publication;
 mod relay_records;
+mod relay_sweep;
 mod relay_tls;
 mod relay_tracing;

@@ -185,6 +185,12 @@ impl Plan {
                         "before a new slot streams, a polling relay back-fills the rows committed earlier (SELECT … FOR UPDATE)",
                     ));
                 }
+                if l.sweep.is_some() {
+                    columns.push((
+                        "table.columns.createdAt".to_owned(),
+                        t.columns.created_at.clone(),
+                    ));
+                }
                 log_tailing = Some(SlotPlan {
                     slot: l.slot.clone(),
                     publication: l.publication.clone(),

@@ -83,6 +83,7 @@ mod batch;
 mod deleter;
 mod layout;
 mod stats;
+mod sweep;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -275,6 +276,16 @@ impl LogTailer {
                 self.stop.clone(),
             ))
         });
+        let sweeper = self.lt.sweep.map(|sweep| {
+            tokio::spawn(sweep::sweep_loop(sweep::SweepTarget {
+                settings: self.settings.clone(),
+                sweep,
+                broker: self.broker.clone(),
+                shape: self.shape.clone(),
+                health: self.health.clone(),
+                stop: self.stop.clone(),
+            }))
+        });
         let mut backoff = Backoff::new();
         let result = loop {
             self.health.turned();
@@ -302,6 +313,10 @@ impl LogTailer {
             self.nap(backoff.step()).await;
         };
         stats.abort();
+        if let Some(task) = sweeper {
+            // A sweep in flight rolls back; its rows stay for the tail or the next relay.
+            task.abort();
+        }
         // Closing the channel lets the deleter finish what it was handed, and stop.
         self.deleter = None;
         if let Some(task) = deleter
