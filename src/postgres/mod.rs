@@ -654,11 +654,11 @@ impl OutboxTable {
                  ORDER BY {id} FOR UPDATE SKIP LOCKED",
                 id = quote(&columns.id),
             ),
-            // The sweep's: rows inserted more than $1 seconds ago, oldest first.
+            // The sweep's: rows inserted before $1 (Unix seconds), oldest first.
             stale: columns.created_at.as_deref().map(|c| {
                 format!(
                     "SELECT {row_list} FROM {qualified} \
-                     WHERE {unpublished}{created_at} < now() - make_interval(secs => $1) \
+                     WHERE {unpublished}{created_at} < to_timestamp($1) \
                      ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
                     created_at = quote(c),
                     id = quote(&columns.id),
@@ -704,13 +704,13 @@ impl OutboxTable {
         Ok(rows.iter().map(|r| self.row_of(r)).collect())
     }
 
-    /// Rows inserted more than `older_than` ago that are still in the table, oldest
+    /// Rows inserted before `cutoff` (Unix seconds) that are still in the table, oldest
     /// first, at most `limit`, locked for this transaction (the log-tailing relay's
     /// reconciliation sweep); an error when the table has no created-at column.
     pub async fn select_stale(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
-        older_than: std::time::Duration,
+        cutoff: f64,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
         let sql = self.select.stale.as_deref().ok_or_else(|| {
@@ -720,7 +720,7 @@ impl OutboxTable {
             ))
         })?;
         let rows = tx
-            .query(sql, &[&older_than.as_secs_f64(), &limit])
+            .query(sql, &[&cutoff, &limit])
             .await
             .map_err(db("sweeping for missed rows"))?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())

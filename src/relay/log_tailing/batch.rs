@@ -9,7 +9,7 @@ use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio_postgres::Client;
 
-use super::deleter::Handed;
+use super::deleter::{Handed, later};
 use super::layout::Layout;
 use super::{
     DELETE_POLL, LogTailer, MAX_BATCH_BYTES, MAX_BATCH_ROWS, PG_EPOCH_UNIX_MICROS, SHUTDOWN_GRACE,
@@ -36,6 +36,9 @@ struct Batch {
     /// The position to confirm once every row is acknowledged: the last commit's end
     /// LSN, or a heartbeat's LSN.
     confirm: Option<Lsn>,
+    /// Unix time up to which every commit is streamed with this batch (see
+    /// [`super::deleter::Handed::passed`]).
+    passed: Option<f64>,
 }
 
 impl Batch {
@@ -98,8 +101,15 @@ impl LogTailer {
                 event = if let Some((_, xid)) = open {
                     if batch.full() {
                         let chunk = std::mem::take(&mut batch);
-                        self.publish(client, chunk.rows, chunk.xids, stream, chunk.confirm)
-                            .await?;
+                        self.publish(
+                            client,
+                            chunk.rows,
+                            chunk.xids,
+                            stream,
+                            chunk.confirm,
+                            chunk.passed,
+                        )
+                        .await?;
                         batch.xids.push(xid);
                     }
                     stream.recv().await
@@ -113,8 +123,15 @@ impl LogTailer {
                 };
             }
             if batch.confirm.is_some() {
-                self.publish(client, batch.rows, batch.xids, stream, batch.confirm)
-                    .await?;
+                self.publish(
+                    client,
+                    batch.rows,
+                    batch.xids,
+                    stream,
+                    batch.confirm,
+                    batch.passed,
+                )
+                .await?;
                 last_progress = Instant::now();
             }
         }
@@ -185,6 +202,9 @@ impl LogTailer {
                 }
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
+                if let Some((commit, _)) = *open {
+                    batch.passed = later(batch.passed, Some(commit));
+                }
                 *open = None;
                 batch.confirm = Some(end_lsn);
             }
@@ -194,6 +214,9 @@ impl LogTailer {
                 // in this or an earlier batch: its LSN is safe to confirm with them.
                 if prefix == HEARTBEAT_PREFIX && open.is_none() {
                     batch.confirm = Some(batch.confirm.map_or(lsn, |c| c.max(lsn)));
+                    // Everything committed before the heartbeat was written (a moment
+                    // ago) is streamed.
+                    batch.passed = later(batch.passed, Some(unix_now()));
                 }
             }
             ReplicationEvent::KeepAlive { .. } | ReplicationEvent::StoppedAt { .. } => {}
@@ -211,6 +234,7 @@ impl LogTailer {
         xids: Vec<u32>,
         stream: &ReplicationClient,
         confirm: Option<Lsn>,
+        passed: Option<f64>,
     ) -> Result<(), SessionEnd> {
         let started = Instant::now();
         let per_aggregate = self.settings.valid.per_aggregate;
@@ -299,6 +323,7 @@ impl LogTailer {
                     through,
                     ids: ids.clone(),
                     xids,
+                    passed,
                 });
             }
         } else if let Some(confirm) = confirm {

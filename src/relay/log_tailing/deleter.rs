@@ -40,6 +40,18 @@ pub(super) struct Handed {
     pub(super) ids: Vec<i64>,
     /// The batch's transactions (32-bit xids, as the stream gives them).
     pub(super) xids: Vec<u32>,
+    /// Unix time up to which every commit has been streamed with this batch (its last
+    /// commit's time, or when a heartbeat came back): once the batch's rows are
+    /// deleted, a row inserted before it and still in the table was missed.
+    pub(super) passed: Option<f64>,
+}
+
+/// The later of two optional times.
+pub(super) fn later(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// How long the task waits for handed transactions to become visible before it
@@ -77,6 +89,7 @@ pub(super) async fn delete_loop(
     target: DeleteTarget,
     mut ids_rx: mpsc::UnboundedReceiver<Handed>,
     deleted: watch::Sender<Lsn>,
+    passed_tx: watch::Sender<f64>,
     stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
@@ -86,12 +99,14 @@ pub(super) async fn delete_loop(
             mut through,
             mut ids,
             mut xids,
+            mut passed,
         } = first;
         // Whatever else is already queued goes out with it.
         while let Ok(more) = ids_rx.try_recv() {
             through = through.max(more.through);
             ids.extend(more.ids);
             xids.extend(more.xids);
+            passed = later(passed, more.passed);
         }
         let mut visible = ids.is_empty();
         for chunk in ids.chunks(DELETE_CHUNK) {
@@ -147,5 +162,14 @@ pub(super) async fn delete_loop(
             }
         }
         deleted.send_replace(through);
+        if let Some(passed) = passed {
+            passed_tx.send_if_modified(|p| {
+                let newer = passed > *p;
+                if newer {
+                    *p = passed;
+                }
+                newer
+            });
+        }
     }
 }

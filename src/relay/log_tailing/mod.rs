@@ -256,6 +256,9 @@ impl LogTailer {
             self.health.clone(),
             self.stop.clone(),
         ));
+        // Unix time up to which the tail has streamed and deleted everything: the
+        // sweep's cutoff (0: this process has not streamed anything, a standby).
+        let (passed_tx, passed_rx) = watch::channel(0.0_f64);
         let deleter = self.lt.delete_after_publish.then(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             let (deleted_tx, deleted_rx) = watch::channel(Lsn(0));
@@ -273,6 +276,7 @@ impl LogTailer {
                 },
                 rx,
                 deleted_tx,
+                passed_tx,
                 self.stop.clone(),
             ))
         });
@@ -284,6 +288,7 @@ impl LogTailer {
                 shape: self.shape.clone(),
                 health: self.health.clone(),
                 stop: self.stop.clone(),
+                passed: passed_rx.clone(),
             }))
         });
         let mut backoff = Backoff::new();

@@ -5,6 +5,11 @@
 //! polling relay would, deletes them, and counts them: each one found is a warning, a
 //! metric and, through the `OutboxRelaySweepFoundRows` alert, a page.
 //!
+//! Rows count as missed only when inserted `olderThan` before the newest commit the tail
+//! has streamed, published and deleted (or a heartbeat it has seen come back): a tail
+//! catching up on a backlog, or stalled by a broker outage, has not missed the rows it
+//! has not reached, and a standby replica sweeps nothing.
+//!
 //! A row the tail is about to publish anyway may be published twice (at least once,
 //! deduplicated by id downstream); a missed row reaches consumers after later rows of
 //! its aggregate, which the tail already sent: the best order left for it.
@@ -33,6 +38,9 @@ pub(super) struct SweepTarget {
     pub shape: Shape,
     pub health: Arc<Health>,
     pub stop: watch::Receiver<bool>,
+    /// Unix time up to which the tail has streamed and deleted everything (0 until
+    /// this process streams the slot).
+    pub passed: watch::Receiver<f64>,
 }
 
 /// Sweeps every `sweep.interval` until shutdown.
@@ -43,6 +51,15 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
         if *target.stop.borrow() {
             return;
         }
+        // Only rows inserted `olderThan` before what the tail has passed count: a tail
+        // that is behind (catching up, or stalled on its broker) has not missed what it
+        // has not reached yet, and a standby replica, which streams nothing, sweeps
+        // nothing.
+        let passed = *target.passed.borrow();
+        if passed <= 0.0 {
+            continue;
+        }
+        let cutoff = passed - target.sweep.older_than.as_secs_f64();
         if session.is_none() {
             match open(&target.settings).await {
                 Ok(s) => session = Some(s),
@@ -55,7 +72,7 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
         let Some((client, table)) = session.as_mut() else {
             continue;
         };
-        match sweep_once(client, table, &target).await {
+        match sweep_once(client, table, &target, cutoff).await {
             Ok(0) => {}
             Ok(found) => {
                 target
@@ -100,6 +117,7 @@ async fn sweep_once(
     client: &mut Client,
     table: &OutboxTable,
     target: &SweepTarget,
+    cutoff: f64,
 ) -> Result<usize, PgError> {
     let mut found = 0;
     loop {
@@ -107,9 +125,7 @@ async fn sweep_once(
             what: "starting a sweep",
             source,
         })?;
-        let rows = table
-            .select_stale(&tx, target.sweep.older_than, SWEEP_BATCH)
-            .await?;
+        let rows = table.select_stale(&tx, cutoff, SWEEP_BATCH).await?;
         let selected = rows.len();
         if rows.is_empty() {
             tx.commit().await.map_err(|source| PgError::Db {
