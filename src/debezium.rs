@@ -140,12 +140,13 @@ pub fn translate(
         }
         None => return Err(TranslateError("no connector.class".to_owned())),
     }
-    if let Some(plugin) = get("plugin.name")
-        && plugin != "pgoutput"
-    {
-        notes.push(format!(
-            "plugin.name {plugin}: the relay always decodes with pgoutput (built into PostgreSQL)"
-        ));
+    match get("plugin.name") {
+        Some("pgoutput") => {}
+        // Debezium's default plugin is decoderbufs.
+        plugin => notes.push(format!(
+            "plugin.name {}: the relay always decodes with pgoutput (built into PostgreSQL); a slot made for another plugin is not adopted (SlotReady says SlotConflict): give the relay another slotName",
+            plugin.unwrap_or("unset (decoderbufs)")
+        )),
     }
 
     // The router, by its name in `transforms`.
@@ -338,9 +339,10 @@ pub fn translate(
     notes.push(format!(
         "create Secret {secret} with key uri = postgres://{user}:<password>@{host}:{port}/{dbname} (the password is not copied from the connector)"
     ));
+    // Debezium's default is `prefer`.
     let ssl_mode = match get("database.sslmode") {
-        None | Some("disable") => SslMode::Disable,
-        Some("prefer") | Some("allow") => SslMode::Prefer,
+        Some("disable") => SslMode::Disable,
+        None | Some("prefer") | Some("allow") => SslMode::Prefer,
         Some("require") => SslMode::Require,
         Some("verify-ca") => SslMode::VerifyCa,
         Some("verify-full") => SslMode::VerifyFull,
@@ -459,6 +461,13 @@ fn broker(
                         "no Kafka bootstrap servers in the file (Kafka Connect keeps them in the worker's configuration): pass --bootstrap-servers".to_owned(),
                     )
                 })?;
+            if let Some(protocol) = get(&format!("{producer_prefix}security.protocol"))
+                && protocol != "PLAINTEXT"
+            {
+                notes.push(format!(
+                    "{producer_prefix}security.protocol {protocol}: set spec.broker.kafka.tls (CA and client certificate Secrets) and sasl (mechanism and credential Secrets) by hand"
+                ));
+            }
             let mut properties = BTreeMap::new();
             for (k, v) in config {
                 let Some(key) = k.strip_prefix(producer_prefix) else {
@@ -499,16 +508,30 @@ fn broker(
             })
         }
         Some("nats-jetstream") => {
-            let url = get("debezium.sink.nats-jetstream.url").ok_or_else(|| {
+            let raw = get("debezium.sink.nats-jetstream.url").ok_or_else(|| {
                 TranslateError("debezium.sink.nats-jetstream.url is missing".to_owned())
             })?;
+            // Credentials in the URL stay out of the manifest.
+            let url = raw
+                .split(',')
+                .map(|u| match (u.split_once("://"), u.rsplit_once('@')) {
+                    (Some((scheme, _)), Some((_, host))) => format!("{scheme}://{host}"),
+                    _ => u.to_owned(),
+                })
+                .collect::<Vec<_>>()
+                .join(",");
+            if url != raw {
+                notes.push(
+                    "the NATS URL held credentials: they are not copied; put them in Secrets and name them in spec.broker.nats (usernameSecretRef and passwordSecretRef, or tokenSecretRef)".to_owned(),
+                );
+            }
             notes.push(
                 "NATS: the subject is the router's topic with '.' kept; a JetStream stream must capture it".to_owned(),
             );
             Ok(BrokerSpec {
                 kafka: None,
                 nats: Some(NatsSpec {
-                    url: url.to_owned(),
+                    url,
                     subject: template,
                     ..serde_yaml::from_str("url: x")
                         .map_err(|e| TranslateError(format!("internal: {e}")))?

@@ -285,6 +285,9 @@ pub struct CloudEvents {
     pub data_content_type: String,
 }
 
+/// 10000-01-01T00:00:00Z in Unix milliseconds: record timestamps stay before it.
+const MAX_TIMESTAMP_MS: f64 = 253_402_300_800_000.0;
+
 /// The media type of a structured-mode CloudEvent in JSON.
 pub const CLOUDEVENTS_JSON: &str = "application/cloudevents+json; charset=UTF-8";
 
@@ -403,7 +406,11 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
     // Whole milliseconds, as the Kafka record and Debezium's router carry them. Kafka
     // has no timestamps before 1970 (the Java client refuses them): such an event time
     // falls back like a NULL one.
-    let millis = |t: f64| Some((t * 1000.0).floor()).filter(|ms| ms.is_finite() && *ms >= 0.0);
+    // RFC 3339 (CloudEvents' `time`) ends at 9999-12-31: later times fall back too.
+    let millis = |t: f64| {
+        Some((t * 1000.0).floor())
+            .filter(|ms| ms.is_finite() && *ms >= 0.0 && *ms < MAX_TIMESTAMP_MS)
+    };
     let timestamp_ms = row
         .timestamp
         .and_then(millis)
@@ -704,6 +711,15 @@ mod shape_tests {
             Some(1_700_000_000_123)
         );
         r.created_at = Some(-1.0);
+        assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
+        // Year 10000 and later: no RFC 3339 form, falls back like NULL.
+        r.timestamp = Some(253_402_300_800.0);
+        r.created_at = Some(253_402_300_799.5);
+        assert_eq!(
+            shape.build(&r).unwrap().timestamp_ms,
+            Some(253_402_300_799_500)
+        );
+        r.created_at = Some(1e15);
         assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
         r.timestamp = None;
         r.created_at = None;

@@ -143,15 +143,25 @@ debezium.transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
     assert_eq!(s.message, MessageSpec::default());
     assert!(!t.to_yaml().unwrap().contains("hunter2"));
 
+    assert_eq!(
+        s.database.postgres.ssl_mode,
+        SslMode::Prefer,
+        "Debezium's default"
+    );
     let nats = properties.replace(
         "debezium.sink.type=kafka",
-        "debezium.sink.type=nats-jetstream\ndebezium.sink.nats-jetstream.url=nats://nats:4222",
+        "debezium.sink.type=nats-jetstream\ndebezium.sink.nats-jetstream.url=nats://app:s3cret@nats:4222",
     );
     let t = translated(&nats, &kafka(None)).unwrap();
     let n = t.relay.spec.broker.nats.as_ref().unwrap();
     assert_eq!(
         (n.url.as_str(), n.subject.as_str()),
         ("nats://nats:4222", "outbox.event.{aggregateType}")
+    );
+    let yaml = t.to_yaml().unwrap();
+    assert!(
+        !yaml.contains("s3cret") && yaml.contains("NATS URL held credentials"),
+        "{yaml}"
     );
 }
 

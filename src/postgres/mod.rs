@@ -658,7 +658,7 @@ impl OutboxTable {
             stale: columns.created_at.as_deref().map(|c| {
                 format!(
                     "SELECT {row_list} FROM {qualified} \
-                     WHERE {unpublished}{created_at} < to_timestamp($1) \
+                     WHERE {unpublished}extract(epoch FROM {created_at}) < $1::float8 \
                      ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
                     created_at = quote(c),
                     id = quote(&columns.id),

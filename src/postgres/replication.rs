@@ -400,7 +400,9 @@ pub async fn slot_stats(client: &Client, slot: &str) -> Result<Option<SlotStats>
 pub async fn emit_heartbeat(client: &Client) -> Result<(), PgError> {
     client
         .query_one(
-            "SELECT pg_logical_emit_message(false, $1, '')",
+            // The content is the database's clock when written: up to then every
+            // commit precedes the heartbeat in the WAL.
+            "SELECT pg_logical_emit_message(false, $1, extract(epoch FROM clock_timestamp())::text)",
             &[&HEARTBEAT_PREFIX],
         )
         .await

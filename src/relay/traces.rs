@@ -1,7 +1,8 @@
 //! OpenTelemetry spans of publishing (`spec.tracing`): a producer span per message,
 //! from sending to the broker's acknowledgement, child of the message's `traceparent`
 //! (and `tracestate`) header, exported as OTLP/HTTP JSON by the SDK's batch processor
-//! (its own thread; exports never hold up publishing).
+//! (its own thread; exports never hold up publishing). The message leaves with its
+//! `traceparent` set to the publish span, so consumers continue from it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -109,7 +110,21 @@ impl Broker for TracedBroker {
                     KeyValue::new("messaging.message.id", message.id.clone()),
                 ])
                 .start_with_context(&self.tracer, &parent);
-            let result = self.inner.publish(message).await;
+            // The message carries the publish span on, as the messaging conventions
+            // say: a consumer's span becomes its child (tracestate travels as it was).
+            let context = span.span_context().clone();
+            let traceparent = format!(
+                "00-{}-{}-{:02x}",
+                context.trace_id(),
+                context.span_id(),
+                context.trace_flags().to_u8()
+            );
+            let mut sent = message.clone();
+            match sent.headers.iter_mut().find(|(k, _)| k == "traceparent") {
+                Some((_, v)) => *v = traceparent,
+                None => sent.headers.push(("traceparent".to_owned(), traceparent)),
+            }
+            let result = self.inner.publish(&sent).await;
             if let Err(err) = &result {
                 span.set_status(Status::error(err.message.clone()));
                 let context = span.span_context();

@@ -197,6 +197,27 @@ async fn each_publish_is_a_producer_span_under_the_rows_traceparent() {
         );
         assert_ne!(span["spanId"], parents[i]);
     }
+    // The records carry the publish span on: a consumer's span is its child.
+    let topic_for_consumer = topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic_for_consumer))
+        .await
+        .unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        let (_, span) = spans
+            .iter()
+            .find(|(_, s)| {
+                attribute(s, "messaging.message.id").and_then(|v| v["stringValue"].as_str())
+                    == Some(&id.to_string())
+            })
+            .unwrap();
+        let record = received.iter().find(|r| r.id == *id).unwrap();
+        assert_eq!(
+            record.headers.get("traceparent").map(String::as_str),
+            Some(format!("00-{trace}-{}-01", span["spanId"].as_str().unwrap()).as_str()),
+            "row {id} (parent {})",
+            parents[i]
+        );
+    }
     // A row without a traceparent starts a trace of its own.
     let (_, own) = spans
         .iter()

@@ -532,6 +532,11 @@ fn the_failover_condition_follows_the_server_and_the_slot() {
         message.contains("standby_2") && !message.contains("standby_1"),
         "{message}"
     );
+    // Unquoted names are folded to lower case, as PostgreSQL reads them.
+    let (status, _, message) = decide_with(180_006, Some(true), "STANDBY_1");
+    assert!(status, "{message}");
+    let (_, reason, _) = decide_with(180_006, Some(true), "\"Standby_1\"");
+    assert_eq!(reason, "StandbySlotMissing");
     let (status, reason, message) = decide_with(180_006, Some(true), "standby_1,\"gone\"");
     assert!(!status && reason == "StandbySlotMissing", "{message}");
     assert!(message.contains("gone"), "{message}");

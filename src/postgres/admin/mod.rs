@@ -349,8 +349,15 @@ impl ServerFacts {
     pub fn standby_slots(&self) -> Vec<String> {
         self.synchronized_standby_slots
             .split(',')
-            .map(|s| s.trim().trim_matches('"').to_owned())
+            .map(str::trim)
             .filter(|s| !s.is_empty())
+            // As PostgreSQL reads identifiers: quoted as written, unquoted folded.
+            .map(
+                |s| match s.strip_prefix('"').and_then(|s| s.strip_suffix('"')) {
+                    Some(quoted) => quoted.replace("\"\"", "\""),
+                    None => s.to_lowercase(),
+                },
+            )
             .collect()
     }
 

@@ -208,15 +208,23 @@ impl LogTailer {
                 *open = None;
                 batch.confirm = Some(end_lsn);
             }
-            ReplicationEvent::Message { prefix, lsn, .. } => {
+            ReplicationEvent::Message {
+                prefix,
+                lsn,
+                content,
+                ..
+            } => {
                 // Non-transactional messages are decoded in WAL order between whole
                 // transactions, so everything committed before the heartbeat is already
                 // in this or an earlier batch: its LSN is safe to confirm with them.
                 if prefix == HEARTBEAT_PREFIX && open.is_none() {
                     batch.confirm = Some(batch.confirm.map_or(lsn, |c| c.max(lsn)));
-                    // Everything committed before the heartbeat was written (a moment
-                    // ago) is streamed.
-                    batch.passed = later(batch.passed, Some(unix_now()));
+                    // Everything committed before the heartbeat was written is streamed;
+                    // it carries the database's clock then (older relays wrote none).
+                    let written = std::str::from_utf8(&content)
+                        .ok()
+                        .and_then(|t| t.trim().parse::<f64>().ok());
+                    batch.passed = later(batch.passed, written);
                 }
             }
             ReplicationEvent::KeepAlive { .. } | ReplicationEvent::StoppedAt { .. } => {}

@@ -36,7 +36,7 @@
 //!
 //! A slot only advances when its consumer confirms a position. When no commit was
 //! processed for `heartbeatInterval`, the relay writes a non-transactional logical
-//! message (`pg_logical_emit_message(false, 'outbox-heartbeat', '')`) on its normal
+//! message (`pg_logical_emit_message(false, 'outbox-heartbeat', <the database's clock>)`) on its normal
 //! connection; it arrives on the stream right away and its LSN is confirmed like a
 //! commit, so an idle database (or one busy only with other tables) does not make the
 //! slot retain WAL without bound.

@@ -46,6 +46,10 @@ pub(super) struct SweepTarget {
 /// Sweeps every `sweep.interval` until shutdown.
 pub(super) async fn sweep_loop(target: SweepTarget) {
     let mut session: Option<(Client, OutboxTable)> = None;
+    // Rows stale at the last sweep: a row is published only when stale in two sweeps
+    // in a row, so one committed by a transaction that stayed open longer than
+    // olderThan (createdAt is its start) reaches the tail first.
+    let mut candidates: std::collections::HashSet<i64> = std::collections::HashSet::new();
     loop {
         crate::relay::nap(&target.stop, &target.health, target.sweep.interval).await;
         if *target.stop.borrow() {
@@ -56,7 +60,11 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
         // has not reached yet, and a standby replica, which streams nothing, sweeps
         // nothing.
         let passed = *target.passed.borrow();
-        if passed <= 0.0 {
+        let streaming = target
+            .health
+            .ready
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if passed <= 0.0 || !streaming {
             continue;
         }
         let cutoff = passed - target.sweep.older_than.as_secs_f64();
@@ -72,7 +80,7 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
         let Some((client, table)) = session.as_mut() else {
             continue;
         };
-        match sweep_once(client, table, &target, cutoff).await {
+        match sweep_once(client, table, &target, cutoff, &mut candidates).await {
             Ok(0) => {}
             Ok(found) => {
                 target
@@ -118,8 +126,10 @@ async fn sweep_once(
     table: &OutboxTable,
     target: &SweepTarget,
     cutoff: f64,
+    candidates: &mut std::collections::HashSet<i64>,
 ) -> Result<usize, PgError> {
     let mut found = 0;
+    let mut stale_now = std::collections::HashSet::new();
     loop {
         let tx = client.transaction().await.map_err(|source| PgError::Db {
             what: "starting a sweep",
@@ -127,11 +137,17 @@ async fn sweep_once(
         })?;
         let rows = table.select_stale(&tx, cutoff, SWEEP_BATCH).await?;
         let selected = rows.len();
+        stale_now.extend(rows.iter().map(|r| r.id));
+        let rows: Vec<_> = rows
+            .into_iter()
+            .filter(|r| candidates.contains(&r.id))
+            .collect();
         if rows.is_empty() {
             tx.commit().await.map_err(|source| PgError::Db {
                 what: "ending a sweep",
                 source,
             })?;
+            *candidates = stale_now;
             return Ok(found);
         }
         let results = publish_chains(
@@ -162,6 +178,7 @@ async fn sweep_once(
             .published
             .inc_by(u64::try_from(ids.len()).unwrap_or(0));
         if failed || i64::try_from(selected).unwrap_or(0) < SWEEP_BATCH {
+            *candidates = stale_now;
             return Ok(found);
         }
     }
