@@ -66,8 +66,8 @@ pub struct KafkaSpec {
     /// Comma-separated `host:port` list.
     #[schemars(length(min = 1, max = 2048), regex(pattern = "\\S"))]
     pub bootstrap_servers: String,
-    /// Topic template; `{aggregateType}` is replaced by the row's aggregate type
-    /// (Debezium's default routing).
+    /// Debezium's `route.topic.replacement`: the topic template; `{aggregateType}` (the
+    /// router's `${routedByValue}`) is replaced by the row's aggregate type.
     #[serde(default = "default_kafka_topic")]
     #[schemars(length(min = 1, max = 249))]
     #[x_kube(validation = Rule::new("self.replace('{aggregateType}', 'Order').matches('^[A-Za-z0-9._-]{1,249}$')").message("spec.broker.kafka.topic must yield a valid Kafka topic (letters, digits, '.', '_', '-'; {aggregateType} is replaced by each row's aggregate type)"))]

@@ -352,24 +352,29 @@ fn default_table() -> String {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ColumnsSpec {
-    /// The row id, a bigint that grows with insertion (`bigserial` or an identity
-    /// column); it becomes the message id.
+    /// Debezium's `table.field.event.id`: the row id, a bigint that grows with
+    /// insertion (`bigserial` or an identity column); it becomes the message id (the
+    /// `id` header).
     #[serde(default = "col_id")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub id: String,
-    /// The aggregate type, used in topic, subject and routing-key templates.
+    /// Debezium's `route.by.field`: the aggregate type, `{aggregateType}` in topic,
+    /// subject and routing-key templates.
     #[serde(default = "col_aggregate_type")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub aggregate_type: String,
-    /// The aggregate id: the message key, and what per-aggregate order is kept for.
+    /// Debezium's `table.field.event.key`: the aggregate id, the message key, and what
+    /// per-aggregate order is kept for.
     #[serde(default = "col_aggregate_id")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub aggregate_id: String,
-    /// The event type, sent as a header.
+    /// Debezium's `table.field.event.type`: the event type, sent as the `type` header
+    /// (and the CloudEvents `type`).
     #[serde(default = "col_type")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub r#type: String,
-    /// The payload (`jsonb`, `json`, `text` or `bytea`), sent as stored.
+    /// Debezium's `table.field.event.payload`: the payload (`jsonb`, `json`, `text` or
+    /// `bytea`), sent as stored.
     #[serde(default = "col_payload")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub payload: String,
