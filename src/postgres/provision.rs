@@ -287,6 +287,7 @@ mod tests {
             table: TableFacts {
                 exists: true,
                 columns: Vec::new(),
+                timestamp_type: None,
                 owned: true,
                 missing_privileges: Vec::new(),
             },

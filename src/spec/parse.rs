@@ -478,7 +478,18 @@ fn check_additional_fields(
         }
         match f.placement {
             Placement::Header => {
-                if RESERVED_HEADERS.contains(&name) {
+                let lower = name.to_ascii_lowercase();
+                let bound = lower == "content-type"
+                    || ["ce_", "ce-", "cloudevents_"]
+                        .iter()
+                        .any(|p| lower.starts_with(p));
+                if bound {
+                    p.push(
+                        &at,
+                        format!("`{name}` is a header the CloudEvents bindings define"),
+                        "give the header another name with `as`",
+                    );
+                } else if RESERVED_HEADERS.contains(&name) {
                     p.push(
                         &at,
                         format!("`{name}` is a header the relay sets itself"),

@@ -115,18 +115,19 @@ const INVALID: &[(&str, &str, &[&str])] = &[
     ),
     (
         "additional fields the router would not place either",
-        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {headers: [traceparent], columns: {timestamp: \"t s\"}, additionalFields: [{column: \"a b\", placement: header}, {column: x, placement: header, as: type}, {column: y, placement: header, as: traceparent}, {column: z, placement: envelope, as: payload}, {column: w, placement: envelope, as: \"no space\"}, {column: p, placement: partition, as: q}, {column: r, placement: partition}]}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  table: {headers: [traceparent], columns: {timestamp: \"t s\"}, additionalFields: [{column: \"a b\", placement: header}, {column: x, placement: header, as: type}, {column: y, placement: header, as: traceparent}, {column: v, placement: header, as: ce_id}, {column: z, placement: envelope, as: payload}, {column: w, placement: envelope, as: \"no space\"}, {column: p, placement: partition, as: q}, {column: r, placement: partition}]}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
         &[
             "spec.table.columns.timestamp",
             "spec.table.additionalFields[0].column",
             "spec.table.additionalFields[1]",
             "spec.table.additionalFields[2]",
             "spec.table.additionalFields[3]",
-            "spec.table.additionalFields[4].as",
+            "spec.table.additionalFields[4]",
             "spec.table.additionalFields[5].as",
-            "spec.table.additionalFields[5]",
+            "spec.table.additionalFields[6].as",
             "spec.table.additionalFields[6]",
-            "spec.table.additionalFields[6]",
+            "spec.table.additionalFields[7]",
+            "spec.table.additionalFields[7]",
         ],
     ),
     (

@@ -72,6 +72,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
         table: TableFacts {
             exists: true,
             columns,
+            timestamp_type: None,
             owned: true,
             missing_privileges: Vec::new(),
         },

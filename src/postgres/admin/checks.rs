@@ -40,7 +40,26 @@ pub fn evaluate(plan: &Plan, facts: &Facts) -> Vec<Check> {
             .filter(|(_, c)| !t.columns.contains(c))
             .map(|(field, c)| format!("{c} ({field})"))
             .collect();
-        if missing.is_empty() {
+        let wrong_type = t.timestamp_type.as_deref().filter(|ty| {
+            !matches!(
+                *ty,
+                "timestamp with time zone" | "timestamp without time zone"
+            ) && !ty.starts_with("timestamp(")
+        });
+        if let Some(ty) = wrong_type {
+            checks.push(Check::fail(
+                Database,
+                "columns",
+                "ColumnType",
+                format!(
+                    "column {} of table {table} (table.columns.timestamp) is {ty}; it must be timestamp with time zone or timestamp (read as UTC)",
+                    plan.columns
+                        .iter()
+                        .find(|(f, _)| f == "table.columns.timestamp")
+                        .map_or("", |(_, c)| c.as_str())
+                ),
+            ));
+        } else if missing.is_empty() {
             checks.push(Check::pass(
                 Database,
                 "columns",
@@ -277,6 +296,7 @@ mod tests {
                 ]
                 .map(str::to_owned)
                 .to_vec(),
+                timestamp_type: None,
                 owned: true,
                 missing_privileges: Vec::new(),
             },
@@ -402,12 +422,38 @@ mod tests {
     }
 
     #[test]
+    fn a_timestamp_column_of_another_type_is_refused() {
+        let yaml = TAILING.replace(
+            "table: {headers: [traceparent]}",
+            "table: {headers: [traceparent], columns: {timestamp: created_at}}",
+        );
+        let plan = Plan::for_relay(&relay(&yaml));
+        for (ty, ok) in [
+            ("timestamp with time zone", true),
+            ("timestamp(3) without time zone", true),
+            ("bigint", false),
+            ("text", false),
+        ] {
+            let mut f = facts();
+            f.table.timestamp_type = Some(ty.to_owned());
+            let checks = evaluate(&plan, &f);
+            let failed = first_failure(&checks, Scope::Database);
+            assert_eq!(failed.is_none(), ok, "{ty}: {failed:?}");
+            if let Some(failed) = failed {
+                assert_eq!(failed.reason, "ColumnType");
+                assert!(failed.message.contains(ty), "{}", failed.message);
+            }
+        }
+    }
+
+    #[test]
     fn a_missing_table_is_one_clear_failure() {
         let plan = Plan::for_relay(&relay(TAILING));
         let mut f = facts();
         f.table = TableFacts {
             exists: false,
             columns: Vec::new(),
+            timestamp_type: None,
             owned: false,
             missing_privileges: Vec::new(),
         };

@@ -60,6 +60,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         None => TableFacts {
             exists: false,
             columns: Vec::new(),
+            timestamp_type: None,
             owned: false,
             missing_privileges: Vec::new(),
         },
@@ -76,6 +77,22 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
+            let timestamp_type = match plan
+                .columns
+                .iter()
+                .find(|(field, _)| field == "table.columns.timestamp")
+            {
+                Some((_, column)) => client
+                    .query_opt(
+                        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
+                         WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
+                        &[&oid, column],
+                    )
+                    .await
+                    .map_err(db("reading the timestamp column's type"))?
+                    .map(|r| r.get(0)),
+                None => None,
+            };
             let mut missing_privileges = Vec::new();
             for (privilege, why) in &plan.privileges {
                 let has: bool = client
@@ -93,6 +110,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             TableFacts {
                 exists: true,
                 columns,
+                timestamp_type,
                 owned: row.get(1),
                 missing_privileges,
             }

@@ -374,6 +374,8 @@ pub struct TableFacts {
     pub exists: bool,
     /// Its columns.
     pub columns: Vec<String>,
+    /// The type of the `table.columns.timestamp` column, as `format_type` spells it.
+    pub timestamp_type: Option<String>,
     /// The role owns it (or is a member of its owner): needed to create a publication.
     pub owned: bool,
     /// Privileges the plan asks for that the role lacks.
