@@ -1070,6 +1070,74 @@ impl Drop for RelayProcess {
     }
 }
 
+/// A Kafka record as kcat (`-J`) prints it: an independent client's view.
+pub struct KcatRecord {
+    /// The whole JSON envelope (`partition`, `key`, `payload` (null for a tombstone),
+    /// `ts`, `tstype`, …).
+    pub json: serde_json::Value,
+    /// Headers in order (kcat prints them as a flat name, value list).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Every record of `topic` read by kcat from the beginning, once there are at least
+/// `count` (waiting up to 60 s).
+pub fn kcat_records(topic: &str, count: usize) -> Vec<KcatRecord> {
+    let rig = Rig::load();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let output = run_tool(
+            rig.kcat(),
+            &[
+                "-C",
+                "-b",
+                rig.kafka_bootstrap(),
+                "-t",
+                topic,
+                "-o",
+                "beginning",
+                "-e",
+                "-J",
+                "-q",
+            ],
+        );
+        assert!(
+            output.status.success(),
+            "kcat failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let records: Vec<KcatRecord> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|line| {
+                let json: serde_json::Value = serde_json::from_str(line)
+                    .unwrap_or_else(|err| panic!("kcat printed {line}: {err}"));
+                let flat: Vec<String> = json["headers"]
+                    .as_array()
+                    .map(|h| {
+                        h.iter()
+                            .map(|x| x.as_str().unwrap_or_default().to_owned())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let headers = flat
+                    .chunks(2)
+                    .map(|p| (p[0].clone(), p[1].clone()))
+                    .collect();
+                KcatRecord { json, headers }
+            })
+            .collect();
+        if records.len() >= count {
+            return records;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {count} records in {topic} after 60 s",
+            records.len()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
 /// One message as a consumer saw it.
 #[derive(Clone, Debug)]
 pub struct Received {

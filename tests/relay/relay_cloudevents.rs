@@ -8,7 +8,7 @@
 use crate::common::{self, RelayBroker, RelayProcess};
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use base64::Engine as _;
 
@@ -148,51 +148,13 @@ async fn publish(
 
 /// Every record of `topic` through kcat: headers by name, and the value.
 fn kcat_records(topic: &str, count: usize) -> Vec<(BTreeMap<String, String>, String)> {
-    let rig = common::Rig::load();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let output = common::run_tool(
-            rig.kcat(),
-            &[
-                "-C",
-                "-b",
-                rig.kafka_bootstrap(),
-                "-t",
-                topic,
-                "-o",
-                "beginning",
-                "-e",
-                "-J",
-                "-q",
-            ],
-        );
-        assert!(output.status.success(), "kcat: {output:?}");
-        let records: Vec<(BTreeMap<String, String>, String)> =
-            String::from_utf8_lossy(&output.stdout)
-                .lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(|line| {
-                    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-                    let pairs: Vec<String> = v["headers"]
-                        .as_array()
-                        .map(|h| h.iter().map(|x| x.as_str().unwrap().to_owned()).collect())
-                        .unwrap_or_default();
-                    let headers = pairs
-                        .chunks(2)
-                        .map(|p| (p[0].clone(), p[1].clone()))
-                        .collect();
-                    (
-                        headers,
-                        v["payload"].as_str().unwrap_or_default().to_owned(),
-                    )
-                })
-                .collect();
-        if records.len() >= count {
-            return records;
-        }
-        assert!(Instant::now() < deadline, "only {} records", records.len());
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    common::kcat_records(topic, count)
+        .into_iter()
+        .map(|r| {
+            let value = r.json["payload"].as_str().unwrap_or_default().to_owned();
+            (r.headers.into_iter().collect(), value)
+        })
+        .collect()
 }
 
 /// Attributes of a binary-mode message: the headers with `prefix`, prefix stripped.

@@ -10,7 +10,7 @@ use crate::common::{self, RelayBroker, RelayProcess, SlotGuard};
 use crate::relay_partitioning::java_partitions;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 const PARTITIONS: i32 = 6;
 
@@ -204,75 +204,34 @@ fn expected(
 /// Every record of `topic`, read by kcat (`-J`: JSON envelopes, a null payload as
 /// `null`), in row-id order.
 fn kcat_records(topic: &str, count: usize) -> Vec<(Record, i64)> {
-    let rig = common::Rig::load();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let output = common::run_tool(
-            rig.kcat(),
-            &[
-                "-C",
-                "-b",
-                rig.kafka_bootstrap(),
-                "-t",
-                topic,
-                "-o",
-                "beginning",
-                "-e",
-                "-J",
-                "-q",
-            ],
-        );
-        assert!(
-            output.status.success(),
-            "kcat failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let mut records: Vec<(Record, i64)> = String::from_utf8_lossy(&output.stdout)
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|line| {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .unwrap_or_else(|err| panic!("kcat printed {line}: {err}"));
-                assert_eq!(v["tstype"], "create", "{line}");
-                let pairs: Vec<String> = v["headers"]
-                    .as_array()
-                    .map(|h| h.iter().map(|x| x.as_str().unwrap().to_owned()).collect())
-                    .unwrap_or_default();
-                let headers: Vec<(String, String)> = pairs
-                    .chunks(2)
-                    .map(|p| (p[0].clone(), p[1].clone()))
-                    .collect();
-                let id: i64 = headers
-                    .iter()
-                    .find(|(k, _)| k == "id")
-                    .unwrap()
-                    .1
-                    .parse()
-                    .unwrap();
-                let ts = v["ts"].as_i64().unwrap();
-                (
-                    Record {
-                        partition: Some(i32::try_from(v["partition"].as_i64().unwrap()).unwrap()),
-                        key: v["key"].as_str().map(str::to_owned),
-                        value: v["payload"].as_str().map(str::to_owned),
-                        headers,
-                        timestamp: (ts, ts),
-                    },
-                    id,
-                )
-            })
-            .collect();
-        if records.len() >= count {
-            records.sort_by_key(|(_, id)| *id);
-            return records;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "only {} of {count} records in {topic} after 60 s",
-            records.len()
-        );
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    let mut records: Vec<(Record, i64)> = common::kcat_records(topic, count)
+        .into_iter()
+        .map(|r| {
+            let v = &r.json;
+            assert_eq!(v["tstype"], "create", "{v}");
+            let id: i64 = r
+                .headers
+                .iter()
+                .find(|(k, _)| k == "id")
+                .unwrap()
+                .1
+                .parse()
+                .unwrap();
+            let ts = v["ts"].as_i64().unwrap();
+            (
+                Record {
+                    partition: Some(i32::try_from(v["partition"].as_i64().unwrap()).unwrap()),
+                    key: v["key"].as_str().map(str::to_owned),
+                    value: v["payload"].as_str().map(str::to_owned),
+                    headers: r.headers.clone(),
+                    timestamp: (ts, ts),
+                },
+                id,
+            )
+        })
+        .collect();
+    records.sort_by_key(|(_, id)| *id);
+    records
 }
 
 async fn scenario(log_tailing: bool, tombstone_on_empty: bool, placed: bool) {
