@@ -309,6 +309,8 @@ pub fn translate(
         // Debezium leaves published rows in the table.
         delete_after_publish: false,
         sweep: None,
+        max_retained_wal: None,
+        return_after: None,
     };
     notes.push(
         "deleteAfterPublish is false, as Debezium leaves rows in the table; set it to true to have the relay delete published rows".to_owned(),

@@ -24,7 +24,7 @@ pub use broker::{
 };
 pub use duration::{DurationError, parse_duration};
 pub use quantity::{QuantityError, parse_bytes};
-pub use status::{OutboxRelayStatus, PartitionsStatus, SlotStatus};
+pub use status::{FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotStatus};
 
 /// The API group of every outbox-operator resource.
 pub const GROUP: &str = "outbox.dev";
@@ -559,6 +559,22 @@ pub struct LogTailingSpec {
     /// `OutboxRelaySweepFoundRows` alert watches. Needs the `createdAt` column.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep: Option<SweepSpec>,
+    /// A WAL budget, as a Kubernetes quantity (`10Gi`): when the slot retains more WAL
+    /// than this (the relay is stuck, the broker down for long), the operator switches
+    /// the relay to polling the same table, drops the slot so the server's disk is safe,
+    /// and returns to log tailing once the backlog is drained (and `returnAfter` has
+    /// passed), with no event lost and per-aggregate order kept. Needs
+    /// `deleteAfterPublish` (the table then holds exactly the rows not yet published).
+    /// Absent: no budget; the `OutboxRelaySlotRetainedWalHigh` alert still warns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), regex(pattern = "^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    #[x_kube(validation = Rule::new("!self.matches('^0+[A-Za-z]*$')").message("spec.mode.logTailing.maxRetainedWal must be positive"))]
+    pub max_retained_wal: Option<String>,
+    /// After a fall back to polling, the least time the relay polls before log tailing
+    /// is tried again (each try creates the slot anew); default `5m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    pub return_after: Option<String>,
 }
 
 /// The reconciliation sweep of a log-tailing relay.
@@ -590,6 +606,8 @@ impl Default for LogTailingSpec {
             heartbeat_interval: default_heartbeat(),
             delete_after_publish: true,
             sweep: None,
+            max_retained_wal: None,
+            return_after: None,
         }
     }
 }

@@ -38,6 +38,23 @@ pub struct OutboxRelayStatus {
     /// Partition ownership.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partitions: Option<PartitionsStatus>,
+    /// While a log-tailing relay polls because its slot passed
+    /// `spec.mode.logTailing.maxRetainedWal`: since when and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<FallbackStatus>,
+}
+
+/// A log-tailing relay's fall back to polling (its WAL budget was passed).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct FallbackStatus {
+    /// When the operator switched the relay to polling (RFC 3339).
+    pub since: String,
+    /// WAL the slot retained then, bytes.
+    pub retained_wal_bytes: i64,
+    /// Whether the slot was dropped yet (it is, once no pod tails the log any more).
+    #[serde(default)]
+    pub slot_dropped: bool,
 }
 
 /// The replication slot and publication the operator created.

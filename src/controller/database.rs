@@ -352,6 +352,16 @@ pub(super) async fn observe(
                     }
                 };
             }
+            let falling_back = relay.status.as_ref().is_some_and(|s| s.fallback.is_some());
+            if falling_back && plan.log_tailing.is_some() {
+                facts.backlog =
+                    measure_backlog(&client, &plan)
+                        .await
+                        .map(|b| admin::BacklogFacts {
+                            rows: b.rows,
+                            oldest_age_seconds: b.oldest_age_seconds.map(|s| s.max(0.0) as u64),
+                        });
+            }
             DatabaseSeen::Seen(Box::new(facts))
         }
         Err(err) => DatabaseSeen::Unusable {

@@ -6,13 +6,18 @@ use super::database::DatabaseSeen;
 use super::observe::{Claim, Observed};
 use super::status::{
     CONDITION_DATABASE_READY, CONDITION_DEGRADED, CONDITION_FAILOVER_READY,
-    CONDITION_MONITORING_READY, CONDITION_READY, CONDITION_SLOT_READY, Cond,
+    CONDITION_MONITORING_READY, CONDITION_POLLING_FALLBACK, CONDITION_READY, CONDITION_SLOT_READY,
+    Cond,
 };
-use crate::api::SlotStatus;
+use crate::api::{FallbackStatus, SlotStatus};
 use crate::postgres::admin::{self, Origin, Owner, Plan, Scope};
 use crate::postgres::provision::{self, Action};
 use crate::resources::MONITORING_API_VERSION;
-use crate::spec::{Problem, Problems, ValidRelay};
+use crate::spec::{Problem, Problems, ValidRelay, WalBudget};
+
+/// A relay that fell back to polling returns to log tailing only once no row older than
+/// this waits (the backlog is drained: the broker takes events again).
+pub(super) const DRAINED_AGE_SECONDS: u64 = 10;
 
 /// When to reconcile again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +30,17 @@ pub(super) enum Next {
     Refresh,
     /// In a moment: a handover from polling to log tailing is waiting on the database.
     Soon,
+}
+
+/// What becomes of `status.fallback`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum FallbackWrite {
+    /// As it was (the decision did not get as far as looking at it).
+    Keep,
+    /// Recorded: the relay polls because its slot passed the WAL budget.
+    Set(FallbackStatus),
+    /// Removed: the relay tails the log (or returns to it), or polls by its spec.
+    Clear,
 }
 
 /// What one reconcile should make true.
@@ -45,6 +61,8 @@ pub(super) struct Decision {
     /// new slot streams only later commits, and rows committed before it are published
     /// by polling first.
     pub backfill: bool,
+    /// The fall back to polling in status: what to record.
+    pub fallback: FallbackWrite,
     /// When to look again.
     pub next: Next,
 }
@@ -102,6 +120,7 @@ pub(super) fn decide(
             slot: kept_slot,
             take_snapshot: false,
             backfill: false,
+            fallback: FallbackWrite::Keep,
             next: Next::SecretRetry,
         };
     }
@@ -187,6 +206,36 @@ pub(super) fn decide(
             let conds = vec![database.clone(), secrets.broker.clone(), cond.clone()];
             return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
         }
+        let budget = valid.mode.log_tailing().and_then(|l| l.budget);
+        if let Some(budget) = budget {
+            let retained = facts.slot.as_ref().and_then(|s| s.retained_wal_bytes);
+            let fallback = match &observed.fallback {
+                // Falling back: polling until the return is due; then the path below
+                // creates the slot and hands over as for a switch from polling.
+                Some(fb) if !return_due(fb, &budget, facts, observed) => Some(fb.clone()),
+                Some(_) => None,
+                None => retained
+                    .filter(|r| u64::try_from(*r).unwrap_or(0) > budget.max_retained_wal)
+                    .map(|r| FallbackStatus {
+                        since: observed.now.to_string(),
+                        retained_wal_bytes: r,
+                        slot_dropped: false,
+                    }),
+            };
+            if let Some(fb) = fallback {
+                return fall_back(
+                    valid,
+                    lt,
+                    owner,
+                    facts,
+                    observed,
+                    fb,
+                    &budget,
+                    last_slot,
+                    [&database, &secrets.broker],
+                );
+            }
+        }
         let successor = observed.claim == Claim::Released;
         let planned = provision::plan(&plan, owner, facts, successor);
         let describe = |o: Option<Origin>| match o {
@@ -238,6 +287,7 @@ pub(super) fn decide(
                 }),
                 take_snapshot,
                 backfill: false,
+                fallback: FallbackWrite::Clear,
                 next: Next::Soon,
             };
         }
@@ -270,6 +320,45 @@ pub(super) fn decide(
         slot = kept_slot;
     }
 
+    let ready = availability(valid, observed);
+    let monitoring = monitoring_cond(valid, observed);
+    let mut conditions = vec![
+        ready,
+        Cond::no(
+            CONDITION_DEGRADED,
+            "AsExpected",
+            "the relay runs as specified",
+        ),
+        database,
+        secrets.broker.clone(),
+        monitoring,
+    ];
+    conditions.extend(slot_cond);
+    conditions.extend(failover);
+    if let Some(budget) = valid.mode.log_tailing().and_then(|l| l.budget) {
+        conditions.push(Cond::no(
+            CONDITION_POLLING_FALLBACK,
+            "WithinBudget",
+            format!(
+                "the relay tails the log; if its slot retains more than {} of WAL (spec.mode.logTailing.maxRetainedWal), it polls the table instead and the slot is dropped",
+                bytes_for_people(budget.max_retained_wal)
+            ),
+        ));
+    }
+    Decision {
+        conditions,
+        provision: actions,
+        apply_children: true,
+        slot,
+        take_snapshot: false,
+        backfill: false,
+        fallback: FallbackWrite::Clear,
+        next: Next::Refresh,
+    }
+}
+
+/// `Ready` from the Deployment's available pods.
+fn availability(valid: &ValidRelay, observed: &Observed) -> Cond {
     let wanted = valid.effective_replicas();
     let available = observed
         .children
@@ -278,7 +367,7 @@ pub(super) fn decide(
         .and_then(|d| d.status.as_ref())
         .and_then(|s| s.available_replicas)
         .unwrap_or(0);
-    let ready = if wanted == 0 {
+    if wanted == 0 {
         Cond::no(
             CONDITION_READY,
             "ScaledToZero",
@@ -299,8 +388,12 @@ pub(super) fn decide(
                 valid.name
             ),
         )
-    };
-    let monitoring = if observed.monitoring {
+    }
+}
+
+/// `MonitoringReady`.
+fn monitoring_cond(valid: &ValidRelay, observed: &Observed) -> Cond {
+    if observed.monitoring {
         let what = if valid.alerting.enabled {
             "ServiceMonitor and PrometheusRule applied"
         } else {
@@ -315,29 +408,146 @@ pub(super) fn decide(
                 "the {MONITORING_API_VERSION} ServiceMonitor and PrometheusRule CRDs are not installed: no scrape config or alerts were created (`outbox-operator render` prints them)"
             ),
         )
+    }
+}
+
+/// A log-tailing relay whose slot passed its WAL budget, while it polls: the back-fill
+/// relay (polling the same table, which with `deleteAfterPublish` holds exactly the rows
+/// not yet published) replaces the log-tailing one, and once no pod tails the log any
+/// more the slot is dropped, so it retains nothing. The publication and its marker stay
+/// (the slot name stays claimed, and the finalizer still finds what to drop).
+#[allow(clippy::too_many_arguments)]
+fn fall_back(
+    valid: &ValidRelay,
+    lt: &admin::SlotPlan,
+    owner: &Owner,
+    facts: &admin::Facts,
+    observed: &Observed,
+    mut fallback: FallbackStatus,
+    budget: &WalBudget,
+    last_slot: Option<&SlotStatus>,
+    conds: [&Cond; 2],
+) -> Decision {
+    let children = &observed.children;
+    // Only once every pod polls: a walsender of a log-tailing pod still running would
+    // be terminated mid-stream, and the pod would retry against a slot that is gone.
+    let polling_only = children.runs_polling && children.settled;
+    let slot_exists = facts.slot.is_some();
+    fallback.slot_dropped = !slot_exists;
+    let provision = if slot_exists && polling_only {
+        vec![Action::DropSlotOverBudget {
+            slot: lt.slot.clone(),
+            publication: lt.publication.clone(),
+            owner: owner.clone(),
+        }]
+    } else {
+        Vec::new()
     };
-    let mut conditions = vec![
-        ready,
-        Cond::no(
-            CONDITION_DEGRADED,
-            "AsExpected",
-            "the relay runs as specified",
+    let retained = bytes_for_people(u64::try_from(fallback.retained_wal_bytes).unwrap_or(0));
+    let max = bytes_for_people(budget.max_retained_wal);
+    let (slot_reason, slot_message) = match (slot_exists, polling_only) {
+        (false, _) => (
+            "DroppedOverBudget",
+            format!(
+                "replication slot {} was dropped after it retained {retained} of WAL (budget {max}); it is created again when the relay returns to log tailing",
+                lt.slot
+            ),
         ),
-        database,
-        secrets.broker.clone(),
-        monitoring,
+        (true, true) => (
+            "DroppingOverBudget",
+            format!(
+                "replication slot {} retained {retained} of WAL (budget {max}); no pod tails the log any more, so it is dropped now",
+                lt.slot
+            ),
+        ),
+        (true, false) => (
+            "DroppingOverBudget",
+            format!(
+                "replication slot {} retained {retained} of WAL (budget {max}); it is dropped once the polling relay has replaced the log-tailing one",
+                lt.slot
+            ),
+        ),
+    };
+    let return_after = humantime::format_duration(budget.return_after);
+    let message = format!(
+        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once no row older than {DRAINED_AGE_SECONDS}s waits and at least {return_after} have passed",
+        lt.slot, fallback.since
+    );
+    let conditions = vec![
+        availability(valid, observed),
+        Cond::yes(CONDITION_DEGRADED, "FellBackToPolling", message.clone()),
+        conds[0].clone(),
+        conds[1].clone(),
+        monitoring_cond(valid, observed),
+        Cond::no(CONDITION_SLOT_READY, slot_reason, slot_message),
+        Cond::yes(CONDITION_POLLING_FALLBACK, "WalBudgetExceeded", message),
     ];
-    conditions.extend(slot_cond);
-    conditions.extend(failover);
+    let slot = last_slot.cloned().unwrap_or_else(|| SlotStatus {
+        name: lt.slot.clone(),
+        publication: Some(lt.publication.clone()),
+        ..SlotStatus::default()
+    });
     Decision {
         conditions,
-        provision: actions,
+        provision,
         apply_children: true,
-        slot,
+        // Keep the names for the finalizer (the publication stays); no handover is
+        // under way.
+        slot: Some(SlotStatus {
+            handover_snapshot: None,
+            ..slot
+        }),
         take_snapshot: false,
-        backfill: false,
-        next: Next::Refresh,
+        backfill: true,
+        next: if slot_exists {
+            Next::Soon
+        } else {
+            Next::Refresh
+        },
+        fallback: FallbackWrite::Set(fallback),
     }
+}
+
+/// Whether a relay that fell back to polling may return to log tailing: its slot is
+/// gone (the fall back completed), `returnAfter` has passed since, and the backlog is
+/// drained (no row older than [`DRAINED_AGE_SECONDS`] waits, or none at all where the
+/// table has no `createdAt` column), so the broker takes events again. The return is
+/// the switch from polling to log tailing: the slot is created while the polling relay
+/// runs, and log tailing starts once every row committed before it is published.
+fn return_due(
+    fallback: &FallbackStatus,
+    budget: &WalBudget,
+    facts: &admin::Facts,
+    observed: &Observed,
+) -> bool {
+    let since = fallback.since.parse::<k8s_openapi::jiff::Timestamp>().ok();
+    let waited = since.is_some_and(|since| {
+        observed
+            .now
+            .duration_since(since)
+            .try_into()
+            .is_ok_and(|d: std::time::Duration| d >= budget.return_after)
+    });
+    let drained = facts.backlog.is_some_and(|b| match b.oldest_age_seconds {
+        Some(age) => age <= DRAINED_AGE_SECONDS,
+        None => b.rows == 0,
+    });
+    fallback.slot_dropped && facts.slot.is_none() && waited && drained
+}
+
+/// Bytes for messages: `512 B`, `8.0 MiB`, `1.5 GiB`.
+fn bytes_for_people(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
 
 /// Whether the slot survives the promotion of a standby: a PostgreSQL 17+ failover
@@ -511,6 +721,7 @@ fn backfill_first(
         slot: Some(slot),
         take_snapshot,
         backfill,
+        fallback: FallbackWrite::Clear,
         next: Next::Soon,
     })
 }
@@ -549,6 +760,7 @@ pub(super) fn provisioning_failed(
 ) -> Decision {
     let message =
         format!("creating or dropping the replication slot or publication failed: {error}");
+    let fallback = decision.fallback.clone();
     let mut conditions: Vec<Cond> = decision
         .conditions
         .into_iter()
@@ -574,6 +786,7 @@ pub(super) fn provisioning_failed(
         slot: last_slot.cloned(),
         take_snapshot: false,
         backfill: false,
+        fallback,
         next: Next::Refresh,
     }
 }
@@ -600,6 +813,7 @@ fn invalid(problems: &[Problem], slot: Option<SlotStatus>, next: Next) -> Decisi
         slot,
         take_snapshot: false,
         backfill: false,
+        fallback: FallbackWrite::Keep,
         next,
     }
 }
@@ -624,6 +838,7 @@ fn not_ready(
         slot,
         take_snapshot: false,
         backfill: false,
+        fallback: FallbackWrite::Keep,
         next,
     }
 }

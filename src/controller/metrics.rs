@@ -17,6 +17,13 @@ struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SwitchLabels {
+    namespace: String,
+    relay: String,
+    to: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabel {
     category: &'static str,
 }
@@ -31,6 +38,7 @@ pub struct Metrics {
     leader: Gauge,
     orphaned_slots: Gauge,
     duration: Histogram,
+    switches: Family<SwitchLabels, Counter>,
     // Plain copies for callers that embed the controller (tests) and want a number
     // without parsing the text format.
     reconciles_total: AtomicU64,
@@ -53,6 +61,12 @@ impl Metrics {
         let leader = Gauge::default();
         let orphaned_slots = Gauge::default();
         let duration = Histogram::new(exponential_buckets(0.005, 2.0, 12));
+        let switches = Family::<SwitchLabels, Counter>::default();
+        registry.register(
+            "wal_budget_switches",
+            "Switches of log-tailing relays past their WAL budget (spec.mode.logTailing.maxRetainedWal): to=polling when one fell back, to=logTailing when it returned",
+            switches.clone(),
+        );
         registry.register(
             "reconciles",
             "Reconciles of OutboxRelays, by result",
@@ -91,6 +105,7 @@ impl Metrics {
             leader,
             orphaned_slots,
             duration,
+            switches,
             reconciles_total: AtomicU64::new(0),
             writes_total: AtomicU64::new(0),
         }
@@ -104,6 +119,17 @@ impl Metrics {
             self.errors.get_or_create(&CategoryLabel { category }).inc();
         }
         self.reconciles_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A relay switched past its WAL budget: `to` is `polling` or `logTailing`.
+    pub(crate) fn switched(&self, namespace: &str, relay: &str, to: &'static str) {
+        self.switches
+            .get_or_create(&SwitchLabels {
+                namespace: namespace.to_owned(),
+                relay: relay.to_owned(),
+                to,
+            })
+            .inc();
     }
 
     pub(crate) fn wrote(&self) {

@@ -56,6 +56,9 @@ pub(super) struct ChildrenSeen {
     /// The Deployment's pods poll (its mode annotation says so; Deployments made before
     /// the annotation: a rolling update strategy, as only polling has).
     pub runs_polling: bool,
+    /// The Deployment's rollout is complete, whatever its template: every pod runs it
+    /// and no pod of an older template is left (false without a Deployment).
+    pub settled: bool,
     /// The ConfigMap and the Service as read (the apply compares them with what it
     /// would send, instead of reading them again).
     pub config_map: Option<ConfigMap>,
@@ -90,6 +93,11 @@ pub(super) struct Observed {
     pub children: ChildrenSeen,
     /// ServiceMonitor and PrometheusRule are served.
     pub monitoring: bool,
+    /// The fall back to polling status recorded (a log-tailing relay past its WAL
+    /// budget).
+    pub fallback: Option<crate::api::FallbackStatus>,
+    /// When it was observed.
+    pub now: k8s_openapi::jiff::Timestamp,
 }
 
 /// Reads everything a parsed relay's decision needs. Writes nothing.
@@ -124,6 +132,8 @@ pub(super) async fn observe(
         claim,
         children,
         monitoring,
+        fallback: relay.status.as_ref().and_then(|s| s.fallback.clone()),
+        now: k8s_openapi::jiff::Timestamp::now(),
     })
 }
 
@@ -343,6 +353,7 @@ async fn children(
     let rolled_out = deployment
         .as_ref()
         .is_none_or(|d| rolled_out(d, &desired.deployment));
+    let settled = deployment.as_ref().is_some_and(settled);
     let runs_polling = deployment.as_ref().is_some_and(|d| {
         match d
             .annotations()
@@ -361,6 +372,7 @@ async fn children(
     Ok(ChildrenSeen {
         rolled_out,
         runs_polling,
+        settled,
         deployment,
         config_map,
         service,
@@ -368,7 +380,7 @@ async fn children(
 }
 
 /// Whether `seen` runs `desired`'s config hash in every pod: the same template hash,
-/// the rollout observed, every replica updated and no other replica left.
+/// and the rollout [`settled`].
 fn rolled_out(seen: &Deployment, desired: &Deployment) -> bool {
     let hash = |d: &Deployment| {
         d.spec
@@ -377,13 +389,17 @@ fn rolled_out(seen: &Deployment, desired: &Deployment) -> bool {
             .and_then(|m| m.annotations.as_ref())
             .and_then(|a| a.get(crate::resources::CONFIG_HASH_ANNOTATION).cloned())
     };
+    hash(seen).is_some() && hash(seen) == hash(desired) && settled(seen)
+}
+
+/// Whether `seen`'s rollout is complete: observed, every replica updated and no other
+/// replica left.
+fn settled(seen: &Deployment) -> bool {
     let Some(status) = seen.status.as_ref() else {
         return false;
     };
     let want = seen.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-    hash(seen).is_some()
-        && hash(seen) == hash(desired)
-        && status.observed_generation >= seen.metadata.generation
+    status.observed_generation >= seen.metadata.generation
         && status.updated_replicas.unwrap_or(0) == want
         && status.replicas.unwrap_or(0) == want
 }

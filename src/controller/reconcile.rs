@@ -22,7 +22,7 @@ use super::database::{self, Cleanup};
 use super::status::{CONDITION_READY, Cond, differs, find, merge};
 use super::{Context, Error, FINALIZER};
 use super::{decide, observe, protect};
-use crate::api::{OutboxRelay, OutboxRelayStatus, SlotStatus};
+use crate::api::{FallbackStatus, OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::resources::{
     ChildKind, Desired, FIELD_MANAGER, annotate_secret_versions, build, children_selector,
     relay_object_name, selector_labels,
@@ -229,12 +229,38 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             _ => None,
         })
         .collect();
+    let drops_over_budget = decision.provision.iter().any(|a| {
+        matches!(
+            a,
+            crate::postgres::provision::Action::DropSlotOverBudget { .. }
+        )
+    });
     match database::provision(relay, &decision.provision, ctx).await {
         Err(err) => {
             warn!(relay = %relay.name_any(), error = %err, "creating or dropping the slot or publication failed");
             decision = decide::provisioning_failed(decision, last_slot.as_ref(), &err);
         }
         Ok(()) => {
+            if drops_over_budget
+                && let decide::FallbackWrite::Set(fallback) = &mut decision.fallback
+            {
+                fallback.slot_dropped = true;
+                let slot = decision
+                    .slot
+                    .as_ref()
+                    .map(|s| s.name.clone())
+                    .unwrap_or_default();
+                ctx.publish(
+                    relay,
+                    EventType::Normal,
+                    "SlotDroppedOverBudget",
+                    format!(
+                        "no pod tails the log any more: dropped replication slot {slot}, which retained {} bytes of WAL, past spec.mode.logTailing.maxRetainedWal; the relay polls until it returns to log tailing",
+                        fallback.retained_wal_bytes
+                    ),
+                )
+                .await;
+            }
             for (slot, publication) in dropped {
                 ctx.publish(
                     relay,
@@ -275,20 +301,57 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             }
         }
     }
-    // Rows committed before a new slot are published by the back-fill relay first.
+    // The fall back to polling past the WAL budget, and the return: an Event each and
+    // the switch counted.
+    let was_falling_back = observed.as_ref().is_some_and(|o| o.fallback.is_some());
+    let tails = parsed
+        .as_ref()
+        .is_ok_and(|v| v.mode.log_tailing().is_some());
+    let (namespace, name) = (relay.namespace().unwrap_or_default(), relay.name_any());
+    match &decision.fallback {
+        decide::FallbackWrite::Set(fallback) if !was_falling_back => {
+            ctx.metrics.switched(&namespace, &name, "polling");
+            ctx.publish(
+                relay,
+                EventType::Warning,
+                "FellBackToPolling",
+                format!(
+                    "the replication slot retained {} bytes of WAL, past spec.mode.logTailing.maxRetainedWal: a polling relay replaces the log-tailing one, and the slot is dropped once no pod tails the log",
+                    fallback.retained_wal_bytes
+                ),
+            )
+            .await;
+        }
+        decide::FallbackWrite::Clear if was_falling_back && tails => {
+            ctx.metrics.switched(&namespace, &name, "logTailing");
+            ctx.publish(
+                relay,
+                EventType::Normal,
+                "ReturningToLogTailing",
+                "the backlog is drained: the replication slot is created again while the polling relay runs, and log tailing takes over once every row committed before it is published".to_owned(),
+            )
+            .await;
+        }
+        _ => {}
+    }
+    let falling_back = matches!(decision.fallback, decide::FallbackWrite::Set(_));
+    // Rows committed before a new slot are published by the back-fill relay first; the
+    // same polling relay runs while a relay falls back past its WAL budget.
     if decision.backfill
         && let (Ok(valid), Some(observed)) = (&parsed, &observed)
         && let Some(fill) = valid.backfill()
     {
         let mut desired = build(&fill, &ctx.options)?;
         annotate_secret_versions(&mut desired.deployment, &observed.secrets.versions);
-        ctx.publish(
-            relay,
-            EventType::Normal,
-            "BackfillingBeforeLogTailing",
-            "rows committed before the replication slot was created are in the table: a polling relay publishes them first, then log tailing takes over".to_owned(),
-        )
-        .await;
+        if !falling_back {
+            ctx.publish(
+                relay,
+                EventType::Normal,
+                "BackfillingBeforeLogTailing",
+                "rows committed before the replication slot was created are in the table: a polling relay publishes them first, then log tailing takes over".to_owned(),
+            )
+            .await;
+        }
         built = Some(desired);
     }
     let handing_over = decision.apply_children
@@ -314,7 +377,12 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         slot.protected_secrets = protected;
     }
     let before_status = Instant::now();
-    update_status(relay, ctx, decision.conditions, decision.slot).await?;
+    let fallback = match decision.fallback {
+        decide::FallbackWrite::Keep => observed.as_ref().and_then(|o| o.fallback.clone()),
+        decide::FallbackWrite::Set(fallback) => Some(fallback),
+        decide::FallbackWrite::Clear => None,
+    };
+    update_status(relay, ctx, decision.conditions, decision.slot, fallback).await?;
     debug!(
         status_ms = before_status.elapsed().as_millis(),
         "status updated"
@@ -676,6 +744,7 @@ async fn update_status(
     ctx: &Context,
     conditions: Vec<Cond>,
     slot: Option<SlotStatus>,
+    fallback: Option<FallbackStatus>,
 ) -> Result<(), Error> {
     // The cache may not hold this controller's last status write yet (a pass triggered
     // by a child right after it): what it wrote last is what the API server holds,
@@ -708,6 +777,7 @@ async fn update_status(
             handover_snapshot: s.handover_snapshot,
             ..SlotStatus::default()
         }),
+        fallback,
         ..OutboxRelayStatus::default()
     };
     let event = ready_transition(current, &conditions);
@@ -722,7 +792,9 @@ async fn update_status(
         })
     };
     let stale = |s: Option<&OutboxRelayStatus>| {
-        differs(s, &desired) || slot_names(s) != slot_names(Some(&desired))
+        differs(s, &desired)
+            || slot_names(s) != slot_names(Some(&desired))
+            || s.and_then(|s| s.fallback.as_ref()) != desired.fallback.as_ref()
     };
     if stale(current) || stale(cached) {
         let namespace = relay.namespace().unwrap_or_default();

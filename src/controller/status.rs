@@ -20,6 +20,9 @@ pub const CONDITION_BROKER_READY: &str = "BrokerReady";
 pub const CONDITION_SLOT_READY: &str = "SlotReady";
 /// Whether the log-tailing slot survives the promotion of a standby.
 pub const CONDITION_FAILOVER_READY: &str = "FailoverReady";
+/// Log tailing with a WAL budget: whether the relay polls because its slot passed
+/// `spec.mode.logTailing.maxRetainedWal`.
+pub const CONDITION_POLLING_FALLBACK: &str = "PollingFallback";
 /// Whether the ServiceMonitor and PrometheusRule could be created.
 pub const CONDITION_MONITORING_READY: &str = "MonitoringReady";
 

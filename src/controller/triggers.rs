@@ -44,6 +44,10 @@ pub(super) fn relay_trigger(relay: &OutboxRelay) -> Option<u64> {
         slot.protected_secrets.hash(&mut hasher);
         slot.handover_snapshot.hash(&mut hasher);
     }
+    if let Some(fallback) = relay.status.as_ref().and_then(|s| s.fallback.as_ref()) {
+        fallback.since.hash(&mut hasher);
+        fallback.slot_dropped.hash(&mut hasher);
+    }
     Some(hasher.finish())
 }
 

@@ -51,6 +51,17 @@ pub enum Action {
         /// it, so it survives a promotion.
         failover: bool,
     },
+    /// Drop the slot of a relay that fell back to polling past its WAL budget (no pod
+    /// streams it any more), provided the publication's marker is `owner`'s; the
+    /// publication stays.
+    DropSlotOverBudget {
+        /// Slot name.
+        slot: String,
+        /// Publication name (its marker is checked).
+        publication: String,
+        /// Whose the slot must be.
+        owner: Owner,
+    },
     /// Drop the slot and publication of a relay that no longer tails the log, as the
     /// finalizer does: only what the marker says the operator created for `owner`.
     DropOwned {
@@ -212,6 +223,17 @@ pub async fn execute(client: &Client, actions: &[Action]) -> Result<(), PgError>
             } => {
                 super::admin::drop_owned(client, slot, publication, owner).await?;
             }
+            Action::DropSlotOverBudget {
+                slot,
+                publication,
+                owner,
+            } => {
+                if !super::admin::drop_slot_over_budget(client, slot, publication, owner).await? {
+                    return Err(PgError::Replication(format!(
+                        "replication slot {slot} was not dropped: publication {publication} no longer carries this relay's marker"
+                    )));
+                }
+            }
             Action::CreateSlot { slot, failover } => {
                 // (slot_name, plugin, temporary, twophase, failover): the fifth argument
                 // exists from PostgreSQL 17 on.
@@ -296,6 +318,7 @@ mod tests {
                 plugin: Some("pgoutput".into()),
                 slot_type: "logical".into(),
                 failover: None,
+                retained_wal_bytes: None,
             }),
             publication: publication.map(|comment| PublicationFacts {
                 publishes_insert: true,
@@ -304,6 +327,7 @@ mod tests {
             }),
             unpublished_before_slot: None,
             other_markers: Vec::new(),
+            backlog: None,
         }
     }
 

@@ -210,6 +210,17 @@ pub struct LogTailing {
     pub delete_after_publish: bool,
     /// The reconciliation sweep, when configured.
     pub sweep: Option<Sweep>,
+    /// The WAL budget, when configured.
+    pub budget: Option<WalBudget>,
+}
+
+/// The WAL budget of a log-tailing relay: past it, the relay polls and the slot goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WalBudget {
+    /// Retained WAL, bytes, beyond which the relay falls back to polling.
+    pub max_retained_wal: u64,
+    /// The least time on polling before log tailing is tried again.
+    pub return_after: Duration,
 }
 
 /// The reconciliation sweep of a log-tailing relay.

@@ -16,6 +16,10 @@ use crate::rules::{
     default_slot_name,
 };
 
+/// How long a relay that fell back to polling polls at least, unless
+/// `spec.mode.logTailing.returnAfter` says otherwise.
+pub const DEFAULT_RETURN_AFTER: Duration = Duration::from_secs(300);
+
 /// Parses an OutboxRelay: every rule of the spec, all problems at once.
 pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
     let mut p = Problems(Vec::new());
@@ -262,12 +266,63 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                         older_than: older_than.unwrap_or_default(),
                     }
                 });
+                let budget = l.max_retained_wal.as_ref().map(|max| {
+                    if !l.delete_after_publish {
+                        p.push(
+                            "spec.mode.logTailing.maxRetainedWal",
+                            "needs deleteAfterPublish: the fall back to polling finds the rows not yet published only when published rows leave the table",
+                            "set deleteAfterPublish: true, or remove maxRetainedWal",
+                        );
+                    }
+                    let bytes = match parse_bytes(max) {
+                        Ok(0) => {
+                            p.push(
+                                "spec.mode.logTailing.maxRetainedWal",
+                                "is zero",
+                                "choose a positive size such as 10Gi",
+                            );
+                            0
+                        }
+                        Ok(bytes) => bytes,
+                        Err(e) => {
+                            p.push(
+                                "spec.mode.logTailing.maxRetainedWal",
+                                e.to_string(),
+                                "write a quantity such as 512Mi or 10Gi",
+                            );
+                            0
+                        }
+                    };
+                    let return_after = l.return_after.as_deref().map_or(
+                        Some(DEFAULT_RETURN_AFTER),
+                        |text| {
+                            duration(
+                                &mut p,
+                                "spec.mode.logTailing.returnAfter",
+                                text,
+                                Duration::from_secs(1),
+                            )
+                        },
+                    );
+                    crate::spec::WalBudget {
+                        max_retained_wal: bytes,
+                        return_after: return_after.unwrap_or_default(),
+                    }
+                });
+                if l.return_after.is_some() && l.max_retained_wal.is_none() {
+                    p.push(
+                        "spec.mode.logTailing.returnAfter",
+                        "has no effect without maxRetainedWal",
+                        "set maxRetainedWal too, or remove returnAfter",
+                    );
+                }
                 Some(ValidMode::LogTailing(LogTailing {
                     slot,
                     publication,
                     heartbeat: heartbeat.unwrap_or_default(),
                     delete_after_publish: l.delete_after_publish,
                     sweep,
+                    budget,
                 }))
             }
             None => None,

@@ -153,6 +153,20 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "a WAL budget without deleteAfterPublish, zero, and a bad returnAfter",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {deleteAfterPublish: false, maxRetainedWal: \"0Mi\", returnAfter: 10ms}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &[
+            "spec.mode.logTailing.maxRetainedWal",
+            "spec.mode.logTailing.maxRetainedWal",
+            "spec.mode.logTailing.returnAfter",
+        ],
+    ),
+    (
+        "returnAfter without a budget",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {returnAfter: 10m}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.mode.logTailing.returnAfter"],
+    ),
+    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[
@@ -314,4 +328,21 @@ fn cloud_events_name_the_relay_as_their_source_by_default() {
     assert_eq!(ce.source, "/outboxrelays/shop/orders");
     assert_eq!(ce.data_content_type, "application/json");
     assert_eq!(ce.mode, crate::api::CloudEventsMode::Binary);
+}
+
+#[test]
+fn a_wal_budget_parses_with_its_default_return() {
+    let valid = parse(&with_spec(
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {maxRetainedWal: 10Gi}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let budget = valid.mode.log_tailing().and_then(|l| l.budget).unwrap();
+    assert_eq!(budget.max_retained_wal, 10 << 30);
+    assert_eq!(budget.return_after, Duration::from_secs(300));
+    let valid = parse(&with_spec(
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {maxRetainedWal: 64Mi, returnAfter: 30s}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let budget = valid.mode.log_tailing().and_then(|l| l.budget).unwrap();
+    assert_eq!(budget.return_after, Duration::from_secs(30));
 }

@@ -53,6 +53,16 @@ impl ControllerProcess {
     /// Lease of its own (`lease`) in `lease_namespace`, so that it never competes with
     /// another test's controller.
     pub fn start(namespace: Option<&str>, lease: &str, lease_namespace: &str) -> Self {
+        Self::start_with_env(namespace, lease, lease_namespace, &[])
+    }
+
+    /// [`Self::start`] with extra environment (`OUTBOX_STATUS_INTERVAL`, …).
+    pub fn start_with_env(
+        namespace: Option<&str>,
+        lease: &str,
+        lease_namespace: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let rig = Rig::load();
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let log_path = dir.path().join("controller.log");
@@ -79,6 +89,7 @@ impl ControllerProcess {
         if let Some(namespace) = namespace {
             command.args(["--namespace", namespace]);
         }
+        command.envs(env.iter().copied());
         let child = command
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start the controller binary: {e}"));

@@ -13,3 +13,4 @@ mod e2e_backfill;
 mod e2e_examples;
 mod e2e_operator;
 mod e2e_pod_runner;
+mod e2e_wal_budget;

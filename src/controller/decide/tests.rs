@@ -81,6 +81,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             plugin: Some("pgoutput".into()),
             slot_type: "logical".into(),
             failover: None,
+            retained_wal_bytes: None,
         }),
         publication: publication.map(|comment| PublicationFacts {
             publishes_insert: true,
@@ -89,6 +90,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
         }),
         unpublished_before_slot: None,
         other_markers: Vec::new(),
+        backlog: None,
     }))
 }
 
@@ -108,6 +110,8 @@ fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Obs
             ..ChildrenSeen::default()
         },
         monitoring: false,
+        fallback: None,
+        now: "2026-12-05T10:00:00Z".parse().unwrap(),
     }
 }
 
@@ -567,4 +571,214 @@ fn slots_are_created_as_failover_slots_where_the_server_has_them() {
             "{version}: {d:?}"
         );
     }
+}
+
+fn budgeted(max: &str, return_after: &str) -> OutboxRelay {
+    let mut r = relay("logTailing", 1);
+    let lt = r.spec.mode.log_tailing.as_mut().unwrap();
+    lt.max_retained_wal = Some(max.into());
+    lt.return_after = Some(return_after.into());
+    r
+}
+
+fn with_slot(database: &mut DatabaseSeen, retained: Option<i64>) {
+    if let DatabaseSeen::Seen(f) = database {
+        f.slot = retained.map(|r| SlotFacts {
+            database: Some("shop".into()),
+            plugin: Some("pgoutput".into()),
+            slot_type: "logical".into(),
+            failover: None,
+            retained_wal_bytes: Some(r),
+        });
+    }
+}
+
+fn cond<'a>(d: &'a Decision, type_: &str) -> (&'a str, &'a str) {
+    let c = d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap_or_else(|| panic!("no {type_} in {d:?}"));
+    (if c.status { "True" } else { "False" }, c.reason)
+}
+
+#[test]
+fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_once_drained() {
+    let r = budgeted("8Mi", "1m");
+    let last = slot_status("outbox_shop_orders");
+    let mut database = facts("logical", Some(Some(our_marker())), true);
+    // Within the budget: log tailing as usual, the condition says what would happen.
+    with_slot(&mut database, Some(8 << 20));
+    let mut o = observed(secrets_ok(), database.clone(), 1);
+    let d = run(&r, Some(&last), Some(&o));
+    assert!(
+        d.apply_children && !d.backfill && d.provision.is_empty(),
+        "{d:?}"
+    );
+    assert_eq!(d.fallback, FallbackWrite::Clear);
+    assert_eq!(
+        cond(&d, CONDITION_POLLING_FALLBACK),
+        ("False", "WithinBudget")
+    );
+
+    // Past it: the polling relay is applied; the slot stays while a log-tailing pod
+    // may still stream it.
+    with_slot(&mut database, Some((8 << 20) + 1));
+    o.database = database.clone();
+    let d = run(&r, Some(&last), Some(&o));
+    let FallbackWrite::Set(fb) = &d.fallback else {
+        panic!("{d:?}")
+    };
+    assert_eq!(fb.since, "2026-12-05T10:00:00Z");
+    assert_eq!(fb.retained_wal_bytes, (8 << 20) + 1);
+    assert!(!fb.slot_dropped);
+    assert!(
+        d.apply_children && d.backfill && d.provision.is_empty(),
+        "{d:?}"
+    );
+    assert_eq!(
+        cond(&d, CONDITION_POLLING_FALLBACK),
+        ("True", "WalBudgetExceeded")
+    );
+    assert_eq!(cond(&d, CONDITION_DEGRADED), ("True", "FellBackToPolling"));
+    assert_eq!(
+        cond(&d, CONDITION_SLOT_READY),
+        ("False", "DroppingOverBudget")
+    );
+    assert_eq!(ready(&d), ("True", "RelayAvailable"));
+    assert_eq!(d.next, Next::Soon);
+    assert_eq!(
+        d.slot,
+        Some(last.clone()),
+        "the names stay for the finalizer"
+    );
+
+    // Recorded; the polling pods run but the rollout is not complete: still no drop.
+    o.fallback = Some(fb.clone());
+    o.children.runs_polling = true;
+    let d = run(&r, Some(&last), Some(&o));
+    assert!(d.provision.is_empty(), "{d:?}");
+    assert_eq!(d.fallback, FallbackWrite::Set(fb.clone()), "since is kept");
+    // Every pod polls: the slot is dropped (only it; the publication stays).
+    o.children.settled = true;
+    let d = run(&r, Some(&last), Some(&o));
+    assert_eq!(
+        d.provision,
+        vec![Action::DropSlotOverBudget {
+            slot: "outbox_shop_orders".into(),
+            publication: "outbox_shop_orders".into(),
+            owner: owner(),
+        }]
+    );
+
+    // Slot gone, but returnAfter has not passed: keep polling, create nothing.
+    with_slot(&mut database, None);
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.backlog = Some(crate::postgres::admin::BacklogFacts {
+            rows: 3,
+            oldest_age_seconds: Some(1),
+        });
+    }
+    o.database = database.clone();
+    let dropped = FallbackStatus {
+        slot_dropped: true,
+        ..fb.clone()
+    };
+    o.fallback = Some(dropped.clone());
+    o.now = "2026-12-05T10:00:59Z".parse().unwrap();
+    let d = run(&r, Some(&last), Some(&o));
+    assert!(d.provision.is_empty() && d.backfill, "{d:?}");
+    assert_eq!(d.fallback, FallbackWrite::Set(dropped.clone()));
+    assert_eq!(
+        cond(&d, CONDITION_SLOT_READY),
+        ("False", "DroppedOverBudget")
+    );
+    assert_eq!(d.next, Next::Refresh);
+
+    // Time has passed, but rows older than the drained age wait (the broker is down).
+    o.now = "2026-12-05T10:05:00Z".parse().unwrap();
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.backlog = Some(crate::postgres::admin::BacklogFacts {
+            rows: 20_000,
+            oldest_age_seconds: Some(DRAINED_AGE_SECONDS + 1),
+        });
+    }
+    o.database = database.clone();
+    assert!(matches!(
+        run(&r, Some(&last), Some(&o)).fallback,
+        FallbackWrite::Set(_)
+    ));
+    // Not measured: no return either.
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.backlog = None;
+    }
+    o.database = database.clone();
+    assert!(matches!(
+        run(&r, Some(&last), Some(&o)).fallback,
+        FallbackWrite::Set(_)
+    ));
+
+    // Drained: the return is the switch from polling, slot first, polling pods kept.
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.backlog = Some(crate::postgres::admin::BacklogFacts {
+            rows: 40,
+            oldest_age_seconds: Some(DRAINED_AGE_SECONDS),
+        });
+    }
+    o.database = database;
+    let d = run(&r, Some(&last), Some(&o));
+    assert_eq!(d.fallback, FallbackWrite::Clear);
+    assert!(
+        matches!(d.provision.last(), Some(Action::CreateSlot { .. })),
+        "{d:?}"
+    );
+    assert!(!d.apply_children && d.take_snapshot);
+    assert_eq!(ready(&d), ("False", "SwitchingToLogTailing"));
+}
+
+#[test]
+fn the_budget_is_not_checked_without_a_reading_and_a_missing_budget_returns_at_once() {
+    // No reading of the slot (a standby, a slot without WAL reserved): no fall back.
+    let r = budgeted("1Mi", "1m");
+    let database = facts("logical", Some(Some(our_marker())), true);
+    let o = observed(secrets_ok(), database, 1);
+    let d = run(&r, Some(&slot_status("outbox_shop_orders")), Some(&o));
+    assert_eq!(d.fallback, FallbackWrite::Clear);
+    // Falling back, and the budget removed from the spec: back to log tailing now.
+    let mut o = observed(
+        secrets_ok(),
+        facts("logical", Some(Some(our_marker())), false),
+        1,
+    );
+    o.children.runs_polling = true;
+    o.fallback = Some(FallbackStatus {
+        since: "2026-12-05T09:59:00Z".into(),
+        retained_wal_bytes: 1 << 21,
+        slot_dropped: true,
+    });
+    let d = run(
+        &relay("logTailing", 1),
+        Some(&slot_status("outbox_shop_orders")),
+        Some(&o),
+    );
+    assert_eq!(d.fallback, FallbackWrite::Clear);
+    assert!(d.take_snapshot, "{d:?}");
+    // An unreachable database keeps what status recorded.
+    let mut o = observed(
+        secrets_ok(),
+        DatabaseSeen::Unusable {
+            reason: "ConnectionFailed",
+            message: "refused".into(),
+        },
+        1,
+    );
+    o.fallback = Some(FallbackStatus::default());
+    assert_eq!(run(&r, None, Some(&o)).fallback, FallbackWrite::Keep);
+}
+
+#[test]
+fn bytes_read_as_people_write_them() {
+    assert_eq!(bytes_for_people(512), "512 B");
+    assert_eq!(bytes_for_people(8 << 20), "8.0 MiB");
+    assert_eq!(bytes_for_people(3 << 29), "1.5 GiB");
 }

@@ -304,6 +304,7 @@ mod tests {
             publication: None,
             unpublished_before_slot: None,
             other_markers: Vec::new(),
+            backlog: None,
         }
     }
 
@@ -390,6 +391,7 @@ mod tests {
             plugin: Some("pgoutput".to_owned()),
             slot_type: "logical".to_owned(),
             failover: None,
+            retained_wal_bytes: None,
         });
         assert!(first_failure(&evaluate(&plan, &f), Scope::Slot).is_none());
         f.slot = Some(SlotFacts {
@@ -397,6 +399,7 @@ mod tests {
             plugin: Some("test_decoding".to_owned()),
             slot_type: "logical".to_owned(),
             failover: None,
+            retained_wal_bytes: None,
         });
         let failed = evaluate(&plan, &f);
         let failed = first_failure(&failed, Scope::Slot).unwrap();

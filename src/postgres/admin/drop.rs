@@ -96,6 +96,34 @@ async fn drop_owned_locked(
     Ok(out)
 }
 
+/// Drops the slot of a relay that fell back to polling (its WAL budget was passed),
+/// whoever created it, provided the publication's marker still names `owner` and this
+/// slot; the publication and its marker stay, so the slot name stays claimed and the
+/// return to log tailing creates the slot again (then recorded as the operator's).
+/// Returns whether the slot is gone; `false` when the marker is not `owner`'s (nothing
+/// was dropped). Holds the publication's marker lock.
+pub async fn drop_slot_over_budget(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    owner: &Owner,
+) -> Result<bool, PgError> {
+    with_marker_lock(client, publication, async |client| {
+        let comment = current_comment(client, publication).await?;
+        let ours = comment
+            .as_ref()
+            .and_then(|c| c.as_deref())
+            .and_then(Marker::from_comment)
+            .is_some_and(|m| m.owner == *owner && m.slot == slot);
+        if !ours {
+            return Ok(false);
+        }
+        let (dropped, _) = drop_slot(client, slot).await?;
+        Ok(dropped)
+    })
+    .await
+}
+
 /// Drops a slot, terminating its walsender first when one is active. Returns (dropped,
 /// terminated a walsender). A slot already gone counts as dropped.
 async fn drop_slot(client: &Client, slot: &str) -> Result<(bool, bool), PgError> {

@@ -122,7 +122,9 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             .query_opt(
                 // `failover` exists from PostgreSQL 17 on: read through jsonb, NULL before.
                 "SELECT database::text, plugin::text, slot_type::text, \
-                        (to_jsonb(s) ->> 'failover')::bool \
+                        (to_jsonb(s) ->> 'failover')::bool, \
+                        CASE WHEN pg_is_in_recovery() THEN NULL \
+                             ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END \
                  FROM pg_replication_slots s WHERE slot_name = $1",
                 &[&lt.slot],
             )
@@ -133,6 +135,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 plugin: r.get(1),
                 slot_type: r.get(2),
                 failover: r.get(3),
+                retained_wal_bytes: r.get(4),
             });
         publication = read_publication(client, &lt.publication, plan).await?;
         other_markers = super::list_marked(client)
@@ -149,6 +152,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         publication,
         unpublished_before_slot: None,
         other_markers,
+        backlog: None,
     })
 }
 

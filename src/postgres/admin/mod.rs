@@ -37,7 +37,7 @@ mod slot;
 
 pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, backlog, backlog_sql, human_age};
 pub use checks::{evaluate, first_failure};
-pub use drop::{Dropped, database_is_gone, drop_owned, hand_over};
+pub use drop::{Dropped, database_is_gone, drop_owned, drop_slot_over_budget, hand_over};
 pub use facts::gather;
 pub use handover::{handover_snapshot, unpublished_before};
 pub use marker_lock::{current_comment, with_marker_lock};
@@ -393,6 +393,9 @@ pub struct SlotFacts {
     pub slot_type: String,
     /// Its `failover` flag (PostgreSQL 17+; `None` on older servers).
     pub failover: Option<bool>,
+    /// WAL it retains on the server, bytes (current WAL position minus `restart_lsn`;
+    /// `None` on a standby or before the slot reserved WAL).
+    pub retained_wal_bytes: Option<i64>,
 }
 
 /// An existing publication of that name.
@@ -423,6 +426,18 @@ pub struct Facts {
     /// Markers of *other* publications of this database that name the slot (another
     /// relay with the same `slotName` but its own publication).
     pub other_markers: Vec<Marker>,
+    /// While a log-tailing relay polls after passing its WAL budget: the rows waiting
+    /// (`None`: not measured).
+    pub backlog: Option<BacklogFacts>,
+}
+
+/// The rows waiting to be published, as the return from a fall back looks at them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BacklogFacts {
+    /// Rows waiting (at most the backlog query's limit).
+    pub rows: i64,
+    /// Age of the oldest, whole seconds (`None`: no `createdAt` column, or none waits).
+    pub oldest_age_seconds: Option<u64>,
 }
 
 #[cfg(test)]
