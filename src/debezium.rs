@@ -362,7 +362,7 @@ pub fn translate(
 
     let spec = OutboxRelaySpec {
         database: DatabaseSpec {
-            postgres: PostgresSpec {
+            postgres: Some(PostgresSpec {
                 connection_secret_ref: SecretKeyRef {
                     name: secret,
                     key: "uri".to_owned(),
@@ -371,7 +371,8 @@ pub fn translate(
                 ca_secret_ref: None,
                 client_cert_secret_ref: None,
                 client_key_secret_ref: None,
-            },
+            }),
+            database_ref: None,
         },
         table: TableSpec {
             schema,

@@ -4,6 +4,7 @@
 pub mod api;
 pub mod broker;
 pub mod check;
+pub mod cnpg;
 pub mod controller;
 pub mod debezium;
 pub mod error;

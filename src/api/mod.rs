@@ -186,12 +186,127 @@ fn default_replicas() -> i32 {
     2
 }
 
-/// The database holding the outbox table.
+/// The database holding the outbox table: `postgres` (a connection URL Secret) or
+/// `databaseRef` (a CloudNativePG cluster).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.postgres) != has(self.databaseRef)").message("spec.database: set exactly one of postgres and databaseRef"))]
 pub struct DatabaseSpec {
-    /// PostgreSQL (with `wal_level=logical` for log tailing).
-    pub postgres: PostgresSpec,
+    /// PostgreSQL reached through a connection URL Secret (with `wal_level=logical` for
+    /// log tailing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postgres: Option<PostgresSpec>,
+    /// A CloudNativePG `Cluster` (`postgresql.cnpg.io/v1`) in the relay's namespace,
+    /// instead of `postgres`: the relay connects as the cluster's application user
+    /// (the `uri` of its `<name>-app` Secret, which points at the `<name>-rw` Service),
+    /// over TLS verified (`verify-full`) against the cluster's CA (`ca.crt` of
+    /// `<name>-ca`). The controller checks the Cluster and its `-rw` Service exist and,
+    /// for log tailing, that the cluster keeps `wal_level = logical` and synchronises
+    /// logical slots to its standbys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database_ref: Option<DatabaseRef>,
+}
+
+impl DatabaseSpec {
+    /// How the relay reaches PostgreSQL: `postgres` as written, or what `databaseRef`
+    /// stands for (see [`DatabaseRef::connection`]). With neither, a reference to no
+    /// Secret, which the spec's checks refuse.
+    pub fn postgres(&self) -> PostgresSpec {
+        match (&self.postgres, &self.database_ref) {
+            (Some(pg), _) => pg.clone(),
+            (None, Some(r)) => r.connection(),
+            (None, None) => PostgresSpec {
+                connection_secret_ref: SecretKeyRef {
+                    name: String::new(),
+                    key: default_secret_key(),
+                },
+                ssl_mode: SslMode::default(),
+                ca_secret_ref: None,
+                client_cert_secret_ref: None,
+                client_key_secret_ref: None,
+            },
+        }
+    }
+}
+
+/// A PostgreSQL cluster managed by another operator.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DatabaseRef {
+    /// The kind of cluster: `Cluster` (CloudNativePG, `postgresql.cnpg.io/v1`).
+    #[serde(default)]
+    pub kind: DatabaseRefKind,
+    /// The cluster's name, in the relay's namespace.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// The Secret to connect with, by its `uri` key; default `<name>-app` (the
+    /// application user CloudNativePG creates). Name it when the Cluster bootstraps its
+    /// application user from a Secret of its own (`spec.bootstrap.initdb.secret.name`),
+    /// or to connect as the superuser (`<name>-superuser`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub secret_name: Option<String>,
+    /// The Secret holding the server's CA (`ca.crt`); default `<name>-ca`. Name it when
+    /// the Cluster brings its own (`spec.certificates.serverCASecret`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub ca_secret_name: Option<String>,
+}
+
+/// The kinds of cluster `databaseRef` can name.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DatabaseRefKind {
+    /// CloudNativePG's `Cluster` (`postgresql.cnpg.io/v1`).
+    #[default]
+    Cluster,
+}
+
+impl DatabaseRef {
+    /// The Secret the relay connects with (its `uri` key).
+    pub fn secret(&self) -> String {
+        self.secret_name
+            .clone()
+            .unwrap_or_else(|| format!("{}-app", self.name))
+    }
+
+    /// The Secret holding the server's CA (its `ca.crt` key).
+    pub fn ca_secret(&self) -> String {
+        self.ca_secret_name
+            .clone()
+            .unwrap_or_else(|| format!("{}-ca", self.name))
+    }
+
+    /// The read-write Service the cluster's `uri` points at.
+    pub fn rw_service(&self) -> String {
+        format!("{}-rw", self.name)
+    }
+
+    /// The connection it stands for: the Secret's `uri`, TLS verified against the
+    /// cluster's CA (CloudNativePG's server certificates name the `-rw` Service).
+    pub fn connection(&self) -> PostgresSpec {
+        PostgresSpec {
+            connection_secret_ref: SecretKeyRef {
+                name: self.secret(),
+                key: "uri".to_owned(),
+            },
+            ssl_mode: SslMode::VerifyFull,
+            ca_secret_ref: Some(SecretKeyRef {
+                name: self.ca_secret(),
+                key: "ca.crt".to_owned(),
+            }),
+            client_cert_secret_ref: None,
+            client_key_secret_ref: None,
+        }
+    }
 }
 
 /// How to reach PostgreSQL.

@@ -45,7 +45,7 @@ pub(super) enum DatabaseSeen {
 
 /// Where the connection URL comes from, for messages (never the URL itself).
 fn secret_name(relay: &OutboxRelay) -> String {
-    let r = &relay.spec.database.postgres.connection_secret_ref;
+    let r = relay.spec.database.postgres().connection_secret_ref;
     format!("Secret {} key {}", r.name, r.key)
 }
 
@@ -90,7 +90,7 @@ pub(super) async fn read_connection(
     relay: &OutboxRelay,
     ctx: &Context,
 ) -> Result<Option<Conn>, kube::Error> {
-    let pg = &relay.spec.database.postgres;
+    let pg = relay.spec.database.postgres();
     let Some(url) = read_key(relay, &pg.connection_secret_ref, ctx).await? else {
         return Ok(None);
     };

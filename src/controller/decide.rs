@@ -16,8 +16,11 @@ use crate::resources::MONITORING_API_VERSION;
 use crate::spec::{Problem, Problems, ValidRelay, WalBudget};
 
 /// A relay that fell back to polling returns to log tailing only once no row older than
-/// this waits (the backlog is drained: the broker takes events again).
+/// this waits…
 pub(super) const DRAINED_AGE_SECONDS: u64 = 10;
+/// …and no more rows than one batch of the polling relay: the backlog is drained, so
+/// the broker takes events again (a broker still down leaves rows piling up).
+pub(super) const DRAINED_ROWS: i64 = 500;
 
 /// When to reconcile again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +98,36 @@ pub(super) fn decide(
     // finalizer reads it, and a slot does not vanish because its Secret did. After a
     // switch to polling it stays too, so deleting the relay still drops it.
     let kept_slot = last_slot.cloned();
+    // A CloudNativePG cluster that cannot be used says so first: its Secrets are
+    // CloudNativePG's, and a missing one follows from the cluster.
+    if let (Some(reference), Some(seen)) = (
+        valid.relay().spec.database.database_ref.as_ref(),
+        observed.cluster.as_ref(),
+    ) && let Some(problem) = crate::cnpg::problem(reference, seen, tailing)
+    {
+        let mut conds = vec![
+            Cond::no(
+                CONDITION_DATABASE_READY,
+                problem.reason,
+                problem.message.clone(),
+            ),
+            observed.secrets.broker.clone(),
+        ];
+        if tailing {
+            conds.push(Cond::no(
+                CONDITION_SLOT_READY,
+                "DatabaseNotReady",
+                format!("not checked: {}", problem.message),
+            ));
+        }
+        return not_ready(
+            problem.reason,
+            problem.message,
+            conds,
+            kept_slot,
+            Next::Refresh,
+        );
+    }
     let secrets = &observed.secrets;
     if !secrets.problems.is_empty() {
         return invalid(&secrets.problems, kept_slot, Next::SecretRetry);
@@ -254,7 +287,7 @@ pub(super) fn decide(
                 describe(planned.outcome.publication),
             ),
         ));
-        failover = Some(failover_cond(lt, facts));
+        failover = Some(failover_cond(lt, facts, cluster_facts(valid, observed)));
         slot = Some(SlotStatus {
             name: lt.slot.clone(),
             publication: Some(lt.publication.clone()),
@@ -470,7 +503,7 @@ fn fall_back(
     };
     let return_after = humantime::format_duration(budget.return_after);
     let message = format!(
-        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once no row older than {DRAINED_AGE_SECONDS}s waits and at least {return_after} have passed",
+        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once at most {DRAINED_ROWS} rows wait, none older than {DRAINED_AGE_SECONDS}s, and at least {return_after} have passed",
         lt.slot, fallback.since
     );
     let conditions = vec![
@@ -510,8 +543,9 @@ fn fall_back(
 
 /// Whether a relay that fell back to polling may return to log tailing: its slot is
 /// gone (the fall back completed), `returnAfter` has passed since, and the backlog is
-/// drained (no row older than [`DRAINED_AGE_SECONDS`] waits, or none at all where the
-/// table has no `createdAt` column), so the broker takes events again. The return is
+/// drained (at most [`DRAINED_ROWS`] rows wait and none older than
+/// [`DRAINED_AGE_SECONDS`], or none at all where the table has no `createdAt` column),
+/// so the broker takes events again. The return is
 /// the switch from polling to log tailing: the slot is created while the polling relay
 /// runs, and log tailing starts once every row committed before it is published.
 fn return_due(
@@ -528,9 +562,12 @@ fn return_due(
             .try_into()
             .is_ok_and(|d: std::time::Duration| d >= budget.return_after)
     });
-    let drained = facts.backlog.is_some_and(|b| match b.oldest_age_seconds {
-        Some(age) => age <= DRAINED_AGE_SECONDS,
-        None => b.rows == 0,
+    let drained = facts.backlog.is_some_and(|b| {
+        b.rows <= DRAINED_ROWS
+            && match b.oldest_age_seconds {
+                Some(age) => age <= DRAINED_AGE_SECONDS,
+                None => b.rows == 0,
+            }
     });
     fallback.slot_dropped && facts.slot.is_none() && waited && drained
 }
@@ -550,14 +587,40 @@ fn bytes_for_people(bytes: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// The CloudNativePG cluster behind the relay, when `databaseRef` names one that was
+/// found.
+fn cluster_facts<'a>(
+    valid: &'a ValidRelay,
+    observed: &'a Observed,
+) -> Option<(&'a crate::api::DatabaseRef, &'a crate::cnpg::ClusterFacts)> {
+    match (
+        valid.relay().spec.database.database_ref.as_ref(),
+        observed.cluster.as_ref(),
+    ) {
+        (Some(r), Some(crate::cnpg::ClusterSeen::Found { facts, .. })) => Some((r, facts)),
+        _ => None,
+    }
+}
+
 /// Whether the slot survives the promotion of a standby: a PostgreSQL 17+ failover
 /// slot that the standbys synchronise (the primary waits for the standby slots named in
 /// `synchronized_standby_slots` before logical decoding sends a change, so a promoted
 /// standby's copy of the slot is never behind what the relay confirmed). Only the
 /// primary is visible from here: the standbys' side (`sync_replication_slots`,
 /// `hot_standby_feedback`) is named in the message, not checked.
-fn failover_cond(lt: &admin::SlotPlan, facts: &admin::Facts) -> Cond {
+fn failover_cond(
+    lt: &admin::SlotPlan,
+    facts: &admin::Facts,
+    cluster: Option<(&crate::api::DatabaseRef, &crate::cnpg::ClusterFacts)>,
+) -> Cond {
     let server = &facts.server;
+    if server.has_failover_slots()
+        && let Some(gap) = cluster.and_then(|(r, f)| crate::cnpg::failover_gap(r, f))
+    {
+        // The standbys are the cluster's: its own settings say whether they keep the
+        // slot, whatever the primary shows.
+        return Cond::no(CONDITION_FAILOVER_READY, "ClusterSlotSyncOff", gap);
+    }
     if !server.has_failover_slots() {
         return Cond::no(
             CONDITION_FAILOVER_READY,

@@ -98,6 +98,9 @@ pub(super) struct Observed {
     pub fallback: Option<crate::api::FallbackStatus>,
     /// When it was observed.
     pub now: k8s_openapi::jiff::Timestamp,
+    /// The CloudNativePG cluster `spec.database.databaseRef` names (`None`: no
+    /// reference).
+    pub cluster: Option<crate::cnpg::ClusterSeen>,
 }
 
 /// Reads everything a parsed relay's decision needs. Writes nothing.
@@ -108,6 +111,10 @@ pub(super) async fn observe(
     ctx: &Context,
 ) -> Result<Observed, Error> {
     let started = std::time::Instant::now();
+    let cluster = match &relay.spec.database.database_ref {
+        Some(reference) => Some(cluster(relay, reference, ctx).await?),
+        None => None,
+    };
     let (secrets, conn) = secrets(valid, ctx).await?;
     let secrets_ms = started.elapsed().as_millis();
     let database = match conn {
@@ -134,6 +141,44 @@ pub(super) async fn observe(
         monitoring,
         fallback: relay.status.as_ref().and_then(|s| s.fallback.clone()),
         now: k8s_openapi::jiff::Timestamp::now(),
+        cluster,
+    })
+}
+
+/// The CloudNativePG Cluster a relay names, and whether its `-rw` Service exists.
+async fn cluster(
+    relay: &OutboxRelay,
+    reference: &crate::api::DatabaseRef,
+    ctx: &Context,
+) -> Result<crate::cnpg::ClusterSeen, Error> {
+    use crate::cnpg::{ClusterSeen, GROUP, KIND, PLURAL, VERSION};
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let namespace = relay.namespace().unwrap_or_default();
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL);
+    let clusters: Api<DynamicObject> =
+        Api::namespaced_with(ctx.client.clone(), &namespace, &resource);
+    let object = match clusters.get_opt(&reference.name).await {
+        Ok(Some(object)) => object,
+        Ok(None) => return Ok(ClusterSeen::Missing),
+        // The kind is not served at all: 404 on the collection.
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            return Ok(ClusterSeen::NotInstalled);
+        }
+        Err(err) => return Err(err.into()),
+    };
+    let mut value = object.data.clone();
+    if let Some(fields) = value.as_object_mut() {
+        fields.insert(
+            "metadata".to_owned(),
+            serde_json::json!({"name": object.name_any()}),
+        );
+    }
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
+    let rw_service = services.get_opt(&reference.rw_service()).await?.is_some();
+    Ok(ClusterSeen::Found {
+        facts: crate::cnpg::facts_of(&value),
+        rw_service,
     })
 }
 

@@ -28,7 +28,7 @@ pub(super) fn finalizer_of(name: &str) -> String {
 /// The names of the Secrets the raw spec reads to reach the database, sorted (cleanup
 /// reads them without a parse).
 pub(super) fn database_secrets(relay: &OutboxRelay) -> Vec<String> {
-    let pg = &relay.spec.database.postgres;
+    let pg = relay.spec.database.postgres();
     let mut names: Vec<String> = std::iter::once(&pg.connection_secret_ref)
         .chain(pg.ca_secret_ref.iter())
         .chain(pg.client_cert_secret_ref.iter())

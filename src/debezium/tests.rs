@@ -93,9 +93,9 @@ fn a_connect_connector_becomes_the_same_relay_line_by_line() {
     assert_eq!(lt.publication_name.as_deref(), Some("orders_outbox_pub"));
     assert_eq!(lt.heartbeat_interval, "5000ms");
     assert!(!lt.delete_after_publish);
-    assert_eq!(s.database.postgres.ssl_mode, SslMode::VerifyFull);
+    assert_eq!(s.database.postgres().ssl_mode, SslMode::VerifyFull);
     assert_eq!(
-        s.database.postgres.connection_secret_ref.name,
+        s.database.postgres().connection_secret_ref.name,
         "orders-outbox-db"
     );
     let notes = t.notes.join("\n");
@@ -144,7 +144,7 @@ debezium.transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
     assert!(!t.to_yaml().unwrap().contains("hunter2"));
 
     assert_eq!(
-        s.database.postgres.ssl_mode,
+        s.database.postgres().ssl_mode,
         SslMode::Prefer,
         "Debezium's default"
     );

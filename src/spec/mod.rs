@@ -421,7 +421,7 @@ impl ValidRelay {
             delivery: Delivery::Env(ENV_DATABASE_URL),
             content: Content::PostgresUrl,
         }];
-        let pg = &self.relay.spec.database.postgres;
+        let pg = self.relay.spec.database.postgres();
         let file = |field, reference: &SecretKeyRef, path, local_env, content| SecretSlot {
             field,
             purpose: SecretUse::Database,

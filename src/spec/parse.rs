@@ -48,15 +48,24 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
     }
 
     // Database.
-    let ssl_mode = spec.database.postgres.ssl_mode;
-    let db = &spec.database.postgres.connection_secret_ref;
-    check_secret_ref(
-        &mut p,
-        "spec.database.postgres.connectionSecretRef",
-        &db.name,
-        &db.key,
-    );
-    let pg = &spec.database.postgres;
+    let pg = spec.database.postgres();
+    if spec.database.postgres.is_some() == spec.database.database_ref.is_some() {
+        p.push(
+            "spec.database",
+            "needs exactly one of postgres and databaseRef",
+            "keep postgres (a connection URL Secret) or databaseRef (a CloudNativePG Cluster)",
+        );
+    }
+    let ssl_mode = pg.ssl_mode;
+    let db = &pg.connection_secret_ref;
+    let connection_field = if spec.database.database_ref.is_some() {
+        "spec.database.databaseRef.secretName"
+    } else {
+        "spec.database.postgres.connectionSecretRef"
+    };
+    if !(db.name.is_empty() && spec.database.database_ref.is_none()) {
+        check_secret_ref(&mut p, connection_field, &db.name, &db.key);
+    }
     for (field, reference) in [
         (super::PG_CA_FIELD, &pg.ca_secret_ref),
         (super::PG_CLIENT_CERT_FIELD, &pg.client_cert_secret_ref),
@@ -472,7 +481,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                 relay,
                 namespace,
                 name,
-                connection: spec.database.postgres.connection_secret_ref.clone(),
+                connection: pg.connection_secret_ref.clone(),
                 ssl_mode,
                 table: Table {
                     schema: t.schema.clone(),

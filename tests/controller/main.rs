@@ -10,6 +10,7 @@ mod common;
 
 mod check_brokers;
 mod controller_binary;
+mod controller_cnpg;
 mod controller_invalid_specs;
 mod controller_reconcile;
 mod controller_resync;

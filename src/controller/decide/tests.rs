@@ -112,6 +112,7 @@ fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Obs
         monitoring: false,
         fallback: None,
         now: "2026-12-05T10:00:00Z".parse().unwrap(),
+        cluster: None,
     }
 }
 
@@ -708,6 +709,18 @@ fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_once_drained() {
         run(&r, Some(&last), Some(&o)).fallback,
         FallbackWrite::Set(_)
     ));
+    // Young rows, but more than a batch: still piling up.
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.backlog = Some(crate::postgres::admin::BacklogFacts {
+            rows: DRAINED_ROWS + 1,
+            oldest_age_seconds: Some(2),
+        });
+    }
+    o.database = database.clone();
+    assert!(matches!(
+        run(&r, Some(&last), Some(&o)).fallback,
+        FallbackWrite::Set(_)
+    ));
     // Not measured: no return either.
     if let DatabaseSeen::Seen(f) = &mut database {
         f.backlog = None;
@@ -781,4 +794,51 @@ fn bytes_read_as_people_write_them() {
     assert_eq!(bytes_for_people(512), "512 B");
     assert_eq!(bytes_for_people(8 << 20), "8.0 MiB");
     assert_eq!(bytes_for_people(3 << 29), "1.5 GiB");
+}
+
+#[test]
+fn a_cloudnativepg_cluster_is_checked_before_its_secrets_and_for_slot_sync() {
+    let mut r = relay("logTailing", 1);
+    r.spec.database.postgres = None;
+    r.spec.database.database_ref = Some(crate::api::DatabaseRef {
+        kind: crate::api::DatabaseRefKind::Cluster,
+        name: "pg".into(),
+        secret_name: None,
+        ca_secret_name: None,
+    });
+    // Missing: said before anything else, even though its Secrets are missing too.
+    let mut missing_secret = secrets_ok();
+    missing_secret.database = Cond::no(CONDITION_DATABASE_READY, "SecretNotFound", "pg-app");
+    let mut o = observed(missing_secret, DatabaseSeen::NotLooked, -1);
+    o.cluster = Some(crate::cnpg::ClusterSeen::Missing);
+    let d = run(&r, None, Some(&o));
+    assert_eq!(ready(&d), ("False", "ClusterNotFound"));
+    assert!(!d.apply_children && d.provision.is_empty());
+    // Found, on PostgreSQL 18, without logical slot sync: failover is not protected.
+    let mut database = facts("logical", Some(Some(our_marker())), true);
+    if let DatabaseSeen::Seen(f) = &mut database {
+        f.server.version_num = 180_000;
+    }
+    let mut o = observed(secrets_ok(), database, 1);
+    let cluster = |sync: bool| crate::cnpg::ClusterSeen::Found {
+        facts: crate::cnpg::ClusterFacts {
+            app_secret: "pg-app".into(),
+            ca_secret: "pg-ca".into(),
+            synchronizes_logical_slots: sync,
+            instances: 3,
+            ..crate::cnpg::ClusterFacts::default()
+        },
+        rw_service: true,
+    };
+    o.cluster = Some(cluster(false));
+    let d = run(&r, Some(&slot_status("outbox_shop_orders")), Some(&o));
+    assert_eq!(ready(&d), ("True", "RelayAvailable"));
+    assert_eq!(
+        cond(&d, CONDITION_FAILOVER_READY),
+        ("False", "ClusterSlotSyncOff")
+    );
+    // With it, the primary's own settings decide as for any server.
+    o.cluster = Some(cluster(true));
+    let d = run(&r, Some(&slot_status("outbox_shop_orders")), Some(&o));
+    assert_ne!(cond(&d, CONDITION_FAILOVER_READY).1, "ClusterSlotSyncOff");
 }
