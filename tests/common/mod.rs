@@ -361,6 +361,33 @@ pub async fn fresh_database_18() -> TestDatabase {
     TestDatabase { name, url, client }
 }
 
+/// The rig's PostgreSQL servers: Debian's 15 and 18 (from its PyPI wheel). Log tailing
+/// is tested on both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pg {
+    V15,
+    V18,
+}
+
+impl Pg {
+    /// A fresh database on this server.
+    pub async fn fresh(self) -> TestDatabase {
+        match self {
+            Pg::V15 => fresh_database().await,
+            Pg::V18 => fresh_database_18().await,
+        }
+    }
+
+    /// The server's admin URL (slots are the server's, not a database's).
+    pub fn server_url(self) -> String {
+        let rig = Rig::load();
+        match self {
+            Pg::V15 => rig.pg_url().to_owned(),
+            Pg::V18 => rig.get("OUTBOX_RIG_PG18_URL").to_owned(),
+        }
+    }
+}
+
 /// Creates database `test_<random>` and connects to it.
 pub async fn fresh_database() -> TestDatabase {
     let rig = Rig::load();

@@ -16,6 +16,7 @@ use kube::api::Api;
 use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
+use common::Pg;
 use common::app_writer::{AppWriter, WriterOptions};
 use common::operator::{self, ControllerProcess};
 use common::pod_runner::PodRunner;
@@ -39,7 +40,16 @@ async fn slot_row(client: &tokio_postgres::Client, slot: &str) -> Option<(bool, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_with_nothing_lost() {
-    let db = common::fresh_database().await;
+    budget_scenario(Pg::V15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_budget_works_the_same_on_postgresql_18() {
+    budget_scenario(Pg::V18).await;
+}
+
+async fn budget_scenario(pg: Pg) {
+    let db = pg.fresh().await;
     common::create_outbox_table(&db.client, 4).await;
     let mut nats = PrivateNats::start_new();
     let stream = common::stream_on(
@@ -239,7 +249,7 @@ async fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_with_nothi
     let received = common::consume_nats(&stream).await;
     let report = common::check_delivery(&received, &ledger.committed, &ledger.aborted);
     println!(
-        "WAL budget: {} events, slot retained {} bytes at the fall back, {} lost, {} reordered, {} duplicates",
+        "WAL budget ({pg:?}): {} events, slot retained {} bytes at the fall back, {} lost, {} reordered, {} duplicates",
         ledger.committed.len(),
         fallback.retained_wal_bytes,
         report.missing.len(),

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Received, RelayBroker, RelayProcess, SlotGuard};
+use common::{Pg, Received, RelayBroker, RelayProcess, SlotGuard};
 use rand::Rng;
 
 /// The outbox table plus what writers need besides: the per-aggregate commit-order
@@ -332,12 +332,15 @@ fn assert_delivered(c: &Check, w: &Written) {
 }
 
 /// Runs writers against a relay for `load`, drains, and checks what `consume` returns.
-async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> Vec<Received>) {
+async fn delivery_scenario(
+    pg: Pg,
+    broker: RelayBroker,
+    consume: impl AsyncFnOnce() -> Vec<Received>,
+) {
     let started = Instant::now();
-    let rig = common::Rig::load();
-    let db = common::fresh_database().await;
+    let db = pg.fresh().await;
     create_tables(&db.client).await;
-    let guard = SlotGuard::new(rig.pg_url(), "lt");
+    let guard = SlotGuard::new(&pg.server_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
@@ -370,7 +373,13 @@ async fn delivery_scenario(broker: RelayBroker, consume: impl AsyncFnOnce() -> V
     assert!(status.success(), "exit {status}: {}", relay.log());
     let received = consume().await;
     let c = check(&received, &written);
-    print_check("log tailing delivery", &c, &written, "", started);
+    print_check(
+        &format!("log tailing delivery ({pg:?})"),
+        &c,
+        &written,
+        "",
+        started,
+    );
     assert_delivered(&c, &written);
     assert_eq!(c.duplicates, 0, "no crash, yet duplicates");
     assert_eq!(
@@ -427,20 +436,29 @@ async fn log_tailing_relay_waits_for_its_slot_and_never_creates_it() {
     drop(guard);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn log_tailing_delivers_inserts_in_commit_order_to_kafka() {
+async fn delivery_to_kafka(pg: Pg) {
     let rig = common::Rig::load();
     let topic = common::fresh_topic(3).await;
     let broker = RelayBroker::Kafka {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: topic.clone(),
     };
-    delivery_scenario(broker, async move || {
+    delivery_scenario(pg, broker, async move || {
         tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
             .await
             .unwrap()
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_delivers_inserts_in_commit_order_to_kafka() {
+    delivery_to_kafka(Pg::V15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_delivers_inserts_in_commit_order_to_kafka_on_postgresql_18() {
+    delivery_to_kafka(Pg::V18).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -451,23 +469,35 @@ async fn log_tailing_delivers_inserts_in_commit_order_to_nats() {
         url: rig.nats_url().to_owned(),
         subject: format!("{}.orders", stream.subject_prefix),
     };
-    delivery_scenario(broker, async move || common::consume_nats(&stream).await).await;
+    delivery_scenario(Pg::V15, broker, async move || {
+        common::consume_nats(&stream).await
+    })
+    .await;
 }
 
 const KILLS: usize = 22;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
+    sigkill_scenario(Pg::V15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_tailing_relay_survives_sigkill_mid_stream_under_load_on_postgresql_18() {
+    sigkill_scenario(Pg::V18).await;
+}
+
+async fn sigkill_scenario(pg: Pg) {
     let started = Instant::now();
     let rig = common::Rig::load();
-    let db = common::fresh_database().await;
+    let db = pg.fresh().await;
     create_tables(&db.client).await;
     let topic = common::fresh_topic(3).await;
     let broker = RelayBroker::Kafka {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: topic.clone(),
     };
-    let guard = SlotGuard::new(rig.pg_url(), "lt");
+    let guard = SlotGuard::new(&pg.server_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let yaml = common::log_tailing_yaml(&broker, &guard.slot, true);
     let client = &db.client;
@@ -505,7 +535,7 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
         .unwrap();
     let c = check(&received, &written);
     print_check(
-        "log tailing crash test",
+        &format!("log tailing crash test ({pg:?})"),
         &c,
         &written,
         &format!(", {kills} SIGKILLs"),
@@ -517,15 +547,24 @@ async fn log_tailing_relay_survives_sigkill_mid_stream_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
+    idle_slot_scenario(Pg::V15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_slot_advances_through_heartbeats_on_postgresql_18() {
+    idle_slot_scenario(Pg::V18).await;
+}
+
+async fn idle_slot_scenario(pg: Pg) {
     let rig = common::Rig::load();
-    let db = common::fresh_database().await;
+    let db = pg.fresh().await;
     create_tables(&db.client).await;
     let topic = common::fresh_topic(1).await;
     let broker = RelayBroker::Kafka {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic,
     };
-    let guard = SlotGuard::new(rig.pg_url(), "lt");
+    let guard = SlotGuard::new(&pg.server_url(), "lt");
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let relay = RelayProcess::start(
         &common::log_tailing_yaml(&broker, &guard.slot, true),
@@ -599,7 +638,7 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
     )
     .await;
     println!(
-        "heartbeat test: confirmed_flush_lsn advanced {:?}; retained WAL {retained_after_writes} \
+        "heartbeat test ({pg:?}): confirmed_flush_lsn advanced {:?}; retained WAL {retained_after_writes} \
          bytes right after ~40 MB of other-table writes, then {retained} bytes; metric {metric}",
         positions
     );
