@@ -143,7 +143,10 @@ pub fn problem(
             ),
         });
     }
-    if reference.secret_name.is_none() && facts.app_secret != reference.secret() {
+    if reference.secret_name.is_none()
+        && reference.user_secret_name.is_none()
+        && facts.app_secret != reference.secret()
+    {
         return Some(ClusterProblem {
             reason: "ClusterSecretMismatch",
             message: format!(
@@ -198,6 +201,8 @@ mod tests {
             kind: crate::api::DatabaseRefKind::Cluster,
             name: name.into(),
             secret_name: None,
+            user_secret_name: None,
+            database: None,
             ca_secret_name: None,
         }
     }
@@ -294,6 +299,30 @@ mod tests {
                 .unwrap()
                 .contains("synchronizeLogicalDecoding: true")
         );
+    }
+
+    #[test]
+    fn a_managed_role_logs_in_from_parts_with_its_password_encoded() {
+        let mut r = reference("orders");
+        r.user_secret_name = Some("relay-role".into());
+        let login = r.login("shop").unwrap();
+        assert_eq!(login.host, "orders-rw.shop");
+        assert_eq!((login.port, login.dbname.as_str()), (5432, "app"));
+        assert_eq!(login.password.name, "relay-role");
+        let url = login.url("relay", "p@ss:w/rd% 'x'");
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        assert_eq!(config.get_user(), Some("relay"));
+        assert_eq!(config.get_password(), Some(&b"p@ss:w/rd% 'x'"[..]));
+        assert_eq!(config.get_dbname(), Some("app"));
+        // Its own Secret, not the app Secret: a bootstrap secret of the Cluster's own
+        // does not matter then.
+        let seen = ClusterSeen::Found {
+            facts: facts_of(&json!({"metadata": {"name": "orders"},
+                "spec": {"bootstrap": {"initdb": {"secret": {"name": "other"}}}}})),
+            rw_service: true,
+        };
+        assert_eq!(problem(&r, &seen, true), None);
+        assert_eq!(r.connection().connection_secret_ref.key, "password");
     }
 
     #[test]

@@ -10,6 +10,10 @@ use crate::api::SecretKeyRef;
 
 /// Environment variable holding the PostgreSQL connection URI.
 pub const ENV_DATABASE_URL: &str = "OUTBOX_DATABASE_URL";
+/// The user name of a login from parts (`databaseRef.userSecretName`).
+pub const ENV_DATABASE_USER: &str = "OUTBOX_DATABASE_USER";
+/// Its password.
+pub const ENV_DATABASE_PASSWORD: &str = "OUTBOX_DATABASE_PASSWORD";
 /// Environment variable holding the RabbitMQ URI.
 pub const ENV_RABBITMQ_URL: &str = "OUTBOX_RABBITMQ_URL";
 /// Environment variable holding the Kafka SASL user name.
@@ -89,6 +93,10 @@ pub enum Content {
     Certificates,
     /// A PEM private key, unencrypted.
     PrivateKey,
+    /// The user name of a login from parts.
+    PostgresUser,
+    /// The password of a login from parts.
+    PostgresPassword,
 }
 
 /// One Secret reference of a relay.
@@ -119,7 +127,7 @@ impl SecretSlot {
         let ok = match self.content {
             Content::PostgresUrl => value.parse::<tokio_postgres::Config>().is_ok(),
             Content::AmqpUrl => value.starts_with("amqp://") || value.starts_with("amqps://"),
-            Content::Text => true,
+            Content::Text | Content::PostgresUser | Content::PostgresPassword => true,
             Content::Certificates => value.contains("-----BEGIN CERTIFICATE-----"),
             Content::PrivateKey => {
                 value.contains("PRIVATE KEY-----") && !value.contains("ENCRYPTED PRIVATE KEY")
@@ -133,7 +141,7 @@ impl SecretSlot {
                 "a postgres:// URL or key=value connection string (postgres://user:password@host:5432/db)"
             }
             Content::AmqpUrl => "an amqp:// or amqps:// URI",
-            Content::Text => "text",
+            Content::Text | Content::PostgresUser | Content::PostgresPassword => "text",
             Content::Certificates => "PEM certificates (-----BEGIN CERTIFICATE-----)",
             Content::PrivateKey => {
                 "an unencrypted PEM private key (-----BEGIN PRIVATE KEY-----, RSA or EC)"

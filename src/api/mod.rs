@@ -232,6 +232,8 @@ impl DatabaseSpec {
 /// A PostgreSQL cluster managed by another operator.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.secretName) && has(self.userSecretName))").message("spec.database.databaseRef: secretName (a uri) and userSecretName (a username and password) exclude each other"))]
+#[x_kube(validation = Rule::new("!has(self.database) || has(self.userSecretName)").message("spec.database.databaseRef.database goes with userSecretName (the app Secret's uri names its database)"))]
 pub struct DatabaseRef {
     /// The kind of cluster: `Cluster` (CloudNativePG, `postgresql.cnpg.io/v1`).
     #[serde(default)]
@@ -252,6 +254,21 @@ pub struct DatabaseRef {
         regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     )]
     pub secret_name: Option<String>,
+    /// A `kubernetes.io/basic-auth` Secret (`username`, `password`) to log in with
+    /// instead: a CloudNativePG managed role's `passwordSecret` (a role with
+    /// `replication: true` for log tailing). The relay then connects to the `-rw`
+    /// Service (`<name>-rw.<namespace>:5432`) and `database`. Not with `secretName`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub user_secret_name: Option<String>,
+    /// With `userSecretName`: the database to connect to; default `app`
+    /// (CloudNativePG's default application database).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub database: Option<String>,
     /// The Secret holding the server's CA (`ca.crt`); default `<name>-ca`. Name it when
     /// the Cluster brings its own (`spec.certificates.serverCASecret`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -260,6 +277,38 @@ pub struct DatabaseRef {
         regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     )]
     pub ca_secret_name: Option<String>,
+}
+
+/// A login from parts: the host, port and database the spec names, and a Secret's
+/// user name and password (never in one URL Secret).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Login {
+    /// Host name.
+    pub host: String,
+    /// Port.
+    pub port: u16,
+    /// Database.
+    pub dbname: String,
+    /// The Secret key holding the user name.
+    pub user: SecretKeyRef,
+    /// The Secret key holding the password.
+    pub password: SecretKeyRef,
+}
+
+impl Login {
+    /// The connection URL, user name and password percent-encoded.
+    pub fn url(&self, user: &str, password: &str) -> String {
+        use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+        let enc = |s: &str| utf8_percent_encode(s.trim(), NON_ALPHANUMERIC).to_string();
+        format!(
+            "postgresql://{}:{}@{}:{}/{}",
+            enc(user),
+            enc(password),
+            self.host,
+            self.port,
+            enc(&self.dbname)
+        )
+    }
 }
 
 /// The kinds of cluster `databaseRef` can name.
@@ -290,13 +339,40 @@ impl DatabaseRef {
         format!("{}-rw", self.name)
     }
 
+    /// With `userSecretName`: where to log in (the `-rw` Service in `namespace`) and
+    /// with which Secret's `username` and `password`.
+    pub fn login(&self, namespace: &str) -> Option<Login> {
+        let secret = self.user_secret_name.clone()?;
+        Some(Login {
+            host: format!("{}.{namespace}", self.rw_service()),
+            port: 5432,
+            dbname: self.database.clone().unwrap_or_else(|| "app".to_owned()),
+            user: SecretKeyRef {
+                name: secret.clone(),
+                key: "username".to_owned(),
+            },
+            password: SecretKeyRef {
+                name: secret,
+                key: "password".to_owned(),
+            },
+        })
+    }
+
     /// The connection it stands for: the Secret's `uri`, TLS verified against the
-    /// cluster's CA (CloudNativePG's server certificates name the `-rw` Service).
+    /// cluster's CA (CloudNativePG's server certificates name the `-rw` Service). With
+    /// `userSecretName` the reference is that Secret's `password` (the rest of the
+    /// login is [`DatabaseRef::login`]).
     pub fn connection(&self) -> PostgresSpec {
         PostgresSpec {
-            connection_secret_ref: SecretKeyRef {
-                name: self.secret(),
-                key: "uri".to_owned(),
+            connection_secret_ref: match &self.user_secret_name {
+                Some(secret) => SecretKeyRef {
+                    name: secret.clone(),
+                    key: "password".to_owned(),
+                },
+                None => SecretKeyRef {
+                    name: self.secret(),
+                    key: "uri".to_owned(),
+                },
             },
             ssl_mode: SslMode::VerifyFull,
             ca_secret_ref: Some(SecretKeyRef {

@@ -91,7 +91,23 @@ pub(super) async fn read_connection(
     ctx: &Context,
 ) -> Result<Option<Conn>, kube::Error> {
     let pg = relay.spec.database.postgres();
-    let Some(url) = read_key(relay, &pg.connection_secret_ref, ctx).await? else {
+    let login = relay
+        .spec
+        .database
+        .database_ref
+        .as_ref()
+        .and_then(|r| r.login(&relay.namespace().unwrap_or_default()));
+    let url = match &login {
+        None => read_key(relay, &pg.connection_secret_ref, ctx).await?,
+        Some(login) => match (
+            read_key(relay, &login.user, ctx).await?,
+            read_key(relay, &login.password, ctx).await?,
+        ) {
+            (Some(user), Some(password)) => Some(login.url(&user, &password)),
+            _ => None,
+        },
+    };
+    let Some(url) = url else {
         return Ok(None);
     };
     let mut pems = Vec::new();

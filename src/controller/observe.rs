@@ -262,6 +262,7 @@ async fn secrets(
     };
     let ours = super::protect::finalizer_of(&valid.name);
     let mut url = None;
+    let (mut login_user, mut login_password) = (None, None);
     let mut ca_pem = None;
     let mut client_cert = None;
     let mut client_key = None;
@@ -312,6 +313,8 @@ async fn secrets(
         match checked {
             Ok(value) => match slot.field {
                 _ if slot.content == Content::PostgresUrl => url = Some(value.trim().to_owned()),
+                _ if slot.content == Content::PostgresUser => login_user = Some(value),
+                _ if slot.content == Content::PostgresPassword => login_password = Some(value),
                 PG_CA_FIELD => ca_pem = Some(value),
                 PG_CLIENT_CERT_FIELD => client_cert = Some(value),
                 PG_CLIENT_KEY_FIELD => client_key = Some(value),
@@ -328,6 +331,11 @@ async fn secrets(
         }
     }
     seen.versions.sort();
+    if let Some(login) = &valid.login {
+        url = login_user
+            .zip(login_password)
+            .map(|(user, password)| login.url(&user, &password));
+    }
     let conn = url.map(|url| database::Conn {
         url,
         tls: PgTls {

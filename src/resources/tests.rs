@@ -95,6 +95,43 @@ fn secrets_reach_the_pod_only_by_reference() {
 }
 
 #[test]
+fn a_cloudnativepg_login_reaches_the_pod_as_two_secret_references() {
+    let desired = build(
+        &relay(
+            r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {databaseRef: {name: pg, userSecretName: relay-role}}
+  mode: {logTailing: {}}
+  broker: {nats: {url: "nats://n:4222"}}
+"#,
+        ),
+        &BuildOptions::default(),
+    )
+    .unwrap();
+    let pod = desired.deployment.spec.unwrap().template.spec.unwrap();
+    let env = pod.containers[0].env.clone().unwrap();
+    let from = |name: &str| {
+        let e = env.iter().find(|e| e.name == name)?;
+        let r = e.value_from.as_ref()?.secret_key_ref.as_ref()?;
+        Some((r.name.clone(), r.key.clone()))
+    };
+    assert_eq!(
+        from("OUTBOX_DATABASE_USER"),
+        Some(("relay-role".into(), "username".into()))
+    );
+    assert_eq!(
+        from("OUTBOX_DATABASE_PASSWORD"),
+        Some(("relay-role".into(), "password".into()))
+    );
+    assert!(!env.iter().any(|e| e.name == "OUTBOX_DATABASE_URL"));
+    let volumes = serde_json::to_string(&pod.volumes).unwrap();
+    assert!(volumes.contains("\"pg-ca\""), "{volumes}");
+}
+
+#[test]
 fn pods_run_restricted() {
     let desired = build(&relay(POLLING_RABBIT), &BuildOptions::default()).unwrap();
     let pod = desired.deployment.spec.unwrap().template.spec.unwrap();

@@ -164,11 +164,19 @@ impl Resolved {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
         let values = read_values(valid, env, |_| true)?;
-        let database_url = values
-            .iter()
-            .find(|(s, _)| s.content == Content::PostgresUrl)
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default();
+        let value = |content| {
+            values
+                .iter()
+                .find(|(s, _)| s.content == content)
+                .map(|(_, v)| v.clone())
+        };
+        let database_url = match &valid.login {
+            Some(login) => login.url(
+                &value(Content::PostgresUser).unwrap_or_default(),
+                &value(Content::PostgresPassword).unwrap_or_default(),
+            ),
+            None => value(Content::PostgresUrl).unwrap_or_default(),
+        };
         Ok(Self {
             database_url,
             broker: broker_from_values(valid, env, &values),
@@ -327,5 +335,79 @@ spec:
             panic!("not kafka");
         };
         assert!(k.sasl.is_some() && !k.tls);
+    }
+
+    #[test]
+    fn a_login_from_parts_reads_its_user_and_password_and_makes_the_url() {
+        let relay: OutboxRelay = serde_yaml::from_str(
+            r#"
+apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {databaseRef: {name: pg, userSecretName: relay-role, database: orders}}
+  mode: {logTailing: {}}
+  broker: {nats: {url: "nats://n:4222"}}
+"#,
+        )
+        .unwrap();
+        let v = parse(&relay).unwrap_or_else(|e| panic!("{e}"));
+        let vars: Vec<_> = v
+            .secrets()
+            .iter()
+            .filter(|s| s.purpose == crate::secrets::SecretUse::Database)
+            .map(|s| {
+                (
+                    s.delivery,
+                    s.reference.name.clone(),
+                    s.reference.key.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            vars,
+            vec![
+                (
+                    Delivery::Env("OUTBOX_DATABASE_USER"),
+                    "relay-role".to_owned(),
+                    "username".to_owned()
+                ),
+                (
+                    Delivery::Env("OUTBOX_DATABASE_PASSWORD"),
+                    "relay-role".to_owned(),
+                    "password".to_owned()
+                ),
+                (
+                    Delivery::File {
+                        path: crate::secrets::POSTGRES_CA_PATH,
+                        local_env: crate::secrets::ENV_POSTGRES_CA_FILE
+                    },
+                    "pg-ca".to_owned(),
+                    "ca.crt".to_owned()
+                ),
+            ]
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.crt");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let env = |name: &str| match name {
+            "OUTBOX_DATABASE_USER" => Some("relay\n".to_owned()),
+            "OUTBOX_DATABASE_PASSWORD" => Some("s3cr@t/:x".to_owned()),
+            "OUTBOX_POSTGRES_CA_FILE" => Some(ca.display().to_string()),
+            _ => None,
+        };
+        let resolved = Resolved::read(&v, &env).unwrap_or_else(|e| panic!("{e}"));
+        let config: tokio_postgres::Config = resolved.database_url.parse().unwrap();
+        assert_eq!(config.get_user(), Some("relay"));
+        assert_eq!(config.get_password(), Some(&b"s3cr@t/:x"[..]));
+        assert_eq!(config.get_dbname(), Some("orders"));
+        assert_eq!(
+            config.get_hosts(),
+            &[tokio_postgres::config::Host::Tcp("pg-rw.shop".to_owned())]
+        );
     }
 }

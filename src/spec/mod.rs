@@ -330,8 +330,10 @@ pub struct ValidRelay {
     pub namespace: String,
     /// Name.
     pub name: String,
-    /// The connection Secret and TLS mode.
+    /// The connection Secret and TLS mode (with a login from parts, its password key).
     pub connection: SecretKeyRef,
+    /// A login from parts (`databaseRef.userSecretName`) instead of a URL Secret.
+    pub login: Option<crate::api::Login>,
     /// TLS mode to PostgreSQL.
     pub ssl_mode: SslMode,
     /// The outbox table.
@@ -414,13 +416,31 @@ impl ValidRelay {
 
     /// Every Secret reference of the relay, as the catalogue in [`secrets`] describes it.
     pub fn secrets(&self) -> Vec<SecretSlot> {
-        let mut all = vec![SecretSlot {
-            field: "spec.database.postgres.connectionSecretRef",
-            purpose: SecretUse::Database,
-            reference: self.connection.clone(),
-            delivery: Delivery::Env(ENV_DATABASE_URL),
-            content: Content::PostgresUrl,
-        }];
+        let mut all = match &self.login {
+            None => vec![SecretSlot {
+                field: "spec.database.postgres.connectionSecretRef",
+                purpose: SecretUse::Database,
+                reference: self.connection.clone(),
+                delivery: Delivery::Env(ENV_DATABASE_URL),
+                content: Content::PostgresUrl,
+            }],
+            Some(login) => vec![
+                SecretSlot {
+                    field: "spec.database.databaseRef.userSecretName",
+                    purpose: SecretUse::Database,
+                    reference: login.user.clone(),
+                    delivery: Delivery::Env(crate::secrets::ENV_DATABASE_USER),
+                    content: Content::PostgresUser,
+                },
+                SecretSlot {
+                    field: "spec.database.databaseRef.userSecretName",
+                    purpose: SecretUse::Database,
+                    reference: login.password.clone(),
+                    delivery: Delivery::Env(crate::secrets::ENV_DATABASE_PASSWORD),
+                    content: Content::PostgresPassword,
+                },
+            ],
+        };
         let pg = self.relay.spec.database.postgres();
         let file = |field, reference: &SecretKeyRef, path, local_env, content| SecretSlot {
             field,

@@ -477,11 +477,17 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                 spec_l.slot_name = Some(l.slot.clone());
                 spec_l.publication_name = Some(l.publication.clone());
             }
+            let login = spec
+                .database
+                .database_ref
+                .as_ref()
+                .and_then(|r| r.login(&namespace));
             Ok(ValidRelay {
                 relay,
                 namespace,
                 name,
                 connection: pg.connection_secret_ref.clone(),
+                login,
                 ssl_mode,
                 table: Table {
                     schema: t.schema.clone(),

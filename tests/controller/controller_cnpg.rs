@@ -334,6 +334,74 @@ async fn a_cloudnativepg_cluster_is_reached_through_its_secrets_and_checked() {
     })
     .await;
 
+    // A managed role's basic-auth Secret: the relay logs in from parts (the -rw
+    // Service, the database, the Secret's username and password). The Service's name
+    // does not resolve outside a cluster, so here the operator reports the connection
+    // failure (and never the password), and the login the relay composes is checked
+    // against the real server under the name its certificate carries.
+    let role = format!("relay_{}", common::unique_suffix());
+    let password = "p@ss:w/rd% 'x'?#";
+    db.client
+        .batch_execute(&format!(
+            "SET password_encryption = 'scram-sha-256';
+             CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{}';
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO {role};",
+            password.replace('\'', "''")
+        ))
+        .await
+        .unwrap();
+    operator::create_secret(
+        &client,
+        &ns,
+        "relay-role",
+        &[("username", role.as_str()), ("password", password)],
+    )
+    .await;
+    let mut by_role = relay(
+        "by-role",
+        json!({"name": "orders", "userSecretName": "relay-role", "database": db.name}),
+    );
+    by_role["spec"]["mode"] = json!({"polling": {}});
+    api.patch(
+        "by-role",
+        &PatchParams::apply("cnpg-test"),
+        &Patch::Apply(&by_role),
+    )
+    .await
+    .unwrap();
+    let failed = common::wait_for_some("by-role: DatabaseReady=False", WAIT, || async {
+        let r = api.get_opt("by-role").await.ok().flatten()?;
+        operator::condition(&r, "DatabaseReady").filter(|c| c.status == "False")
+    })
+    .await;
+    assert_eq!(failed.reason, "ConnectionFailed", "{failed:?}");
+    assert!(
+        failed.message.contains("relay-role") && !failed.message.contains("w/rd"),
+        "{}",
+        failed.message
+    );
+    let reference: outbox_operator::api::DatabaseRef =
+        serde_json::from_value(by_role["spec"]["database"]["databaseRef"].clone()).unwrap();
+    let login = outbox_operator::api::Login {
+        host: "localhost".to_owned(),
+        ..reference.login(&ns).unwrap()
+    };
+    let login = outbox_operator::api::Login { port, ..login };
+    let tls = outbox_operator::postgres::tls::PgTls {
+        mode: outbox_operator::api::SslMode::VerifyFull,
+        ca_pem: Some(ca.clone()),
+        client: None,
+    };
+    let session = outbox_operator::postgres::connect(&login.url(&role, password), "test", &tls)
+        .await
+        .unwrap_or_else(|e| panic!("logging in from parts as {role} failed: {e}"));
+    let who: String = session
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(who, role);
+
     // Deleting the relay drops its slot, through the cluster's Secrets.
     operator::delete_relays(&client, &ns, WAIT).await;
     assert!(
@@ -349,4 +417,10 @@ async fn a_cloudnativepg_cluster_is_reached_through_its_secrets_and_checked() {
     }
     common::delete_namespace(&client, &ns).await;
     db.drop_database().await;
+    let _ = common::pg_admin()
+        .await
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; DROP ROLE IF EXISTS {user}"
+        ))
+        .await;
 }

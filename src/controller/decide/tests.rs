@@ -804,6 +804,8 @@ fn a_cloudnativepg_cluster_is_checked_before_its_secrets_and_for_slot_sync() {
         kind: crate::api::DatabaseRefKind::Cluster,
         name: "pg".into(),
         secret_name: None,
+        user_secret_name: None,
+        database: None,
         ca_secret_name: None,
     });
     // Missing: said before anything else, even though its Secrets are missing too.
