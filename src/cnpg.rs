@@ -87,6 +87,8 @@ pub enum ClusterSeen {
     NotInstalled,
     /// No Cluster of that name in the relay's namespace.
     Missing,
+    /// The operator may not read Clusters (its RBAC lacks `get` on them).
+    Forbidden,
     /// The Cluster, and whether its `-rw` Service exists.
     Found {
         /// What it says.
@@ -129,6 +131,14 @@ pub fn problem(
                 reason: "ClusterNotFound",
                 message: format!(
                     "CloudNativePG Cluster {name} does not exist in the relay's namespace: create it there, or fix spec.database.databaseRef.name"
+                ),
+            });
+        }
+        ClusterSeen::Forbidden => {
+            return Some(ClusterProblem {
+                reason: "ClusterNotReadable",
+                message: format!(
+                    "the operator may not read CloudNativePG Cluster {name}: grant it get on clusters.postgresql.cnpg.io (the Helm chart's RBAC does)"
                 ),
             });
         }
@@ -181,13 +191,28 @@ pub fn problem(
 
 /// For log tailing on PostgreSQL 17+: why a failover of the cluster would lose the
 /// relay's slot position (`None`: the cluster synchronises logical slots).
-pub fn failover_gap(reference: &DatabaseRef, facts: &ClusterFacts) -> Option<String> {
+pub fn failover_gap(
+    reference: &DatabaseRef,
+    facts: &ClusterFacts,
+) -> Option<(&'static str, String)> {
+    if facts.instances <= 1 {
+        return Some((
+            "ClusterSingleInstance",
+            format!(
+                "CloudNativePG Cluster {} has one instance: there is no standby to fail over to (a restarted instance keeps the slot on its storage); with more instances, also set spec.replicationSlots.highAvailability.synchronizeLogicalDecoding: true",
+                reference.name
+            ),
+        ));
+    }
     if facts.synchronizes_logical_slots {
         return None;
     }
-    Some(format!(
-        "CloudNativePG Cluster {} does not synchronise logical slots to its standbys: after a failover the relay's slot is gone; set spec.replicationSlots.highAvailability.synchronizeLogicalDecoding: true (CloudNativePG 1.27+) with hot_standby_feedback and sync_replication_slots on in spec.postgresql.parameters",
-        reference.name
+    Some((
+        "ClusterSlotSyncOff",
+        format!(
+            "CloudNativePG Cluster {} does not synchronise logical slots to its standbys: after a failover the relay's slot is gone; set spec.replicationSlots.highAvailability.synchronizeLogicalDecoding: true (CloudNativePG 1.27+) with hot_standby_feedback and sync_replication_slots on in spec.postgresql.parameters",
+            reference.name
+        ),
     ))
 }
 
@@ -263,6 +288,10 @@ mod tests {
             problem(&r, &ClusterSeen::Missing, false).unwrap().reason,
             "ClusterNotFound"
         );
+        assert_eq!(
+            problem(&r, &ClusterSeen::Forbidden, false).unwrap().reason,
+            "ClusterNotReadable"
+        );
         let replica = facts_of(&json!({"metadata": {"name": "orders"},
             "spec": {"postgresql": {"parameters": {"wal_level": "replica"}}}}));
         let no_service = ClusterSeen::Found {
@@ -283,21 +312,24 @@ mod tests {
 
     #[test]
     fn logical_slot_sync_is_read_from_the_high_availability_settings() {
-        let on = facts_of(
-            &json!({"metadata": {"name": "o"}, "spec": {"replicationSlots":
-            {"highAvailability": {"synchronizeLogicalDecoding": true}}}}),
-        );
+        let on = facts_of(&json!({"metadata": {"name": "o"}, "spec": {"instances": 3,
+            "replicationSlots": {"highAvailability": {"synchronizeLogicalDecoding": true}}}}));
         assert!(on.synchronizes_logical_slots);
         assert_eq!(failover_gap(&reference("o"), &on), None);
-        let off = facts_of(
-            &json!({"metadata": {"name": "o"}, "spec": {"replicationSlots":
-            {"highAvailability": {"enabled": false, "synchronizeLogicalDecoding": true}}}}),
-        );
+        let off = facts_of(&json!({"metadata": {"name": "o"}, "spec": {"instances": 2,
+            "replicationSlots": {"highAvailability": {"enabled": false,
+                                                      "synchronizeLogicalDecoding": true}}}}));
         assert!(!off.synchronizes_logical_slots);
+        let (reason, message) = failover_gap(&reference("o"), &off).unwrap();
+        assert_eq!(reason, "ClusterSlotSyncOff");
         assert!(
-            failover_gap(&reference("o"), &off)
-                .unwrap()
-                .contains("synchronizeLogicalDecoding: true")
+            message.contains("synchronizeLogicalDecoding: true"),
+            "{message}"
+        );
+        let single = facts_of(&json!({"metadata": {"name": "o"}}));
+        assert_eq!(
+            failover_gap(&reference("o"), &single).unwrap().0,
+            "ClusterSingleInstance"
         );
     }
 

@@ -723,6 +723,7 @@ pub enum AfterPublish {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(oldSelf.slotName) == has(self.slotName)").message("logTailing.slotName cannot be added or removed once the relay tails the log: the slot would change and its position be lost"))]
 #[x_kube(validation = Rule::new("has(oldSelf.publicationName) == has(self.publicationName)").message("logTailing.publicationName cannot be added or removed once the relay tails the log"))]
+#[x_kube(validation = Rule::new("!has(self.maxRetainedWal) || !has(self.deleteAfterPublish) || self.deleteAfterPublish").message("spec.mode.logTailing.maxRetainedWal needs deleteAfterPublish: true (the fall back to polling finds the rows not yet published only when published rows leave the table)"))]
 pub struct LogTailingSpec {
     /// Replication slot name; default `outbox_<namespace>_<name>`. Cannot change once
     /// set: a new name would abandon the old slot and its position.
@@ -762,9 +763,11 @@ pub struct LogTailingSpec {
     #[x_kube(validation = Rule::new("!self.matches('^0+[A-Za-z]*$')").message("spec.mode.logTailing.maxRetainedWal must be positive"))]
     pub max_retained_wal: Option<String>,
     /// After a fall back to polling, the least time the relay polls before log tailing
-    /// is tried again (each try creates the slot anew); default `5m`.
+    /// is tried again (each try creates the slot anew); default `5m`. Ignored without
+    /// `maxRetainedWal`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.mode.logTailing.returnAfter must be at least 1s"))]
     pub return_after: Option<String>,
 }
 

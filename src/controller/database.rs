@@ -301,11 +301,13 @@ pub(super) fn cond_of(type_: &'static str, check: &Check) -> Cond {
 }
 
 /// Connects with the URL from the Secret and reads the facts the checks and the
-/// provisioning plan need. Read-only; failures become [`DatabaseSeen::Unusable`].
+/// provisioning plan need (and the backlog while the relay `falls_back` past its WAL
+/// budget). Read-only; failures become [`DatabaseSeen::Unusable`].
 pub(super) async fn observe(
     relay: &OutboxRelay,
     valid: &ValidRelay,
     conn: &Conn,
+    falls_back: bool,
     ctx: &Context,
 ) -> DatabaseSeen {
     let plan = Plan::for_relay(valid);
@@ -368,8 +370,7 @@ pub(super) async fn observe(
                     }
                 };
             }
-            let falling_back = relay.status.as_ref().is_some_and(|s| s.fallback.is_some());
-            if falling_back && plan.log_tailing.is_some() {
+            if falls_back && plan.log_tailing.is_some() {
                 facts.backlog =
                     measure_backlog(&client, &plan)
                         .await
@@ -646,6 +647,20 @@ pub(super) async fn drop_external(
     lt: &SlotPlan,
     ctx: &Context,
 ) -> Result<Cleanup, kube::Error> {
+    // A CloudNativePG cluster deleted with the relay (a namespace going away) takes its
+    // databases, and with them the slot: waiting for it would hold the namespace.
+    if let Some(reference) = &relay.spec.database.database_ref
+        && super::observe::cluster_gone(relay, reference, ctx).await?
+    {
+        return Ok(Cleanup::Done(
+            EventType::Normal,
+            "DatabaseGone",
+            format!(
+                "CloudNativePG Cluster {} is gone or being deleted; replication slot {} and publication {} go with its databases",
+                reference.name, lt.slot, lt.publication
+            ),
+        ));
+    }
     let Some(conn) = read_connection(relay, ctx).await? else {
         if relay.status.as_ref().is_none_or(|s| s.slot.is_none()) {
             // Status never showed a slot: the checks never passed, nothing was created.

@@ -16,11 +16,8 @@ use crate::resources::MONITORING_API_VERSION;
 use crate::spec::{Problem, Problems, ValidRelay, WalBudget};
 
 /// A relay that fell back to polling returns to log tailing only once no row older than
-/// this waits…
+/// this waits (and none committed before the fall back).
 pub(super) const DRAINED_AGE_SECONDS: u64 = 10;
-/// …and no more rows than one batch of the polling relay: the backlog is drained, so
-/// the broker takes events again (a broker still down leaves rows piling up).
-pub(super) const DRAINED_ROWS: i64 = 500;
 
 /// When to reconcile again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -219,6 +216,8 @@ pub(super) fn decide(
     }
     let mut slot_cond = None;
     let mut failover = None;
+    // Log tailing with a budget on a publication of someone else's (no marker).
+    let mut foreign_publication = false;
     let slot;
     let mut actions = Vec::new();
     if let Some(lt) = &plan.log_tailing {
@@ -239,14 +238,28 @@ pub(super) fn decide(
             let conds = vec![database.clone(), secrets.broker.clone(), cond.clone()];
             return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
         }
-        let budget = valid.mode.log_tailing().and_then(|l| l.budget);
+        let successor = observed.claim == Claim::Released;
+        let budget = valid
+            .mode
+            .log_tailing()
+            .and_then(|l| l.budget)
+            .filter(|_| valid.backfill().is_some());
         if let Some(budget) = budget {
+            let planned = provision::plan(&plan, owner, facts, successor);
+            // A publication that carries someone else's comment never gets the
+            // operator's marker, and without it the slot is not the operator's to drop:
+            // the budget cannot apply (said in PollingFallback below).
+            foreign_publication = planned.outcome.publication.is_none();
             let retained = facts.slot.as_ref().and_then(|s| s.retained_wal_bytes);
             let fallback = match &observed.fallback {
+                // The slot was dropped and exists again: the return began (its status
+                // write did not land); the path below carries on with the handover.
+                Some(fb) if fb.slot_dropped && facts.slot.is_some() => None,
                 // Falling back: polling until the return is due; then the path below
                 // creates the slot and hands over as for a switch from polling.
                 Some(fb) if !return_due(fb, &budget, facts, observed) => Some(fb.clone()),
                 Some(_) => None,
+                None if foreign_publication => None,
                 None => retained
                     .filter(|r| u64::try_from(*r).unwrap_or(0) > budget.max_retained_wal)
                     .map(|r| FallbackStatus {
@@ -256,6 +269,13 @@ pub(super) fn decide(
                     }),
             };
             if let Some(fb) = fallback {
+                // The marker first (a relay over budget on its first pass has not
+                // written it yet), never the slot.
+                let marking: Vec<Action> = planned
+                    .actions
+                    .into_iter()
+                    .filter(|a| !matches!(a, Action::CreateSlot { .. }))
+                    .collect();
                 return fall_back(
                     valid,
                     lt,
@@ -264,12 +284,12 @@ pub(super) fn decide(
                     observed,
                     fb,
                     &budget,
+                    marking,
                     last_slot,
                     [&database, &secrets.broker],
                 );
             }
         }
-        let successor = observed.claim == Claim::Released;
         let planned = provision::plan(&plan, owner, facts, successor);
         let describe = |o: Option<Origin>| match o {
             Some(Origin::Created) => "created by the operator, dropped with the OutboxRelay",
@@ -368,7 +388,18 @@ pub(super) fn decide(
     ];
     conditions.extend(slot_cond);
     conditions.extend(failover);
-    if let Some(budget) = valid.mode.log_tailing().and_then(|l| l.budget) {
+    if let Some(budget) = valid.mode.log_tailing().and_then(|l| l.budget)
+        && foreign_publication
+    {
+        conditions.push(Cond::no(
+            CONDITION_POLLING_FALLBACK,
+            "BudgetNotApplicable",
+            format!(
+                "the publication carries a comment that is not the operator's, so the slot is not the operator's to drop: spec.mode.logTailing.maxRetainedWal ({}) does not apply (give the relay a publicationName of its own)",
+                bytes_for_people(budget.max_retained_wal)
+            ),
+        ));
+    } else if let Some(budget) = valid.mode.log_tailing().and_then(|l| l.budget) {
         conditions.push(Cond::no(
             CONDITION_POLLING_FALLBACK,
             "WithinBudget",
@@ -458,24 +489,25 @@ fn fall_back(
     observed: &Observed,
     mut fallback: FallbackStatus,
     budget: &WalBudget,
+    mut provision: Vec<Action>,
     last_slot: Option<&SlotStatus>,
     conds: [&Cond; 2],
 ) -> Decision {
     let children = &observed.children;
-    // Only once every pod polls: a walsender of a log-tailing pod still running would
-    // be terminated mid-stream, and the pod would retry against a slot that is gone.
-    let polling_only = children.runs_polling && children.settled;
+    // Only once every pod polls and no walsender streams the slot any more: a
+    // log-tailing pod still terminating (its grace period, a broker it waits on) must
+    // not be cut mid-stream and retry against a slot that is gone.
+    let streamed = facts.slot.as_ref().is_some_and(|s| s.active);
+    let polling_only = children.runs_polling && children.settled && !streamed;
     let slot_exists = facts.slot.is_some();
     fallback.slot_dropped = !slot_exists;
-    let provision = if slot_exists && polling_only {
-        vec![Action::DropSlotOverBudget {
+    if slot_exists && polling_only {
+        provision.push(Action::DropSlotOverBudget {
             slot: lt.slot.clone(),
             publication: lt.publication.clone(),
             owner: owner.clone(),
-        }]
-    } else {
-        Vec::new()
-    };
+        });
+    }
     let retained = bytes_for_people(u64::try_from(fallback.retained_wal_bytes).unwrap_or(0));
     let max = bytes_for_people(budget.max_retained_wal);
     let (slot_reason, slot_message) = match (slot_exists, polling_only) {
@@ -496,14 +528,14 @@ fn fall_back(
         (true, false) => (
             "DroppingOverBudget",
             format!(
-                "replication slot {} retained {retained} of WAL (budget {max}); it is dropped once the polling relay has replaced the log-tailing one",
+                "replication slot {} retained {retained} of WAL (budget {max}); it is dropped once the polling relay has replaced the log-tailing one and no pod streams the slot any more",
                 lt.slot
             ),
         ),
     };
     let return_after = humantime::format_duration(budget.return_after);
     let message = format!(
-        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once at most {DRAINED_ROWS} rows wait, none older than {DRAINED_AGE_SECONDS}s, and at least {return_after} have passed",
+        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once the rows committed before the fall back are published, none older than {DRAINED_AGE_SECONDS}s waits, and at least {return_after} have passed",
         lt.slot, fallback.since
     );
     let conditions = vec![
@@ -543,9 +575,10 @@ fn fall_back(
 
 /// Whether a relay that fell back to polling may return to log tailing: its slot is
 /// gone (the fall back completed), `returnAfter` has passed since, and the backlog is
-/// drained (at most [`DRAINED_ROWS`] rows wait and none older than
-/// [`DRAINED_AGE_SECONDS`], or none at all where the table has no `createdAt` column),
-/// so the broker takes events again. The return is
+/// drained: no row committed before the fall back waits any more (the polling relay
+/// published what the stuck one left, so the broker takes events again) and none older
+/// than [`DRAINED_AGE_SECONDS`] (polling keeps up); where the table has no `createdAt`
+/// column, no row at all. The return is
 /// the switch from polling to log tailing: the slot is created while the polling relay
 /// runs, and log tailing starts once every row committed before it is published.
 fn return_due(
@@ -562,12 +595,21 @@ fn return_due(
             .try_into()
             .is_ok_and(|d: std::time::Duration| d >= budget.return_after)
     });
-    let drained = facts.backlog.is_some_and(|b| {
-        b.rows <= DRAINED_ROWS
-            && match b.oldest_age_seconds {
-                Some(age) => age <= DRAINED_AGE_SECONDS,
-                None => b.rows == 0,
-            }
+    // The rows the stuck relay left (committed before the fall back) are published, so
+    // the broker takes events again; and polling keeps up (nothing old waits).
+    let fell_back_for = since.and_then(|since| {
+        observed
+            .now
+            .duration_since(since)
+            .try_into()
+            .ok()
+            .map(|d: std::time::Duration| d.as_secs())
+    });
+    let drained = facts.backlog.is_some_and(|b| match b.oldest_age_seconds {
+        Some(age) => {
+            age <= DRAINED_AGE_SECONDS && fell_back_for.is_some_and(|for_secs| age < for_secs)
+        }
+        None => b.rows == 0,
     });
     fallback.slot_dropped && facts.slot.is_none() && waited && drained
 }
@@ -615,11 +657,11 @@ fn failover_cond(
 ) -> Cond {
     let server = &facts.server;
     if server.has_failover_slots()
-        && let Some(gap) = cluster.and_then(|(r, f)| crate::cnpg::failover_gap(r, f))
+        && let Some((reason, gap)) = cluster.and_then(|(r, f)| crate::cnpg::failover_gap(r, f))
     {
         // The standbys are the cluster's: its own settings say whether they keep the
         // slot, whatever the primary shows.
-        return Cond::no(CONDITION_FAILOVER_READY, "ClusterSlotSyncOff", gap);
+        return Cond::no(CONDITION_FAILOVER_READY, reason, gap);
     }
     if !server.has_failover_slots() {
         return Cond::no(

@@ -108,6 +108,7 @@ pub(super) async fn observe(
     relay: &OutboxRelay,
     valid: &ValidRelay,
     desired: &Desired,
+    fallback: Option<crate::api::FallbackStatus>,
     ctx: &Context,
 ) -> Result<Observed, Error> {
     let started = std::time::Instant::now();
@@ -119,7 +120,7 @@ pub(super) async fn observe(
     let secrets_ms = started.elapsed().as_millis();
     let database = match conn {
         Some(conn) if secrets.problems.is_empty() => {
-            database::observe(relay, valid, &conn, ctx).await
+            database::observe(relay, valid, &conn, fallback.is_some(), ctx).await
         }
         _ => DatabaseSeen::NotLooked,
     };
@@ -139,10 +140,37 @@ pub(super) async fn observe(
         claim,
         children,
         monitoring,
-        fallback: relay.status.as_ref().and_then(|s| s.fallback.clone()),
+        fallback,
         now: k8s_openapi::jiff::Timestamp::now(),
         cluster,
     })
+}
+
+/// Whether the CloudNativePG Cluster a relay names is gone or being deleted (its kind
+/// not served counts as gone).
+pub(super) async fn cluster_gone(
+    relay: &OutboxRelay,
+    reference: &crate::api::DatabaseRef,
+    ctx: &Context,
+) -> Result<bool, kube::Error> {
+    match clusters_api(relay, ctx).get_opt(&reference.name).await {
+        Ok(Some(object)) => Ok(object.metadata.deletion_timestamp.is_some()),
+        Ok(None) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(true),
+        Err(err) => Err(err),
+    }
+}
+
+fn clusters_api(relay: &OutboxRelay, ctx: &Context) -> Api<kube::api::DynamicObject> {
+    use crate::cnpg::{GROUP, KIND, PLURAL, VERSION};
+    use kube::api::{ApiResource, GroupVersionKind};
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL);
+    Api::namespaced_with(
+        ctx.client.clone(),
+        &relay.namespace().unwrap_or_default(),
+        &resource,
+    )
 }
 
 /// The CloudNativePG Cluster a relay names, and whether its `-rw` Service exists.
@@ -151,19 +179,18 @@ async fn cluster(
     reference: &crate::api::DatabaseRef,
     ctx: &Context,
 ) -> Result<crate::cnpg::ClusterSeen, Error> {
-    use crate::cnpg::{ClusterSeen, GROUP, KIND, PLURAL, VERSION};
-    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    use crate::cnpg::ClusterSeen;
     let namespace = relay.namespace().unwrap_or_default();
-    let resource =
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL);
-    let clusters: Api<DynamicObject> =
-        Api::namespaced_with(ctx.client.clone(), &namespace, &resource);
-    let object = match clusters.get_opt(&reference.name).await {
+    let object = match clusters_api(relay, ctx).get_opt(&reference.name).await {
         Ok(Some(object)) => object,
         Ok(None) => return Ok(ClusterSeen::Missing),
         // The kind is not served at all: 404 on the collection.
         Err(kube::Error::Api(status)) if status.code == 404 => {
             return Ok(ClusterSeen::NotInstalled);
+        }
+        // Not allowed to read it: a condition, not a failed reconcile.
+        Err(kube::Error::Api(status)) if status.code == 403 => {
+            return Ok(ClusterSeen::Forbidden);
         }
         Err(err) => return Err(err.into()),
     };

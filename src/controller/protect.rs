@@ -35,6 +35,18 @@ pub(super) fn database_secrets(relay: &OutboxRelay) -> Vec<String> {
         .chain(pg.client_key_secret_ref.iter())
         .map(|r| r.name.clone())
         .collect();
+    // A CloudNativePG Cluster's own Secrets are garbage-collected with it and made
+    // again by it: a finalizer there would hold them (and a new Cluster of that name)
+    // after the Cluster goes, while the slot goes with the Cluster's databases anyway.
+    if let Some(reference) = &relay.spec.database.database_ref {
+        let cluster = &reference.name;
+        let owned = [
+            format!("{cluster}-app"),
+            format!("{cluster}-superuser"),
+            format!("{cluster}-ca"),
+        ];
+        names.retain(|n| !owned.contains(n));
+    }
     names.sort();
     names.dedup();
     names
@@ -142,5 +154,29 @@ spec:
         let (prefix, rest) = name.split_once('/').unwrap();
         assert_eq!(prefix, "outbox.dev");
         assert!(rest.len() <= 63, "{rest}");
+    }
+
+    #[test]
+    fn a_cloudnativepg_clusters_own_secrets_are_not_held() {
+        let relay = |database_ref: &str| -> OutboxRelay {
+            serde_yaml::from_str(&format!(
+                "apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {{name: r, namespace: shop}}
+spec:
+  database: {{databaseRef: {database_ref}}}
+  mode: {{logTailing: {{}}}}
+  broker: {{nats: {{url: \"nats://n:4222\"}}}}
+"
+            ))
+            .unwrap()
+        };
+        assert!(database_secrets(&relay("{name: pg}")).is_empty());
+        assert_eq!(
+            database_secrets(&relay(
+                "{name: pg, userSecretName: relay-role, caSecretName: my-ca}"
+            )),
+            vec!["my-ca", "relay-role"]
+        );
     }
 }

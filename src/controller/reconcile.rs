@@ -143,6 +143,17 @@ pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Con
 /// (the SQL the decision planned, then the children) → status.
 async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     let last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
+    // The fall back as last recorded: this controller's own last write when the cache
+    // does not hold it yet (a pass triggered by a child right after the write).
+    let recorded_fallback = ctx
+        .written_status
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&relay.uid().unwrap_or_default())
+        .map_or_else(
+            || relay.status.as_ref().and_then(|s| s.fallback.clone()),
+            |s| s.fallback.clone(),
+        );
     // Parse, then hold the spec to what this install allows.
     let parsed = crate::spec::parse(relay).and_then(|valid| {
         let refused = ctx.policy.check(relay);
@@ -178,7 +189,9 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         protect::protect(relay, &protected, ctx).await?;
     }
     let observed = match (&parsed, &built) {
-        (Ok(valid), Some(desired)) => Some(observe::observe(relay, valid, desired, ctx).await?),
+        (Ok(valid), Some(desired)) => {
+            Some(observe::observe(relay, valid, desired, recorded_fallback.clone(), ctx).await?)
+        }
         _ => None,
     };
     // A rotated Secret rolls the pods (they read Secret values only at start).
@@ -303,7 +316,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     }
     // The fall back to polling past the WAL budget, and the return: an Event each and
     // the switch counted.
-    let was_falling_back = observed.as_ref().is_some_and(|o| o.fallback.is_some());
+    let was_falling_back = recorded_fallback.is_some();
     let tails = parsed
         .as_ref()
         .is_ok_and(|v| v.mode.log_tailing().is_some());
@@ -324,11 +337,19 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         }
         decide::FallbackWrite::Clear if was_falling_back && tails => {
             ctx.metrics.switched(&namespace, &name, "logTailing");
+            let why = if parsed
+                .as_ref()
+                .is_ok_and(|v| v.mode.log_tailing().is_some_and(|l| l.budget.is_some()))
+            {
+                "the backlog is drained"
+            } else {
+                "spec.mode.logTailing.maxRetainedWal was removed"
+            };
             ctx.publish(
                 relay,
                 EventType::Normal,
                 "ReturningToLogTailing",
-                "the backlog is drained: the replication slot is created again while the polling relay runs, and log tailing takes over once every row committed before it is published".to_owned(),
+                format!("{why}: the replication slot is created again while the polling relay runs, and log tailing takes over once every row committed before it is published"),
             )
             .await;
         }
@@ -378,7 +399,7 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     }
     let before_status = Instant::now();
     let fallback = match decision.fallback {
-        decide::FallbackWrite::Keep => observed.as_ref().and_then(|o| o.fallback.clone()),
+        decide::FallbackWrite::Keep => recorded_fallback,
         decide::FallbackWrite::Set(fallback) => Some(fallback),
         decide::FallbackWrite::Clear => None,
     };

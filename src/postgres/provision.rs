@@ -319,6 +319,7 @@ mod tests {
                 slot_type: "logical".into(),
                 failover: None,
                 retained_wal_bytes: None,
+                active: false,
             }),
             publication: publication.map(|comment| PublicationFacts {
                 publishes_insert: true,

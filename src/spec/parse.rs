@@ -318,13 +318,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                         return_after: return_after.unwrap_or_default(),
                     }
                 });
-                if l.return_after.is_some() && l.max_retained_wal.is_none() {
-                    p.push(
-                        "spec.mode.logTailing.returnAfter",
-                        "has no effect without maxRetainedWal",
-                        "set maxRetainedWal too, or remove returnAfter",
-                    );
-                }
                 Some(ValidMode::LogTailing(LogTailing {
                     slot,
                     publication,

@@ -162,11 +162,6 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
-        "returnAfter without a budget",
-        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {returnAfter: 10m}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
-        &["spec.mode.logTailing.returnAfter"],
-    ),
-    (
         "ranges",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {batchSize: 0}}\n  broker: {nats: {url: \"nats://n:4222\"}}\n  ordering: {partitions: 2000}\n  replicas: 65\n  failure: {maxAttempts: 0}\n  alerting: {backlogRows: 0}",
         &[

@@ -376,7 +376,9 @@ async fn a_cloudnativepg_cluster_is_reached_through_its_secrets_and_checked() {
     .await;
     assert_eq!(failed.reason, "ConnectionFailed", "{failed:?}");
     assert!(
-        failed.message.contains("relay-role") && !failed.message.contains("w/rd"),
+        failed.message.contains("relay-role")
+            && !failed.message.contains("w/rd")
+            && !failed.message.contains("w%2Frd"),
         "{}",
         failed.message
     );

@@ -82,6 +82,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
             slot_type: "logical".into(),
             failover: None,
             retained_wal_bytes: None,
+            active: false,
         }),
         publication: publication.map(|comment| PublicationFacts {
             publishes_insert: true,
@@ -590,6 +591,7 @@ fn with_slot(database: &mut DatabaseSeen, retained: Option<i64>) {
             slot_type: "logical".into(),
             failover: None,
             retained_wal_bytes: Some(r),
+            active: false,
         });
     }
 }
@@ -660,8 +662,19 @@ fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_once_drained() {
     let d = run(&r, Some(&last), Some(&o));
     assert!(d.provision.is_empty(), "{d:?}");
     assert_eq!(d.fallback, FallbackWrite::Set(fb.clone()), "since is kept");
-    // Every pod polls: the slot is dropped (only it; the publication stays).
+    // The rollout is complete, but a terminating log-tailing pod still streams the
+    // slot: not yet.
     o.children.settled = true;
+    let mut streamed = database.clone();
+    if let DatabaseSeen::Seen(f) = &mut streamed {
+        f.slot.as_mut().unwrap().active = true;
+    }
+    let mut s = o.clone();
+    s.database = streamed;
+    let d = run(&r, Some(&last), Some(&s));
+    assert!(d.provision.is_empty(), "{d:?}");
+    // Every pod polls and nothing streams: the slot is dropped (only it; the
+    // publication stays).
     let d = run(&r, Some(&last), Some(&o));
     assert_eq!(
         d.provision,
@@ -709,18 +722,32 @@ fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_once_drained() {
         run(&r, Some(&last), Some(&o)).fallback,
         FallbackWrite::Set(_)
     ));
-    // Young rows, but more than a batch: still piling up.
-    if let DatabaseSeen::Seen(f) = &mut database {
+    // A short outage: the rows are young, but some were committed before the fall
+    // back (6 s old, fell back 5 s ago): the stuck relay's rows still wait.
+    let quick = budgeted("8Mi", "1s");
+    let mut q = o.clone();
+    q.now = "2026-12-05T10:00:05Z".parse().unwrap();
+    if let DatabaseSeen::Seen(f) = &mut q.database {
         f.backlog = Some(crate::postgres::admin::BacklogFacts {
-            rows: DRAINED_ROWS + 1,
-            oldest_age_seconds: Some(2),
+            rows: 20,
+            oldest_age_seconds: Some(6),
         });
     }
-    o.database = database.clone();
     assert!(matches!(
-        run(&r, Some(&last), Some(&o)).fallback,
+        run(&quick, Some(&last), Some(&q)).fallback,
         FallbackWrite::Set(_)
     ));
+    // Only rows from after it wait: the broker takes events again.
+    if let DatabaseSeen::Seen(f) = &mut q.database {
+        f.backlog = Some(crate::postgres::admin::BacklogFacts {
+            rows: 2_000,
+            oldest_age_seconds: Some(4),
+        });
+    }
+    assert_eq!(
+        run(&quick, Some(&last), Some(&q)).fallback,
+        FallbackWrite::Clear
+    );
     // Not measured: no return either.
     if let DatabaseSeen::Seen(f) = &mut database {
         f.backlog = None;
@@ -843,4 +870,37 @@ fn a_cloudnativepg_cluster_is_checked_before_its_secrets_and_for_slot_sync() {
     o.cluster = Some(cluster(true));
     let d = run(&r, Some(&slot_status("outbox_shop_orders")), Some(&o));
     assert_ne!(cond(&d, CONDITION_FAILOVER_READY).1, "ClusterSlotSyncOff");
+}
+
+#[test]
+fn a_budget_on_someone_elses_publication_does_not_apply_and_marks_first() {
+    let r = budgeted("1Mi", "1m");
+    // A publication with a comment of its own: never the operator's to drop.
+    let mut database = facts("logical", Some(Some("owned by the DBA".into())), true);
+    with_slot(&mut database, Some(2 << 20));
+    let o = observed(secrets_ok(), database, 1);
+    let d = run(&r, Some(&slot_status("outbox_shop_orders")), Some(&o));
+    assert_eq!(d.fallback, FallbackWrite::Clear, "{d:?}");
+    assert_eq!(
+        cond(&d, CONDITION_POLLING_FALLBACK),
+        ("False", "BudgetNotApplicable")
+    );
+    // Over budget on its first pass with an unmarked publication: the marker is
+    // written before the slot is dropped (the drop checks it).
+    let mut database = facts("logical", Some(None), true);
+    with_slot(&mut database, Some(2 << 20));
+    let mut o = observed(secrets_ok(), database, 1);
+    o.children.runs_polling = true;
+    o.children.settled = true;
+    let d = run(&r, None, Some(&o));
+    assert!(matches!(d.fallback, FallbackWrite::Set(_)), "{d:?}");
+    assert!(
+        matches!(d.provision.first(), Some(Action::MarkPublication { .. })),
+        "{:?}",
+        d.provision
+    );
+    assert!(matches!(
+        d.provision.last(),
+        Some(Action::DropSlotOverBudget { .. })
+    ));
 }

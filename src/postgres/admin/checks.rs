@@ -392,6 +392,7 @@ mod tests {
             slot_type: "logical".to_owned(),
             failover: None,
             retained_wal_bytes: None,
+            active: false,
         });
         assert!(first_failure(&evaluate(&plan, &f), Scope::Slot).is_none());
         f.slot = Some(SlotFacts {
@@ -400,6 +401,7 @@ mod tests {
             slot_type: "logical".to_owned(),
             failover: None,
             retained_wal_bytes: None,
+            active: false,
         });
         let failed = evaluate(&plan, &f);
         let failed = first_failure(&failed, Scope::Slot).unwrap();

@@ -124,7 +124,8 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 "SELECT database::text, plugin::text, slot_type::text, \
                         (to_jsonb(s) ->> 'failover')::bool, \
                         CASE WHEN pg_is_in_recovery() THEN NULL \
-                             ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END \
+                             ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END, \
+                        active \
                  FROM pg_replication_slots s WHERE slot_name = $1",
                 &[&lt.slot],
             )
@@ -136,6 +137,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 slot_type: r.get(2),
                 failover: r.get(3),
                 retained_wal_bytes: r.get(4),
+                active: r.get(5),
             });
         publication = read_publication(client, &lt.publication, plan).await?;
         other_markers = super::list_marked(client)

@@ -396,6 +396,8 @@ pub struct SlotFacts {
     /// WAL it retains on the server, bytes (current WAL position minus `restart_lsn`;
     /// `None` on a standby or before the slot reserved WAL).
     pub retained_wal_bytes: Option<i64>,
+    /// A walsender streams it.
+    pub active: bool,
 }
 
 /// An existing publication of that name.
