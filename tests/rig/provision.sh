@@ -18,6 +18,11 @@ command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v cmake >/dev/null || missing+=(cmake)
 dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
+# The node: runc's seccomp support, the CNI plugins (bridge, host-local, loopback) and
+# buildah, which assembles images from scratch without a registry.
+dpkg -s libseccomp-dev >/dev/null 2>&1 || missing+=(libseccomp-dev)
+[ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+command -v buildah >/dev/null || missing+=(buildah)
 # librdkafka's cmake build includes curl/curl.h even with curl disabled (librdkafka#5135).
 dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
 dpkg -s g++ >/dev/null 2>&1 || missing+=(g++)
@@ -67,6 +72,34 @@ go_build k8s k8s.io/kubernetes/cmd/kubectl "$BIN/kubectl-$K8S_VERSION" "$k8s_ldf
 go_build k8s go.etcd.io/etcd/server/v3 "$BIN/etcd-$ETCD_VERSION"
 go_build clients github.com/nats-io/natscli/nats "$BIN/nats-$NATSCLI_VERSION"
 go_build clients ./amqpget "$BIN/amqpget-$AMQPGET_BUILD"
+go_build k8s k8s.io/kubernetes/cmd/kubelet "$BIN/kubelet-$K8S_VERSION" "$k8s_ldflags"
+go_build node github.com/containerd/containerd/v2/cmd/containerd "$BIN/containerd-$CONTAINERD_VERSION"
+go_build node github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 "$BIN/containerd-shim-runc-v2-$CONTAINERD_VERSION"
+go_build node github.com/containerd/containerd/v2/cmd/ctr "$BIN/ctr-$CONTAINERD_VERSION"
+# runc needs cgo (its nsenter) and libseccomp (pods run with the RuntimeDefault profile).
+if [ ! -x "$BIN/runc-$RUNC_VERSION" ]; then
+  (cd "$RIG_ROOT/node" && CGO_ENABLED=1 go build -trimpath -tags seccomp -ldflags="-s -w" \
+    -o "$BIN/runc-$RUNC_VERSION.tmp" github.com/opencontainers/runc)
+  mv "$BIN/runc-$RUNC_VERSION.tmp" "$BIN/runc-$RUNC_VERSION"
+fi
+if [ ! -x "$BIN/pause-$PAUSE_BUILD" ]; then
+  gcc -static -O2 -o "$BIN/pause-$PAUSE_BUILD.tmp" "$RIG_ROOT/node/pause.c"
+  mv "$BIN/pause-$PAUSE_BUILD.tmp" "$BIN/pause-$PAUSE_BUILD"
+fi
+# The node's sandbox image, from that program alone (buildah from scratch, its own
+# storage under the cache; nothing pulled).
+if [ ! -s "$CACHE/images/pause-$PAUSE_BUILD.tar" ]; then
+  mkdir -p "$CACHE/images"
+  bstore=(--root "$CACHE/buildah/root" --runroot "$CACHE/buildah/run" --storage-driver vfs)
+  ctr_id=$(buildah "${bstore[@]}" from scratch)
+  buildah "${bstore[@]}" copy "$ctr_id" "$BIN/pause-$PAUSE_BUILD" /pause >/dev/null
+  buildah "${bstore[@]}" config --entrypoint '["/pause"]' --user 65535:65535 "$ctr_id"
+  buildah "${bstore[@]}" commit --quiet "$ctr_id" "outbox.test/pause:$PAUSE_BUILD" >/dev/null
+  buildah "${bstore[@]}" rm "$ctr_id" >/dev/null
+  buildah "${bstore[@]}" push "outbox.test/pause:$PAUSE_BUILD" \
+    "oci-archive:$CACHE/images/pause-$PAUSE_BUILD.tar.tmp:outbox.test/pause:$PAUSE_BUILD" >/dev/null 2>&1
+  mv "$CACHE/images/pause-$PAUSE_BUILD.tar.tmp" "$CACHE/images/pause-$PAUSE_BUILD.tar"
+fi
 go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
 
 # --- CloudNativePG's Cluster CRD from its Go module -------------------------------------

@@ -337,6 +337,96 @@ spawn kube-controller-manager "$BIN/kube-controller-manager-$K8S_VERSION" \
 wait_for kube-controller-manager 60 "$RIG_DIR/logs/kube-controller-manager.log" \
   curl -fsSk "https://127.0.0.1:$KCM_PORT/healthz"
 
+# --- a node: containerd + runc + kubelet -----------------------------------------------------
+# A real kubelet beside the pod runner's stand-in: relay pods run as containers from an
+# image assembled here (nothing is pulled). Its taint keeps every pod off it that does
+# not ask for it. Two concessions to this machine: cgroup v1 (failCgroupV1: false), and
+# processes may not lower their OOM score here, which kubelet asks of every sandbox
+# (containerd's restrict_oom_score_adj keeps it at containerd's own).
+start_node() {
+NODE_DIR="$RIG_DIR/node"
+NODE_NAME=outbox-rig-node
+mkdir -p "$NODE_DIR/containerd" "$NODE_DIR/cni" "$NODE_DIR/kubelet"
+cat >"$NODE_DIR/containerd.toml" <<EOC
+version = 3
+root = "$NODE_DIR/containerd/root"
+state = "$NODE_DIR/containerd/state"
+[grpc]
+  address = "$NODE_DIR/containerd.sock"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "outbox.test/pause:$PAUSE_BUILD"
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "$BIN/runc-$RUNC_VERSION"
+        SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
+    conf_dir = "$NODE_DIR/cni"
+EOC
+cat >"$NODE_DIR/cni/10-rig.conflist" <<EOC
+{"cniVersion": "1.0.0", "name": "outbox-rig", "plugins": [
+  {"type": "bridge", "bridge": "obxrig0", "isGateway": true, "ipMasq": false,
+   "ipam": {"type": "host-local", "dataDir": "$NODE_DIR/ipam",
+            "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+  {"type": "loopback"}]}
+EOC
+# The shim is found on PATH.
+mkdir -p "$NODE_DIR/bin"
+ln -sf "$BIN/containerd-shim-runc-v2-$CONTAINERD_VERSION" "$NODE_DIR/bin/containerd-shim-runc-v2"
+spawn containerd env "PATH=$NODE_DIR/bin:$PATH" "$BIN/containerd-$CONTAINERD_VERSION" --config "$NODE_DIR/containerd.toml"
+CTR=("$BIN/ctr-$CONTAINERD_VERSION" --address "$NODE_DIR/containerd.sock" -n k8s.io)
+wait_for containerd 30 "$RIG_DIR/logs/containerd.log" "${CTR[@]}" version
+"${CTR[@]}" images import "$CACHE/images/pause-$PAUSE_BUILD.tar" >/dev/null 2>&1 ||
+  die "containerd refused the pause image $CACHE/images/pause-$PAUSE_BUILD.tar (run tests/rig/provision.sh)"
+free_port KUBELET_PORT
+free_port KUBELET_HEALTHZ
+cat >"$NODE_DIR/kubelet.yaml" <<EOK
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$NODE_DIR/containerd.sock
+address: 127.0.0.1
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ
+authentication: {anonymous: {enabled: false}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+failSwapOn: false
+enforceNodeAllocatable: []
+localStorageCapacityIsolation: false
+evictionHard: {"memory.available": "100Mi"}
+resolvConf: ""
+podLogsDir: $NODE_DIR/pod-logs
+registerWithTaints:
+  - {key: outbox.dev/rig-node, value: "true", effect: NoSchedule}
+EOK
+spawn kubelet "$BIN/kubelet-$K8S_VERSION" --config "$NODE_DIR/kubelet.yaml" \
+  --kubeconfig "$KUBECONFIG_FILE" --hostname-override "$NODE_NAME" \
+  --root-dir "$NODE_DIR/kubelet" --cert-dir "$NODE_DIR/kubelet-pki"
+node_ready() {
+  [ "$("$BIN/kubectl-$K8S_VERSION" --kubeconfig "$KUBECONFIG_FILE" get node "$NODE_NAME" \
+    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}')" = True ]
+}
+wait_for kubelet 60 "$RIG_DIR/logs/kubelet.log" node_ready
+env_set OUTBOX_RIG_NODE "$NODE_NAME"
+env_set OUTBOX_RIG_NODE_TAINT outbox.dev/rig-node
+env_set OUTBOX_RIG_CTR "$BIN/ctr-$CONTAINERD_VERSION"
+env_set OUTBOX_RIG_CONTAINERD_SOCK "$NODE_DIR/containerd.sock"
+env_set OUTBOX_RIG_POD_LOGS "$NODE_DIR/pod-logs"
+}
+# OUTBOX_RIG_NODE=0 (the demo's rig, which uses the pod runner) starts no node: two
+# kubelets on one machine would share the kubepods cgroups and the pods' bridge.
+[ "${OUTBOX_RIG_NODE:-1}" = 0 ] || start_node
+
 # --- the rest --------------------------------------------------------------------------------
 wait_for kafka 90 "$RIG_DIR/logs/kafka.log" kcat -b "127.0.0.1:$KAFKA_PORT" -L -m 2
 wait_for nats 30 "$RIG_DIR/logs/nats.log" curl -fsS "http://127.0.0.1:$NATS_MON/healthz?js-enabled-only=true"
