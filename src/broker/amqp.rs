@@ -20,6 +20,14 @@ use crate::api::{AmqpAuthMechanism, RabbitMqSpec};
 use crate::rules::{BrokerKind, Problems, check_secret_ref, check_template_into};
 use crate::secrets::{Content, Delivery, ENV_RABBITMQ_URL, SecretSlot, SecretUse};
 
+/// How long opening a connection (TCP, the AMQP handshake, a channel, confirms) may
+/// take. A broker still booting can accept the connection and never answer; without a
+/// bound the relay would wait on it for good, holding every publisher behind the lock.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long one publish may wait for the broker's confirm before the connection is
+/// given up and the message retried (a duplicate at worst).
+const CONFIRM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Publishes to one exchange. lapin does not reconnect by itself, so the connection is
 /// opened lazily and replaced after it breaks.
 pub struct AmqpBroker {
@@ -47,18 +55,28 @@ impl AmqpBroker {
             return Ok(channel.clone());
         }
         *guard = None;
-        let connection = connect(&self.settings)
-            .await
-            .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
-        let channel = connection.create_channel().await.map_err(|err| {
-            PublishError::transient(format!("RabbitMQ: cannot open a channel: {err}"))
-        })?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|err| {
-                PublishError::transient(format!("RabbitMQ: cannot enable confirms: {err}"))
+        let open = async {
+            let connection = connect(&self.settings)
+                .await
+                .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
+            let channel = connection.create_channel().await.map_err(|err| {
+                PublishError::transient(format!("RabbitMQ: cannot open a channel: {err}"))
             })?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|err| {
+                    PublishError::transient(format!("RabbitMQ: cannot enable confirms: {err}"))
+                })?;
+            Ok::<_, PublishError>((connection, channel))
+        };
+        let (connection, channel) = tokio::time::timeout(CONNECT_TIMEOUT, open)
+            .await
+            .map_err(|_| {
+                PublishError::transient(format!(
+                    "RabbitMQ: no answer within {CONNECT_TIMEOUT:?} while connecting (the broker may be starting)"
+                ))
+            })??;
         *guard = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -92,21 +110,30 @@ impl Broker for AmqpBroker {
                 properties =
                     properties.with_timestamp(u64::try_from(ms.div_euclid(1000)).unwrap_or(0));
             }
-            let confirm = channel
-                .basic_publish(
-                    ShortString::from(self.exchange.as_str()),
-                    ShortString::from(message.destination.as_str()),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    message.payload.as_deref().unwrap_or_default(),
-                    properties,
-                )
-                .await;
-            let confirmation = match confirm {
-                Ok(confirm) => confirm.await,
-                Err(err) => Err(err),
+            let confirm = async {
+                let confirm = channel
+                    .basic_publish(
+                        ShortString::from(self.exchange.as_str()),
+                        ShortString::from(message.destination.as_str()),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            immediate: false,
+                        },
+                        message.payload.as_deref().unwrap_or_default(),
+                        properties,
+                    )
+                    .await;
+                match confirm {
+                    Ok(confirm) => confirm.await,
+                    Err(err) => Err(err),
+                }
+            };
+            let Ok(confirmation) = tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await else {
+                self.forget_channel().await;
+                return Err(PublishError::transient(format!(
+                    "RabbitMQ: no publisher confirm for row {} within {CONFIRM_TIMEOUT:?}; reconnecting",
+                    message.id
+                )));
             };
             match confirmation {
                 Ok(Confirmation::Ack(None)) => Ok(()),

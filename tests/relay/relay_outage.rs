@@ -301,3 +301,64 @@ async fn postgres_restarted_loses_nothing_and_the_relay_recovers_by_itself() {
         .unwrap();
     assert_complete("postgres restart", &received, &committed);
 }
+
+/// A broker that accepts the connection and never answers (RabbitMQ still booting
+/// accepts TCP before it speaks AMQP): the relay gives up the attempt after its connect
+/// timeout and tries again, instead of waiting on it for good with every publisher
+/// behind it (seen in the fault matrix: a relay silent for two minutes after a RabbitMQ
+/// restart). Through a proxy that holds every byte, then forwards again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_that_accepts_but_never_answers_stalls_no_relay() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let queue = common::fresh_queue().await;
+    let exchange = common::fresh_exchange_for(&queue).await;
+    let proxy = common::proxy::TcpProxy::start(common::host_port(rig.amqp_url())).await;
+    proxy.hold();
+    let url = rig
+        .amqp_url()
+        .replace(common::host_port(rig.amqp_url()), &proxy.addr.to_string());
+    let broker = RelayBroker::Amqp {
+        url,
+        exchange,
+        routing_key: "outbox.{aggregateType}".to_owned(),
+    };
+    let relay = RelayProcess::start(
+        &common::relay_config_yaml(&broker, &RelayOptions::default()),
+        &db.url,
+        &broker,
+    );
+    let mut ids = BTreeSet::new();
+    for i in 0..20 {
+        let aggregate = format!("agg-{}", i % 4);
+        ids.insert(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &serde_json::json!({"aggregate": aggregate, "i": i}),
+            )
+            .await,
+        );
+    }
+    // The first attempt hangs in the handshake; the timeout ends it and says so.
+    common::wait_for_relays(
+        "the relay to give up a connection attempt nobody answers",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { relay.log().contains("while connecting") },
+    )
+    .await;
+    proxy.heal();
+    common::wait_for_relays(
+        "every row published once the broker answers",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    drop(relay);
+    let received = common::consume_amqp(&queue).await;
+    assert_complete("rabbitmq that never answered", &received, &ids);
+}
