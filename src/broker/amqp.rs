@@ -24,6 +24,8 @@ use crate::secrets::{Content, Delivery, ENV_RABBITMQ_URL, SecretSlot, SecretUse}
 /// take. A broker still booting can accept the connection and never answer; without a
 /// bound the relay would wait on it for good, holding every publisher behind the lock.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a failed attempt to connect answers for the publishes queued behind it.
+const FAILURE_SHARED_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 /// How long one publish may wait for the broker's confirm before the connection is
 /// given up and the message retried (a duplicate at worst).
 const CONFIRM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -34,6 +36,9 @@ pub struct AmqpBroker {
     settings: RabbitMqSettings,
     exchange: String,
     channel: Mutex<Option<(Connection, Channel)>>,
+    /// The last failed attempt to connect, so that the publishes that waited behind it
+    /// fail at once instead of each trying (and timing out) in turn.
+    failed: std::sync::Mutex<Option<(std::time::Instant, String)>>,
 }
 
 impl AmqpBroker {
@@ -43,6 +48,7 @@ impl AmqpBroker {
             exchange: settings.exchange.clone(),
             settings,
             channel: Mutex::new(None),
+            failed: std::sync::Mutex::new(None),
         }
     }
 
@@ -55,8 +61,37 @@ impl AmqpBroker {
             return Ok(channel.clone());
         }
         *guard = None;
-        let open = async {
-            let connection = connect(&self.settings)
+        let fresh_failure = self
+            .failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < FAILURE_SHARED_FOR)
+            .map(|(_, why)| why.clone());
+        if let Some(why) = fresh_failure {
+            return Err(PublishError::transient(why));
+        }
+        let opened = self.open().await;
+        if let Err(err) = &opened {
+            *self
+                .failed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some((std::time::Instant::now(), err.message.clone()));
+        }
+        let (connection, channel) = opened?;
+        *guard = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// One attempt to connect, open a channel and enable confirms, bounded by
+    /// [`CONNECT_TIMEOUT`].
+    async fn open(&self) -> Result<(Connection, Channel), PublishError> {
+        // On a task of its own: lapin's connect can hold the thread it is polled on, and
+        // the bound below must fire all the same. An abandoned attempt ends by itself.
+        let settings = self.settings.clone();
+        let open = tokio::spawn(async move {
+            let connection = connect(&settings)
                 .await
                 .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
             let channel = connection.create_channel().await.map_err(|err| {
@@ -69,16 +104,21 @@ impl AmqpBroker {
                     PublishError::transient(format!("RabbitMQ: cannot enable confirms: {err}"))
                 })?;
             Ok::<_, PublishError>((connection, channel))
-        };
-        let (connection, channel) = tokio::time::timeout(CONNECT_TIMEOUT, open)
-            .await
-            .map_err(|_| {
-                PublishError::transient(format!(
+        });
+        let (connection, channel) = match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
+            Ok(Ok(opened)) => opened?,
+            Ok(Err(failed)) => {
+                return Err(PublishError::transient(format!(
+                    "RabbitMQ: the connection attempt failed: {failed}"
+                )));
+            }
+            Err(_) => {
+                return Err(PublishError::transient(format!(
                     "RabbitMQ: no answer within {CONNECT_TIMEOUT:?} while connecting (the broker may be starting)"
-                ))
-            })??;
-        *guard = Some((connection, channel.clone()));
-        Ok(channel)
+                )));
+            }
+        };
+        Ok((connection, channel))
     }
 
     async fn forget_channel(&self) {

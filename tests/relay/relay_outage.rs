@@ -324,8 +324,12 @@ async fn a_rabbitmq_that_accepts_but_never_answers_stalls_no_relay() {
         exchange,
         routing_key: "outbox.{aggregateType}".to_owned(),
     };
+    let options = RelayOptions {
+        partitions: 1,
+        ..RelayOptions::default()
+    };
     let relay = RelayProcess::start(
-        &common::relay_config_yaml(&broker, &RelayOptions::default()),
+        &common::relay_config_yaml(&broker, &options),
         &db.url,
         &broker,
     );
@@ -350,6 +354,9 @@ async fn a_rabbitmq_that_accepts_but_never_answers_stalls_no_relay() {
         || async { relay.log().contains("while connecting") },
     )
     .await;
+    // The attempt held now is closed (a broker that finally resets it), and new ones
+    // go through.
+    proxy.cut();
     proxy.heal();
     common::wait_for_relays(
         "every row published once the broker answers",
