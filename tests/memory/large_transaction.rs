@@ -1,5 +1,5 @@
 //! One huge transaction through log tailing in bounded memory: a backfill of
-//! 2,000,000 outbox rows committed at once is streamed to Kafka by a relay held to a
+//! 1,000,000 outbox rows committed at once is streamed to Kafka by a relay held to a
 //! 128 MiB memory limit (a memory cgroup where the host allows one, as a Pod's limit
 //! does). Every row must arrive in per-aggregate order, the relay must never be
 //! OOM-killed, and its peak RSS (`VmHWM`) must stay under the limit.
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::{RelayBroker, RelayProcess, SlotGuard};
 
 /// Rows in the one transaction.
-const ROWS: i64 = 2_000_000;
+const ROWS: i64 = 1_000_000;
 /// Distinct aggregates among them.
 const AGGREGATES: i64 = 1000;
 /// The relay's memory limit.

@@ -551,11 +551,6 @@ async fn idle_slot_advances_through_heartbeats_and_retains_no_growing_wal() {
     idle_slot_scenario(Pg::V15).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_slot_advances_through_heartbeats_on_postgresql_18() {
-    idle_slot_scenario(Pg::V18).await;
-}
-
 async fn idle_slot_scenario(pg: Pg) {
     let rig = common::Rig::load();
     let db = pg.fresh().await;
