@@ -1456,22 +1456,36 @@ pub fn check_delivery(
 /// Applies the OutboxRelay CRD from the code (server-side, forced, so a changed schema
 /// replaces an older one) and waits until the API server serves it.
 pub async fn install_outbox_crd(client: &kube::Client) {
+    use kube::CustomResourceExt;
+    apply_crd(
+        client,
+        &outbox_operator::api::OutboxRelay::crd(),
+        "the OutboxRelay CRD",
+    )
+    .await;
+}
+
+/// Applies `crd` (server-side) and waits until the API server serves it (Established).
+pub async fn apply_crd(
+    client: &kube::Client,
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    what: &str,
+) {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::ResourceExt;
     use kube::api::{Api, Patch, PatchParams};
-    use kube::{CustomResourceExt, ResourceExt};
 
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = outbox_operator::api::OutboxRelay::crd();
     let name = crd.name_any();
     crds.patch(
         &name,
         &PatchParams::apply("outbox-operator-test").force(),
-        &Patch::Apply(&crd),
+        &Patch::Apply(crd),
     )
     .await
-    .unwrap_or_else(|e| panic!("the API server refused the OutboxRelay CRD: {e}"));
+    .unwrap_or_else(|e| panic!("the API server refused {what}: {e}"));
     wait_for(
-        "the OutboxRelay CRD to be Established",
+        &format!("{what} to be Established"),
         Duration::from_secs(60),
         || async {
             crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {

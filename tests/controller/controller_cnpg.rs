@@ -14,7 +14,6 @@ use crate::common::{self, operator};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
 use outbox_operator::controller::{self, ControllerArgs, Metrics};
@@ -32,25 +31,7 @@ async fn install_cnpg_crd(client: &kube::Client) {
     });
     let crd: CustomResourceDefinition =
         serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("outbox-operator-test").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the API server refused CloudNativePG's Cluster CRD: {e}"));
-    common::wait_for("the Cluster CRD to be Established", WAIT, || async {
-        crds.get_opt(&name).await.ok().flatten().is_some_and(|c| {
-            c.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-        })
-    })
-    .await;
+    common::apply_crd(client, &crd, "CloudNativePG's Cluster CRD").await;
 }
 
 async fn slot_exists(client: &tokio_postgres::Client, slot: &str) -> bool {
