@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 
 pub mod app_writer;
+pub mod node;
 pub mod operator;
 pub mod pod_runner;
 pub mod private;

@@ -59,7 +59,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
-    Binding, ConfigMap, Container, EnvVar, Node, ObjectReference, Pod, Probe, Secret, Volume,
+    Binding, ConfigMap, Container, EnvVar, Node, NodeSpec, ObjectReference, Pod, Probe, Secret,
+    Taint, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -275,6 +276,18 @@ async fn register_node(client: &kube::Client, name: &str) {
             )])),
             ..ObjectMeta::default()
         },
+        // The rig's kube-scheduler must never place a pod here (that would be a pod of
+        // another test's namespace, which this runner does not run): no pod tolerates
+        // this taint. The runner binds its pods itself.
+        spec: Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: "outbox.dev/pod-runner".to_owned(),
+                value: Some(name.to_owned()),
+                effect: "NoSchedule".to_owned(),
+                time_added: None,
+            }]),
+            ..NodeSpec::default()
+        }),
         ..Node::default()
     };
     nodes

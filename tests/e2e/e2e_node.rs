@@ -7,7 +7,6 @@
 use crate::common;
 
 use std::path::Path;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -15,38 +14,6 @@ use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(90);
-
-/// The operator's image, built once per test process from the binary under test and
-/// imported into the node's containerd: (reference, `buildah inspect` of it).
-fn operator_image() -> &'static (String, Value) {
-    static IMAGE: OnceLock<(String, Value)> = OnceLock::new();
-    IMAGE.get_or_init(|| {
-        let rig = common::Rig::load();
-        let binary = common::operator::operator_binary();
-        let tag = format!("test-{}", common::unique_suffix());
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rig/image.sh");
-        let out = std::process::Command::new(&script)
-            .arg(&binary)
-            .arg(&tag)
-            .env("OUTBOX_RIG_DIR", rig.run_dir())
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        assert!(
-            out.status.success(),
-            "{} failed (is the rig's node up? make rig-up): {}",
-            script.display(),
-            common::describe_output(&out)
-        );
-        let reference = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        let inspect = rig.run_dir().join(format!("node/image-{tag}.json"));
-        let config: Value = serde_json::from_str(
-            &std::fs::read_to_string(&inspect)
-                .unwrap_or_else(|e| panic!("{}: {e}", inspect.display())),
-        )
-        .unwrap_or_else(|e| panic!("{}: {e}", inspect.display()));
-        (reference, config)
-    })
-}
 
 /// The runtime stage of the Dockerfile: its `USER`, `ENTRYPOINT`, `CMD` and `EXPOSE`,
 /// and the title label.
@@ -82,7 +49,7 @@ fn dockerfile_runtime() -> (String, Value, Value, String, String) {
 
 #[test]
 fn the_rig_image_agrees_with_the_dockerfile() {
-    let (_, inspect) = operator_image();
+    let (_, inspect) = common::node::operator_image();
     let config = &inspect["OCIv1"]["config"];
     let (user, entrypoint, cmd, expose, title) = dockerfile_runtime();
     assert_eq!(config["User"], json!(user), "user: {config}");
@@ -103,7 +70,7 @@ fn the_rig_image_agrees_with_the_dockerfile() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_of_the_operator_image_runs_on_the_kubelet_as_relay_pods_do() {
     let rig = common::Rig::load();
-    let (reference, _) = operator_image();
+    let (reference, _) = common::node::operator_image();
     let client = common::kube_client().await;
     let ns = common::fresh_namespace(&client).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);

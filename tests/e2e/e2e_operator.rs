@@ -33,8 +33,9 @@ use outbox_operator::api::OutboxRelay;
 use serde_json::{Value, json};
 
 use common::app_writer::{AppWriter, Ledger, WriterOptions};
+use common::node::RelayPods;
 use common::operator::{self, ControllerProcess};
-use common::pod_runner::{PodRunner, ProcessEvent};
+use common::pod_runner::ProcessEvent;
 
 const WAIT: Duration = Duration::from_secs(120);
 /// Owned objects are collected by kube-controller-manager's garbage collector; the relay
@@ -151,8 +152,11 @@ async fn run(scenario: Scenario, sink: Sink, db: common::TestDatabase) {
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    let mut controller = ControllerProcess::start(Some(&ns), &format!("e2e-{ns}"), &ns);
-    let runner = Arc::new(PodRunner::start(&client, &ns, &operator::operator_binary()).await);
+    let runner = Arc::new(RelayPods::start(&client, &ns).await);
+    let env = runner.controller_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut controller =
+        ControllerProcess::start_with_env(Some(&ns), &format!("e2e-{ns}"), &ns, &env);
     let slot = slot_of(&scenario, &ns);
 
     let outcome = AssertUnwindSafe(body(&client, &ns, &scenario, &sink, &db, &runner))
@@ -204,7 +208,7 @@ async fn body(
     scenario: &Scenario,
     sink: &Sink,
     db: &common::TestDatabase,
-    runner: &PodRunner,
+    runner: &RelayPods,
 ) {
     let started = Instant::now();
     let name = scenario.name;
@@ -216,8 +220,9 @@ async fn body(
     let mut pending: Vec<String> = Vec::new();
 
     common::create_outbox_table(&db.client, scenario.partitions).await;
-    operator::create_secret(client, ns, "orders-db", &[("uri", &db.url)]).await;
+    operator::create_secret(client, ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
     let mut manifest = scenario.manifest.clone();
+    runner.adapt(&mut manifest);
     operator::apply_relay(client, ns, &manifest).await;
 
     // The operator's Deployment, run by the runner from its pod spec.
@@ -238,6 +243,25 @@ async fn body(
         .get(&deployment)
         .await
         .unwrap_or_else(|e| panic!("{name}: Deployment {deployment}: {e}"));
+    if runner.on_node() {
+        // As `kubectl get pods -o wide` and `crictl ps` show them: Running on the node,
+        // as containers of its runtime.
+        let wide = common::node::pods_wide(client, ns).await;
+        for pod in &first {
+            assert_eq!(
+                wide.get(pod)
+                    .map(|(phase, node)| (phase.as_str(), node.as_str())),
+                Some(("Running", common::node::name())),
+                "{name}: pod {pod}: {wide:?}"
+            );
+        }
+        let listed: BTreeSet<String> = common::node::crictl_pods(ns).into_iter().collect();
+        assert_eq!(listed, first, "{name}: crictl ps");
+        println!(
+            "{name}: relay pods {first:?} Running on node {} (crictl ps lists them)",
+            common::node::name()
+        );
+    }
     wait_ready(&relays, name, runner, Some(1)).await;
 
     let slot = slot_of(scenario, ns);
@@ -548,7 +572,7 @@ async fn body(
 async fn wait_ready(
     relays: &Api<OutboxRelay>,
     name: &str,
-    runner: &PodRunner,
+    runner: &RelayPods,
     generation: Option<i64>,
 ) -> OutboxRelay {
     let relay = common::wait_for_some_or(
@@ -602,7 +626,7 @@ async fn wait_all_received(
     name: &str,
     sink: &Sink,
     ledger: &Ledger,
-    runner: &PodRunner,
+    runner: &RelayPods,
 ) -> Vec<common::Received> {
     let want = ledger.committed.len() as u64;
     let deadline = Instant::now() + WAIT;

@@ -52,8 +52,11 @@ if [ -d "$RIG_DIR/node" ]; then
   awk -v d="$RIG_DIR/node" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r |
     while read -r m; do umount -l "$m" 2>/dev/null || true; done
   ip link del obxrig0 2>/dev/null || true
+  while pod_nat_rules -D 2>/dev/null; do :; done
+  iptables -t nat -F OUTBOX-RIG 2>/dev/null && iptables -t nat -X OUTBOX-RIG 2>/dev/null || true
 fi
 
+stop kube-scheduler TERM 10
 stop kube-controller-manager TERM 10
 stop kube-apiserver TERM 30
 stop etcd TERM 10

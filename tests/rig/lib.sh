@@ -32,6 +32,7 @@ PG18_HOME="$CACHE/postgresql-wheel-$PG18_WHEEL"
 # of its source.
 CONTAINERD_VERSION=$(gomod_version "$RIG_ROOT/node/go.mod" github.com/containerd/containerd/v2)
 RUNC_VERSION=$(gomod_version "$RIG_ROOT/node/go.mod" github.com/opencontainers/runc)
+CRICTL_VERSION=$(gomod_version "$RIG_ROOT/node/go.mod" sigs.k8s.io/cri-tools)
 PAUSE_BUILD=$(sha256sum "$RIG_ROOT/node/pause.c" | cut -c1-12)
 # CloudNativePG's Cluster CRD, as the project publishes it in its Go module (no
 # CloudNativePG operator runs: the databaseRef tests play its part).
@@ -101,3 +102,14 @@ record_pid() { printf '%s\n' "$2" >"$RIG_DIR/pids/$1.pid"; }
 
 # env_set KEY VALUE: add a line to the env file tests read.
 env_set() { printf '%s=%s\n' "$1" "$2" >>"$RIG_ENV"; }
+
+# The rig node's pod network (tests/rig/up.sh start_node): its bridge's gateway is where
+# pods reach the servers.
+POD_CIDR=10.244.0.0/24
+POD_GATEWAY=10.244.0.1
+# pod_nat_rules -A|-D: add or delete the jumps into the chain that sends connections to
+# the gateway address to 127.0.0.1.
+pod_nat_rules() {
+  iptables -t nat "$1" PREROUTING -i obxrig0 -j OUTBOX-RIG &&
+    iptables -t nat "$1" OUTPUT -d "$POD_GATEWAY/32" -j OUTBOX-RIG
+}

@@ -73,9 +73,11 @@ go_build k8s go.etcd.io/etcd/server/v3 "$BIN/etcd-$ETCD_VERSION"
 go_build clients github.com/nats-io/natscli/nats "$BIN/nats-$NATSCLI_VERSION"
 go_build clients ./amqpget "$BIN/amqpget-$AMQPGET_BUILD"
 go_build k8s k8s.io/kubernetes/cmd/kubelet "$BIN/kubelet-$K8S_VERSION" "$k8s_ldflags"
+go_build k8s k8s.io/kubernetes/cmd/kube-scheduler "$BIN/kube-scheduler-$K8S_VERSION" "$k8s_ldflags"
 go_build node github.com/containerd/containerd/v2/cmd/containerd "$BIN/containerd-$CONTAINERD_VERSION"
 go_build node github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 "$BIN/containerd-shim-runc-v2-$CONTAINERD_VERSION"
 go_build node github.com/containerd/containerd/v2/cmd/ctr "$BIN/ctr-$CONTAINERD_VERSION"
+go_build node sigs.k8s.io/cri-tools/cmd/crictl "$BIN/crictl-$CRICTL_VERSION"
 # runc needs cgo (its nsenter) and libseccomp (pods run with the RuntimeDefault profile).
 if [ ! -x "$BIN/runc-$RUNC_VERSION" ]; then
   (cd "$RIG_ROOT/node" && CGO_ENABLED=1 go build -trimpath -tags seccomp -ldflags="-s -w" \

@@ -136,6 +136,10 @@ host all +outbox_md5_users 127.0.0.1/32 md5\
 host replication +outbox_md5_users 127.0.0.1/32 md5\
 host all +outbox_scram_users 127.0.0.1/32 scram-sha-256\
 host replication +outbox_scram_users 127.0.0.1/32 scram-sha-256' "$RIG_DIR/postgres/data/pg_hba.conf"
+# Relay pods on the rig's node reach the servers through their bridge's gateway (see
+# start_node): trusted like loopback.
+printf 'host all all %s trust\nhost replication all %s trust\n' "$POD_CIDR" "$POD_CIDR" \
+  >>"$RIG_DIR/postgres/data/pg_hba.conf"
 PG_TLS="$RIG_DIR/postgres/tls"
 mkdir -p "$PG_TLS"
 cp "$TLS/server.crt" "$TLS/server.key" "$TLS/ca.crt" "$PG_TLS/"
@@ -180,20 +184,22 @@ free_port KAFKA_PORT
 free_port KAFKA_CTRL
 free_port KAFKA_SASL_SSL_PORT
 free_port KAFKA_SSL_PORT
+free_port KAFKA_POD_PORT
 mkdir -p "$RIG_DIR/kafka"
 # Besides plaintext: SASL_SSL with PLAIN and SCRAM users, and SSL that requires a client
 # certificate (mTLS). Both advertise the name localhost, which the certificate is for.
+# PODS is plaintext for relay pods on the node: it advertises the pods' gateway.
 KAFKA_USER=outbox
 KAFKA_PASSWORD=$(openssl rand -hex 12)
 cat >"$RIG_DIR/kafka/server.properties" <<EOP
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CTRL
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL,SASL_SSL://127.0.0.1:$KAFKA_SASL_SSL_PORT,SSL://127.0.0.1:$KAFKA_SSL_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,SASL_SSL://localhost:$KAFKA_SASL_SSL_PORT,SSL://localhost:$KAFKA_SSL_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL,SASL_SSL://127.0.0.1:$KAFKA_SASL_SSL_PORT,SSL://127.0.0.1:$KAFKA_SSL_PORT,PODS://127.0.0.1:$KAFKA_POD_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,SASL_SSL://localhost:$KAFKA_SASL_SSL_PORT,SSL://localhost:$KAFKA_SSL_PORT,PODS://$POD_GATEWAY:$KAFKA_POD_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL,PODS:PLAINTEXT
 ssl.keystore.type=PEM
 ssl.keystore.location=$TLS/server.pem
 ssl.truststore.type=PEM
@@ -239,6 +245,7 @@ spawn kafka sh -c '"$@" kafka.tools.StorageTool format --cluster-id="$KAFKA_CLUS
 env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
 env_set OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP "localhost:$KAFKA_SASL_SSL_PORT"
 env_set OUTBOX_RIG_KAFKA_SSL_BOOTSTRAP "localhost:$KAFKA_SSL_PORT"
+env_set OUTBOX_RIG_POD_KAFKA_BOOTSTRAP "$POD_GATEWAY:$KAFKA_POD_PORT"
 env_set OUTBOX_RIG_KAFKA_USER "$KAFKA_USER"
 env_set OUTBOX_RIG_KAFKA_PASSWORD "$KAFKA_PASSWORD"
 
@@ -343,10 +350,26 @@ wait_for kube-controller-manager 60 "$RIG_DIR/logs/kube-controller-manager.log" 
 # not ask for it. Two concessions to this machine: cgroup v1 (failCgroupV1: false), and
 # processes may not lower their OOM score here, which kubelet asks of every sandbox
 # (containerd's restrict_oom_score_adj keeps it at containerd's own).
+#
+# Pod networking: the servers listen on 127.0.0.1 only, and pods have a network of their
+# own on the bridge obxrig0. Connections from the bridge to its gateway address are
+# translated to 127.0.0.1, same port (route_localnet lets the kernel route them there);
+# the host's own connections to the gateway address take the same path, so one URL
+# serves the controller and its relay pods. Nothing is reachable from outside the
+# machine: the bridge has no uplink, and the rules match only the bridge's gateway.
 start_node() {
 NODE_DIR="$RIG_DIR/node"
 NODE_NAME=outbox-rig-node
 mkdir -p "$NODE_DIR/containerd" "$NODE_DIR/cni" "$NODE_DIR/kubelet"
+ip link del obxrig0 2>/dev/null || true
+ip link add obxrig0 type bridge
+ip addr add "$POD_GATEWAY/${POD_CIDR#*/}" dev obxrig0
+ip link set obxrig0 up
+sysctl -qw net.ipv4.conf.obxrig0.route_localnet=1
+pod_nat_rules -D 2>/dev/null || true
+iptables -t nat -N OUTBOX-RIG 2>/dev/null || iptables -t nat -F OUTBOX-RIG
+iptables -t nat -A OUTBOX-RIG -d "$POD_GATEWAY/32" -p tcp -j DNAT --to-destination 127.0.0.1
+pod_nat_rules -A
 cat >"$NODE_DIR/containerd.toml" <<EOC
 version = 3
 root = "$NODE_DIR/containerd/root"
@@ -374,7 +397,8 @@ cat >"$NODE_DIR/cni/10-rig.conflist" <<EOC
 {"cniVersion": "1.0.0", "name": "outbox-rig", "plugins": [
   {"type": "bridge", "bridge": "obxrig0", "isGateway": true, "ipMasq": false,
    "ipam": {"type": "host-local", "dataDir": "$NODE_DIR/ipam",
-            "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+            "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$POD_GATEWAY"}]],
+            "routes": [{"dst": "0.0.0.0/0"}]}},
   {"type": "loopback"}]}
 EOC
 # The shim is found on PATH.
@@ -417,11 +441,21 @@ node_ready() {
     -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
 wait_for kubelet 60 "$RIG_DIR/logs/kubelet.log" node_ready
+# The scheduler places the relay pods that tolerate the node's taint. The pod runner's
+# stand-in Nodes carry a taint of their own, so it never places a pod there.
+free_port SCHEDULER_PORT
+spawn kube-scheduler "$BIN/kube-scheduler-$K8S_VERSION" --kubeconfig "$KUBECONFIG_FILE" \
+  --authentication-kubeconfig "$KUBECONFIG_FILE" --authorization-kubeconfig "$KUBECONFIG_FILE" \
+  --leader-elect=false --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --profiling=false
+wait_for kube-scheduler 60 "$RIG_DIR/logs/kube-scheduler.log" \
+  curl -fsSk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
 env_set OUTBOX_RIG_NODE "$NODE_NAME"
 env_set OUTBOX_RIG_NODE_TAINT outbox.dev/rig-node
 env_set OUTBOX_RIG_CTR "$BIN/ctr-$CONTAINERD_VERSION"
 env_set OUTBOX_RIG_CONTAINERD_SOCK "$NODE_DIR/containerd.sock"
 env_set OUTBOX_RIG_POD_LOGS "$NODE_DIR/pod-logs"
+env_set OUTBOX_RIG_CRICTL "$BIN/crictl-$CRICTL_VERSION"
+env_set OUTBOX_RIG_POD_GATEWAY "$POD_GATEWAY"
 }
 # OUTBOX_RIG_NODE=0 (the demo's rig, which uses the pod runner) starts no node: two
 # kubelets on one machine would share the kubepods cgroups and the pods' bridge.

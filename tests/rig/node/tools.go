@@ -8,4 +8,5 @@ import (
 	_ "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"
 	_ "github.com/containerd/containerd/v2/cmd/ctr"
 	_ "github.com/opencontainers/runc"
+	_ "sigs.k8s.io/cri-tools/cmd/crictl"
 )
