@@ -188,7 +188,14 @@ pub fn deployment(
             protocol: Some("TCP".to_owned()),
             ..ContainerPort::default()
         }]),
-        liveness_probe: Some(probe("/healthz", 10)),
+        // A relay that fails its liveness probe is stuck (its loop stopped turning, or it
+        // stopped answering): waiting out the pod's 30 s grace period for it would only
+        // delay the restart. What it had in flight is published again from the slot's
+        // confirmed position or the unmarked rows.
+        liveness_probe: Some(Probe {
+            termination_grace_period_seconds: Some(LIVENESS_KILL_GRACE_SECONDS),
+            ..probe("/healthz", 10)
+        }),
         readiness_probe: Some(probe("/readyz", 5)),
         resources: Some(pod.resources.clone().unwrap_or_else(default_resources)),
         security_context: Some(SecurityContext {
@@ -296,6 +303,9 @@ pub fn deployment(
         status: None,
     }
 }
+
+/// Seconds a relay judged stuck by its liveness probe gets between SIGTERM and SIGKILL.
+pub const LIVENESS_KILL_GRACE_SECONDS: i64 = 5;
 
 /// Requests that let a relay schedule on a small node, and a memory limit that stops a
 /// runaway batch from taking the node down.

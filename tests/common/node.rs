@@ -139,6 +139,32 @@ impl RelayPods {
         }
     }
 
+    /// `outbox-operator controller` for `namespace` (see [`operator::ControllerProcess`]),
+    /// with `env` and what running here needs.
+    pub fn controller(&self, namespace: &str, env: &[(&str, &str)]) -> operator::ControllerProcess {
+        let own = self.controller_env();
+        let mut all: Vec<(&str, &str)> = own.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        all.extend_from_slice(env);
+        operator::ControllerProcess::start_with_env(
+            Some(namespace),
+            &format!("e2e-{namespace}"),
+            namespace,
+            &all,
+        )
+    }
+
+    /// Applies `manifest`, [adapted](Self::adapt) to run here.
+    pub async fn apply_relay(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        manifest: &Value,
+    ) -> outbox_operator::api::OutboxRelay {
+        let mut manifest = manifest.clone();
+        self.adapt(&mut manifest);
+        operator::apply_relay(client, namespace, &manifest).await
+    }
+
     pub fn on_node(&self) -> bool {
         matches!(self, Self::Node(_))
     }
@@ -183,6 +209,14 @@ impl RelayPods {
         match self {
             Self::Runner(_) => Rig::load().kafka_bootstrap().to_owned(),
             Self::Node(_) => Rig::load().get("OUTBOX_RIG_POD_KAFKA_BOOTSTRAP").to_owned(),
+        }
+    }
+
+    /// The AMQP URL the relay pods use (a user that may log in from the pod network).
+    pub fn amqp_url(&self) -> String {
+        match self {
+            Self::Runner(_) => Rig::load().amqp_url().to_owned(),
+            Self::Node(_) => Rig::load().get("OUTBOX_RIG_POD_AMQP_URL").to_owned(),
         }
     }
 
@@ -298,8 +332,19 @@ impl NodePods {
 }
 
 impl Drop for NodePods {
+    /// The pods run on after the test unless something stops them: deleting the
+    /// namespace (without waiting; a test that ends well has deleted it already) has the
+    /// kubelet stop them also when a test fails half-way.
     fn drop(&mut self) {
         self.task.abort();
+        let rig = Rig::load();
+        let _ = std::process::Command::new(rig.get("OUTBOX_RIG_KUBECTL"))
+            .args(["--kubeconfig", rig.kubeconfig().to_string_lossy().as_ref()])
+            .args(["delete", "namespace", &self.namespace, "--wait=false"])
+            .arg("--ignore-not-found")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }
 

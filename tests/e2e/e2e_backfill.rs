@@ -17,8 +17,8 @@ use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
 use common::app_writer::{AppWriter, WriterOptions};
-use common::operator::{self, ControllerProcess};
-use common::pod_runner::PodRunner;
+use common::node::RelayPods;
+use common::operator;
 
 const WAIT: Duration = Duration::from_secs(120);
 /// Events committed before the relay exists, and at least as many in each phase after.
@@ -47,10 +47,10 @@ async fn a_new_log_tailing_relay_back_fills_the_rows_committed_before_its_slot()
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    let mut controller = ControllerProcess::start(Some(&ns), &format!("e2e-{ns}"), &ns);
-    let runner = PodRunner::start(&client, &ns, &operator::operator_binary()).await;
-    operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-    operator::apply_relay(
+    let runner = RelayPods::start(&client, &ns).await;
+    let mut controller = runner.controller(&ns, &[]);
+    operator::create_secret(&client, &ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
+    runner.apply_relay(
         &client,
         &ns,
         &json!({

@@ -18,8 +18,8 @@ use serde_json::json;
 
 use common::Pg;
 use common::app_writer::{AppWriter, WriterOptions};
-use common::operator::{self, ControllerProcess};
-use common::pod_runner::PodRunner;
+use common::node::RelayPods;
+use common::operator;
 use common::private::PrivateNats;
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -73,38 +73,34 @@ async fn budget_scenario(pg: Pg) {
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     // Status (and with it the budget) checked every second.
-    let mut controller = ControllerProcess::start_with_env(
-        Some(&ns),
-        &format!("e2e-{ns}"),
-        &ns,
-        &[("OUTBOX_STATUS_INTERVAL", "1")],
-    );
-    let runner = PodRunner::start(&client, &ns, &operator::operator_binary()).await;
-    operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-    operator::apply_relay(
-        &client,
-        &ns,
-        &json!({
-            "apiVersion": "outbox.dev/v1alpha1",
-            "kind": "OutboxRelay",
-            "metadata": {"name": "budget"},
-            "spec": {
-                "database": {"postgres": {
-                    "connectionSecretRef": {"name": "orders-db", "key": "uri"},
-                    "sslMode": "disable"}},
-                "mode": {"logTailing": {
-                    "heartbeatInterval": "1s",
-                    "maxRetainedWal": "16Mi",
-                    "returnAfter": "5s"}},
-                "broker": {"nats": {
-                    "url": nats.url(),
-                    "subject": format!("{}.{{aggregateType}}", stream.subject_prefix)}},
-                "ordering": {"mode": "perAggregate", "partitions": 4},
-                "replicas": 1,
-            }
-        }),
-    )
-    .await;
+    let runner = RelayPods::start(&client, &ns).await;
+    let mut controller = runner.controller(&ns, &[("OUTBOX_STATUS_INTERVAL", "1")]);
+    operator::create_secret(&client, &ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
+    runner
+        .apply_relay(
+            &client,
+            &ns,
+            &json!({
+                "apiVersion": "outbox.dev/v1alpha1",
+                "kind": "OutboxRelay",
+                "metadata": {"name": "budget"},
+                "spec": {
+                    "database": {"postgres": {
+                        "connectionSecretRef": {"name": "orders-db", "key": "uri"},
+                        "sslMode": "disable"}},
+                    "mode": {"logTailing": {
+                        "heartbeatInterval": "1s",
+                        "maxRetainedWal": "16Mi",
+                        "returnAfter": "5s"}},
+                    "broker": {"nats": {
+                        "url": nats.url(),
+                        "subject": format!("{}.{{aggregateType}}", stream.subject_prefix)}},
+                    "ordering": {"mode": "perAggregate", "partitions": 4},
+                    "replicas": 1,
+                }
+            }),
+        )
+        .await;
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let slot = outbox_operator::relay::config::default_slot_name(&ns, "budget");

@@ -168,6 +168,8 @@ PG18_ENV="LD_LIBRARY_PATH=$PG18/lib:$PG18/wheel-libs"
 free_port PG18_PORT
 runuser -u postgres -- env "$PG18_ENV" "$PG18/bin/initdb" -D "$RIG_DIR/postgres18/data" -U postgres \
   --auth=trust -E UTF8 --no-sync >"$RIG_DIR/logs/postgres18-initdb.log" 2>&1
+printf 'host all all %s trust\nhost replication all %s trust\n' "$POD_CIDR" "$POD_CIDR" \
+  >>"$RIG_DIR/postgres18/data/pg_hba.conf"
 runuser -u postgres -- env "$PG18_ENV" "$PG18/bin/pg_ctl" -D "$RIG_DIR/postgres18/data" \
   -l "$RIG_DIR/postgres18/postgres.log" -w -t 60 \
   -o "-c listen_addresses=127.0.0.1 -p $PG18_PORT -c unix_socket_directories=$RIG_DIR/postgres18 \
@@ -474,6 +476,11 @@ rabbitmqctl add_user outbox_cert "$(openssl rand -hex 12)" >/dev/null
 rabbitmqctl clear_password outbox_cert >/dev/null
 rabbitmqctl set_permissions -p / outbox_cert '.*' '.*' '.*' >/dev/null
 env_set OUTBOX_RIG_RABBITMQ_MGMT_URL ""
+# Relay pods on the node connect from the pod network, where guest may not log in.
+RMQ_POD_PASSWORD=$(openssl rand -hex 12)
+rabbitmqctl add_user outbox_pods "$RMQ_POD_PASSWORD" >/dev/null
+rabbitmqctl set_permissions -p / outbox_pods '.*' '.*' '.*' >/dev/null
+env_set OUTBOX_RIG_POD_AMQP_URL "amqp://outbox_pods:$RMQ_POD_PASSWORD@$POD_GATEWAY:$RMQ_PORT/%2f"
 
 # Where the server binaries are, for tests that start a private instance of their own
 # (to stop or restart it without disturbing the tests that share the rig).
