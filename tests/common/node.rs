@@ -80,6 +80,27 @@ pub fn pod_url(url: &str) -> String {
     url.replace("127.0.0.1", Rig::load().get("OUTBOX_RIG_POD_GATEWAY"))
 }
 
+/// `url` as relay pods reach it: through the pods' gateway when the rig runs a node
+/// (where [`RelayPods::start`] puts them), unchanged otherwise.
+pub fn for_pods(url: &str) -> String {
+    if available() {
+        pod_url(url)
+    } else {
+        url.to_owned()
+    }
+}
+
+/// The rig's AMQP URL as relay pods use it (on the node, a user that may log in from
+/// the pod network; guest may not).
+pub fn amqp_for_pods() -> String {
+    let rig = Rig::load();
+    if available() {
+        rig.get("OUTBOX_RIG_POD_AMQP_URL").to_owned()
+    } else {
+        rig.amqp_url().to_owned()
+    }
+}
+
 /// `crictl` on the node's containerd: the containers it runs, as `crictl ps -o json`.
 pub fn crictl_ps() -> Value {
     let rig = Rig::load();
@@ -185,8 +206,16 @@ impl RelayPods {
             manifest["spec"]["relay"]["tolerations"] =
                 json!([{"key": taint, "operator": "Exists", "effect": "NoSchedule"}]);
             let broker = &mut manifest["spec"]["broker"];
-            if broker["kafka"]["bootstrapServers"] == json!(Rig::load().kafka_bootstrap()) {
-                broker["kafka"]["bootstrapServers"] = json!(self.kafka_bootstrap());
+            let rig = Rig::load();
+            if let Some(kafka) = broker
+                .get_mut("kafka")
+                .and_then(|k| k.get_mut("bootstrapServers"))
+            {
+                if *kafka == json!(rig.kafka_bootstrap()) {
+                    *kafka = json!(rig.get("OUTBOX_RIG_POD_KAFKA_BOOTSTRAP"));
+                } else if *kafka == json!(rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP")) {
+                    *kafka = json!(rig.get("OUTBOX_RIG_POD_KAFKA_SASL_SSL_BOOTSTRAP"));
+                }
             }
             for kind in ["nats", "rabbitmq"] {
                 if let Some(url) = broker[kind]["url"].as_str() {

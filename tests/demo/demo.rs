@@ -6,8 +6,10 @@
 //! JetStream, log tailing to RabbitMQ — it creates a namespace, a database from
 //! `examples/schema.sql`, the Secrets the example's header asks for and the broker's
 //! topic / stream / queue, and applies the example (broker addresses pointed at the
-//! rig). Then it runs the `outbox-operator controller` binary, the pod runner that runs
-//! the operator's relay pods as local processes, a small event generator per database
+//! rig). Then it runs the `outbox-operator controller` binary — its relay pods run as
+//! containers on the rig's node (kubelet, containerd, runc) from the operator's image
+//! built from this checkout, or, when another rig has the node, on the pod runner as
+//! local processes — a small event generator per database
 //! and a consumer per broker; it prints a line per batch of events each relay delivered
 //! and, every few seconds, `kubectl get obr` with its BACKLOG and OLDEST columns.
 //!
@@ -33,8 +35,8 @@ use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
+use common::node::RelayPods;
 use common::operator::{self, ControllerProcess};
-use common::pod_runner::PodRunner;
 
 #[derive(Parser, Debug)]
 #[command(about = "outbox-operator end to end on a local control plane")]
@@ -110,7 +112,8 @@ async fn main() {
         let namespace = format!("{}-{example}", args.prefix);
         create_namespace(&client, &namespace).await;
         let database = operator::example_database().await;
-        operator::create_secret(&client, &namespace, "orders-db", &[("uri", &database.url)]).await;
+        let uri = common::node::for_pods(&database.url);
+        operator::create_secret(&client, &namespace, "orders-db", &[("uri", &uri)]).await;
         let mut manifest = operator::example_manifest(&format!("{example}.yaml"));
         manifest["metadata"]["labels"] = json!({"outbox.dev/demo": args.prefix});
         match broker {
@@ -124,7 +127,7 @@ async fn main() {
                     &client,
                     &namespace,
                     "orders-amqp",
-                    &[("uri", rig.amqp_url())],
+                    &[("uri", &common::node::amqp_for_pods())],
                 )
                 .await;
             }
@@ -185,21 +188,41 @@ async fn main() {
     }
     drop(seen_tx);
 
-    // --- the operator and the stand-in kubelet ---------------------------------------------
+    // --- where relay pods run, and the operator ---------------------------------------------
+    let mut runners = Vec::new();
+    for (relay, _, _) in &relays {
+        runners.push(Arc::new(RelayPods::start(&client, &relay.namespace).await));
+    }
+    if common::node::available() {
+        say(&format!(
+            "relay pods run as containers on node {} (kubelet, containerd, runc) from image {}",
+            common::node::name(),
+            common::node::operator_image().0
+        ));
+    } else {
+        say("pod runner running: relay pods run as local processes (this rig has no node)");
+    }
+    let env: Vec<(&str, String)> = runners
+        .first()
+        .map(|r| r.controller_env())
+        .unwrap_or_default();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let mut controllers = Vec::new();
     if args.shared_rig {
         for (relay, _, _) in &relays {
-            controllers.push(ControllerProcess::start(
+            controllers.push(ControllerProcess::start_with_env(
                 Some(&relay.namespace),
                 &format!("outbox-operator-{}", relay.namespace),
                 &relay.namespace,
+                &env,
             ));
         }
     } else {
-        controllers.push(ControllerProcess::start(
+        controllers.push(ControllerProcess::start_with_env(
             None,
             "outbox-operator-demo",
             "default",
+            &env,
         ));
     }
     for controller in &controllers {
@@ -208,17 +231,10 @@ async fn main() {
             controller.pid()
         ));
     }
-    let binary = operator::operator_binary();
-    let mut runners = Vec::new();
-    for (relay, _, _) in &relays {
-        runners.push(Arc::new(
-            PodRunner::start(&client, &relay.namespace, &binary).await,
-        ));
-    }
-    say("pod runner running: relay pods run as local processes");
-
-    for (relay, manifest, _) in &relays {
-        operator::apply_relay(&client, &relay.namespace, manifest).await;
+    for ((relay, manifest, _), runner) in relays.iter().zip(&runners) {
+        runner
+            .apply_relay(&client, &relay.namespace, manifest)
+            .await;
         say(&format!(
             "applied examples/{}.yaml in namespace {}",
             relay.example, relay.namespace

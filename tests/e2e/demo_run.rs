@@ -131,6 +131,15 @@ async fn demo_prints_events_and_lag_then_stops_everything_it_started() {
     );
 
     assert!(status.success(), "the demo exited with {status}\n{output}");
+    if common::node::available() {
+        assert!(
+            stdout.contains(&format!(
+                "relay pods run as containers on node {}",
+                common::node::name()
+            )),
+            "the demo did not run its relay pods on the rig's node\n{output}"
+        );
+    }
     for example in ["polling-kafka", "polling-nats", "log-tailing-rabbitmq"] {
         let lines = stdout
             .lines()

@@ -1,13 +1,15 @@
 //! End to end, the way a user meets the operator: each example manifest in `examples/`
 //! applied with the Secrets its header asks for, reconciled by the controller (run
-//! in-process), its relay pods run by the pod runner (tests/common/pod_runner.rs) from
-//! exactly the Deployment the controller built, rows inserted into a database created
+//! in-process), its relay pods run from exactly the Deployment the controller built —
+//! as containers on the rig's kubelet, from the operator's image (tests/common/node.rs),
+//! or by the pod runner where the rig has no node — rows inserted into a database created
 //! from `examples/schema.sql` — and then `Ready=True` on the OutboxRelay and every row
 //! at the broker.
 //!
 //! The examples name in-cluster Services (`kafka:9092`, `nats://nats:4222`); the rig's
-//! brokers listen on loopback ports, so the test points those two fields at the rig and
-//! changes nothing else. Each test uses an aggregate type of its own, so the example's
+//! brokers listen on loopback ports, so the test points those two fields at the rig
+//! (and, on the node, the pods tolerate its taint and use the addresses pods reach the
+//! servers at) and changes nothing else. Each test uses an aggregate type of its own, so the example's
 //! routing (`outbox.event.{aggregateType}`, `outbox.{aggregateType}`, routing key
 //! `{aggregateType}`) lands on a topic / subject / binding no other test shares.
 
@@ -15,7 +17,6 @@ use crate::common;
 
 use std::collections::BTreeSet;
 use std::panic::AssertUnwindSafe;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,8 +29,8 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use common::node::RelayPods;
 use common::operator;
-use common::pod_runner::PodRunner;
 
 const WAIT: Duration = Duration::from_secs(90);
 /// kube-controller-manager discovers a new CRD for garbage collection only after ~30 s,
@@ -46,10 +47,15 @@ struct Running {
     task: JoinHandle<Result<(), controller::Error>>,
 }
 
-fn start_controller(client: &Client, namespace: &str) -> Running {
+/// `relay_image`: the relay pods' image when it is not the default (on the rig's node,
+/// the image built from the binary under test).
+fn start_controller(client: &Client, namespace: &str, relay_image: Option<String>) -> Running {
     outbox_operator::telemetry::init_logging();
     let mut args = ControllerArgs::for_namespace(namespace);
     args.identity = Some("e2e".to_owned());
+    if let Some(image) = relay_image {
+        args.relay_image = image;
+    }
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(controller::run(
         client.clone(),
@@ -137,25 +143,22 @@ impl Sink {
 /// everything and deletes the namespace.
 async fn with_operator<F, Fut>(run_pods: bool, body: F)
 where
-    F: FnOnce(Client, String, Option<Arc<PodRunner>>) -> Fut,
+    F: FnOnce(Client, String, Option<Arc<RelayPods>>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    let running = start_controller(&client, &ns);
     let runner = if run_pods {
-        Some(Arc::new(
-            PodRunner::start(
-                &client,
-                &ns,
-                Path::new(env!("CARGO_BIN_EXE_outbox-operator")),
-            )
-            .await,
-        ))
+        Some(Arc::new(RelayPods::start(&client, &ns).await))
     } else {
         None
     };
+    let relay_image = runner
+        .as_ref()
+        .filter(|r| r.on_node())
+        .map(|_| common::node::operator_image().0.clone());
+    let running = start_controller(&client, &ns, relay_image);
     let outcome = AssertUnwindSafe(body(client.clone(), ns.clone(), runner.clone()))
         .catch_unwind()
         .await;
@@ -171,7 +174,7 @@ where
 
 /// Waits for `Ready=True` (reason `RelayAvailable`) for the relay's current generation,
 /// with `DatabaseReady` and `BrokerReady` true as well.
-async fn wait_ready(relays: &Api<OutboxRelay>, name: &str, runner: &PodRunner) -> OutboxRelay {
+async fn wait_ready(relays: &Api<OutboxRelay>, name: &str, runner: &RelayPods) -> OutboxRelay {
     let relay = common::wait_for_some_or(
         &format!("{name}: Ready=True for the current generation"),
         WAIT,
@@ -208,7 +211,7 @@ async fn wait_ready(relays: &Api<OutboxRelay>, name: &str, runner: &PodRunner) -
 /// Waits until every id in `ids` is at the broker, then checks the delivery: nothing
 /// foreign, nothing missing, per-aggregate order, each message's aggregate right.
 /// At-least-once: duplicates are allowed.
-async fn wait_every_row(name: &str, sink: &Sink, ids: &BTreeSet<i64>, runner: &PodRunner) {
+async fn wait_every_row(name: &str, sink: &Sink, ids: &BTreeSet<i64>, runner: &RelayPods) {
     let mut seen: Vec<common::Received> = Vec::new();
     let mut distinct = BTreeSet::new();
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -255,7 +258,7 @@ async fn wait_every_row(name: &str, sink: &Sink, ids: &BTreeSet<i64>, runner: &P
 
 /// Deletes the relay and waits until it is gone (finalizer done, children collected)
 /// and the runner's relay processes have stopped.
-async fn delete_and_wait_stopped(relays: &Api<OutboxRelay>, name: &str, runner: &PodRunner) {
+async fn delete_and_wait_stopped(relays: &Api<OutboxRelay>, name: &str, runner: &RelayPods) {
     relays
         .delete(name, &DeleteParams::default())
         .await
@@ -277,7 +280,7 @@ async fn delete_and_wait_stopped(relays: &Api<OutboxRelay>, name: &str, runner: 
 async fn polling_example_publishes(
     client: Client,
     ns: String,
-    runner: Option<Arc<PodRunner>>,
+    runner: Option<Arc<RelayPods>>,
     manifest: Value,
     db: common::TestDatabase,
     aggregate_type: &str,
@@ -288,9 +291,9 @@ async fn polling_example_publishes(
         .unwrap_or_default()
         .to_owned();
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    let created = operator::apply_relay(&client, &ns, &manifest).await;
+    let runner = runner.unwrap_or_else(|| panic!("polling examples need relay pods"));
+    let created = runner.apply_relay(&client, &ns, &manifest).await;
     let wanted = created.spec.replicas;
-    let runner = runner.unwrap_or_else(|| panic!("polling examples need the pod runner"));
 
     let ids = insert_rows(&db, aggregate_type).await;
     wait_ready(&relays, &name, &runner).await;
@@ -418,7 +421,7 @@ async fn outbox_rows(db: &common::TestDatabase) -> i64 {
 async fn log_tailing_example_publishes(
     client: Client,
     ns: String,
-    runner: Option<Arc<PodRunner>>,
+    runner: Option<Arc<RelayPods>>,
     manifest: Value,
     db: common::TestDatabase,
     aggregate_type: &str,
@@ -430,8 +433,8 @@ async fn log_tailing_example_publishes(
         .unwrap_or_default()
         .to_owned();
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
-    let runner = runner.unwrap_or_else(|| panic!("log-tailing examples need the pod runner"));
-    let created = operator::apply_relay(&client, &ns, &manifest).await;
+    let runner = runner.unwrap_or_else(|| panic!("log-tailing examples need relay pods"));
+    let created = runner.apply_relay(&client, &ns, &manifest).await;
     let spec = created
         .spec
         .mode
@@ -567,7 +570,13 @@ fn aggregate_type() -> String {
 async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -592,7 +601,13 @@ async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
 async fn orders_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -617,7 +632,13 @@ async fn orders_example_reaches_ready_and_publishes_every_row() {
 async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         let kind = aggregate_type();
         // The example's header: "a stream must capture outbox.>". A stream capturing
         // only this test's subject keeps parallel tests apart.
@@ -651,9 +672,20 @@ async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
 async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        let rig = common::Rig::load();
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-        operator::create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-amqp",
+            &[("uri", &common::node::amqp_for_pods())],
+        )
+        .await;
         let kind = aggregate_type();
         // The example publishes to exchange `outbox` with the aggregate type as routing
         // key; a queue bound to this test's key sees this test's events only.
@@ -675,7 +707,13 @@ async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -728,7 +766,13 @@ async fn log_tailing_nats_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         operator::create_secret(&client, &ns, "orders-nats", &[("nats.creds", CREDS)]).await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
@@ -767,9 +811,20 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        let rig = common::Rig::load();
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
-        operator::create_secret(&client, &ns, "orders-amqp", &[("uri", rig.amqp_url())]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-amqp",
+            &[("uri", &common::node::amqp_for_pods())],
+        )
+        .await;
         let kind = aggregate_type();
         // Exchange `outbox`, routing key = aggregate type, as for polling-rabbitmq.
         let queue = common::fresh_queue().await;
@@ -820,9 +875,15 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_down() {
     with_operator(true, |client, ns, runner| async move {
-        let runner = runner.unwrap_or_else(|| panic!("this test needs the pod runner"));
+        let runner = runner.unwrap_or_else(|| panic!("this test needs relay pods"));
         let db = operator::example_database().await;
-        operator::create_secret(&client, &ns, "orders-db", &[("uri", &db.url)]).await;
+        operator::create_secret(
+            &client,
+            &ns,
+            "orders-db",
+            &[("uri", &common::node::for_pods(&db.url))],
+        )
+        .await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
         let jetstream = async_nats::jetstream::new(nats.clone());
@@ -848,7 +909,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
 
         let mut manifest = operator::example_manifest("polling-nats.yaml");
         manifest["spec"]["broker"]["nats"]["url"] = json!(common::Rig::load().nats_url());
-        operator::apply_relay(&client, &ns, &manifest).await;
+        runner.apply_relay(&client, &ns, &manifest).await;
         let first: BTreeSet<String> = common::wait_for_some_or(
             "three relay processes of generation 1",
             WAIT,
@@ -862,7 +923,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
 
         // Any change of the relay config rolls the pods (config-hash annotation).
         manifest["spec"]["mode"]["polling"]["interval"] = json!("2s");
-        let changed = operator::apply_relay(&client, &ns, &manifest).await;
+        let changed = runner.apply_relay(&client, &ns, &manifest).await;
         assert_eq!(changed.metadata.generation, Some(2));
         common::wait_for_some_or(
             "three new relay processes and none of the old ones",
@@ -912,7 +973,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
 
         // Scaling down stops processes; the relay stays Ready.
         manifest["spec"]["replicas"] = json!(1);
-        operator::apply_relay(&client, &ns, &manifest).await;
+        runner.apply_relay(&client, &ns, &manifest).await;
         common::wait_for_some_or(
             "one relay process left after scaling to 1",
             WAIT,

@@ -2,9 +2,10 @@
 # make_rig_certs DIR: a certificate authority made for this run and everything the TLS
 # tests need from it, as PEM files in DIR (keys unencrypted PKCS#8):
 #   ca.crt ca.key             the rig's CA
-#   server.crt server.key     a server certificate for the name localhost only (not
+#   server.crt server.key     a server certificate for the name localhost (not
 #                             127.0.0.1): verify-full through localhost passes, through
-#                             127.0.0.1 it must fail
+#                             127.0.0.1 it must fail; and for the address relay pods on
+#                             the rig's node reach the servers at (POD_GATEWAY)
 #   server.pem                server.key then server.crt (Kafka's PEM keystore)
 #   client.crt client.key     a client certificate, CN=outbox_cert (the PostgreSQL
 #                             role, RabbitMQ user and Kafka principal of mTLS tests)
@@ -23,7 +24,7 @@ make_rig_certs() {
     ca ca outbox-rig-ca
     ca other-ca outbox-rig-other-ca
     rm -f other-ca.key
-    printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >server.ext
+    printf 'subjectAltName=DNS:localhost,IP:%s\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' "$POD_GATEWAY" >server.ext
     printf 'extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n' >client.ext
     openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr
     openssl x509 -req -days 3 -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial \

@@ -11,7 +11,8 @@ set -euo pipefail
 RIG_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CHECKOUT=$(cd "$RIG_SCRIPTS/../.." && pwd)
 DEMO_DIR=/tmp/outbox-operator-demo-$(printf %s "$CHECKOUT" | md5sum | cut -c1-10)
-export OUTBOX_RIG_DIR="$DEMO_DIR" OUTBOX_RIG_LINK=0 OUTBOX_RIG_NODE=0
+# The node, when no other rig (make test's) runs it; else relay pods run on the pod runner.
+export OUTBOX_RIG_DIR="$DEMO_DIR" OUTBOX_RIG_LINK=0 OUTBOX_RIG_NODE=auto
 source "$RIG_SCRIPTS/lib.sh"
 
 # One demo per checkout: the lock is held for as long as this script runs (servers are

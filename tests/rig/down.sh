@@ -54,6 +54,7 @@ if [ -d "$RIG_DIR/node" ]; then
   ip link del obxrig0 2>/dev/null || true
   while pod_nat_rules -D 2>/dev/null; do :; done
   iptables -t nat -F OUTBOX-RIG 2>/dev/null && iptables -t nat -X OUTBOX-RIG 2>/dev/null || true
+  [ "$(cat "$NODE_OWNER" 2>/dev/null)" != "$RIG_DIR" ] || rm -f "$NODE_OWNER"
 fi
 
 stop kube-scheduler TERM 10

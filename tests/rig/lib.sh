@@ -107,6 +107,8 @@ env_set() { printf '%s=%s\n' "$1" "$2" >>"$RIG_ENV"; }
 # pods reach the servers.
 POD_CIDR=10.244.0.0/24
 POD_GATEWAY=10.244.0.1
+# The run folder of the rig that runs the node (there is one per machine).
+NODE_OWNER=/tmp/outbox-operator-node.owner
 # pod_nat_rules -A|-D: add or delete the jumps into the chain that sends connections to
 # the gateway address to 127.0.0.1.
 pod_nat_rules() {

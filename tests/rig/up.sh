@@ -187,21 +187,23 @@ free_port KAFKA_CTRL
 free_port KAFKA_SASL_SSL_PORT
 free_port KAFKA_SSL_PORT
 free_port KAFKA_POD_PORT
+free_port KAFKA_POD_SASL_SSL_PORT
 mkdir -p "$RIG_DIR/kafka"
 # Besides plaintext: SASL_SSL with PLAIN and SCRAM users, and SSL that requires a client
 # certificate (mTLS). Both advertise the name localhost, which the certificate is for.
-# PODS is plaintext for relay pods on the node: it advertises the pods' gateway.
+# PODS and PODS_SASL_SSL are for relay pods on the node: they advertise the pods' gateway
+# (the certificate names it too).
 KAFKA_USER=outbox
 KAFKA_PASSWORD=$(openssl rand -hex 12)
 cat >"$RIG_DIR/kafka/server.properties" <<EOP
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CTRL
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL,SASL_SSL://127.0.0.1:$KAFKA_SASL_SSL_PORT,SSL://127.0.0.1:$KAFKA_SSL_PORT,PODS://127.0.0.1:$KAFKA_POD_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,SASL_SSL://localhost:$KAFKA_SASL_SSL_PORT,SSL://localhost:$KAFKA_SSL_PORT,PODS://$POD_GATEWAY:$KAFKA_POD_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CTRL,SASL_SSL://127.0.0.1:$KAFKA_SASL_SSL_PORT,SSL://127.0.0.1:$KAFKA_SSL_PORT,PODS://127.0.0.1:$KAFKA_POD_PORT,PODS_SASL_SSL://127.0.0.1:$KAFKA_POD_SASL_SSL_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,SASL_SSL://localhost:$KAFKA_SASL_SSL_PORT,SSL://localhost:$KAFKA_SSL_PORT,PODS://$POD_GATEWAY:$KAFKA_POD_PORT,PODS_SASL_SSL://$POD_GATEWAY:$KAFKA_POD_SASL_SSL_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL,PODS:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL,PODS:PLAINTEXT,PODS_SASL_SSL:SASL_SSL
 ssl.keystore.type=PEM
 ssl.keystore.location=$TLS/server.pem
 ssl.truststore.type=PEM
@@ -212,6 +214,10 @@ sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
 listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$KAFKA_USER="$KAFKA_PASSWORD";
 listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.pods_sasl_ssl.ssl.client.auth=none
+listener.name.pods_sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$KAFKA_USER="$KAFKA_PASSWORD";
+listener.name.pods_sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.pods_sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$RIG_DIR/kafka/data
 num.partitions=1
 offsets.topic.replication.factor=1
@@ -248,6 +254,7 @@ env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
 env_set OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP "localhost:$KAFKA_SASL_SSL_PORT"
 env_set OUTBOX_RIG_KAFKA_SSL_BOOTSTRAP "localhost:$KAFKA_SSL_PORT"
 env_set OUTBOX_RIG_POD_KAFKA_BOOTSTRAP "$POD_GATEWAY:$KAFKA_POD_PORT"
+env_set OUTBOX_RIG_POD_KAFKA_SASL_SSL_BOOTSTRAP "$POD_GATEWAY:$KAFKA_POD_SASL_SSL_PORT"
 env_set OUTBOX_RIG_KAFKA_USER "$KAFKA_USER"
 env_set OUTBOX_RIG_KAFKA_PASSWORD "$KAFKA_PASSWORD"
 
@@ -459,9 +466,29 @@ env_set OUTBOX_RIG_POD_LOGS "$NODE_DIR/pod-logs"
 env_set OUTBOX_RIG_CRICTL "$BIN/crictl-$CRICTL_VERSION"
 env_set OUTBOX_RIG_POD_GATEWAY "$POD_GATEWAY"
 }
-# OUTBOX_RIG_NODE=0 (the demo's rig, which uses the pod runner) starts no node: two
-# kubelets on one machine would share the kubepods cgroups and the pods' bridge.
-[ "${OUTBOX_RIG_NODE:-1}" = 0 ] || start_node
+# One node per machine: two kubelets would share the kubepods cgroups, and two rigs the
+# pods' bridge and its address. OUTBOX_RIG_NODE=0 starts none (relay pods then run on
+# the tests' pod runner); =auto (the demo's rig) starts one unless another rig runs it.
+node_elsewhere() {
+  local other
+  other=$(cat "$NODE_OWNER" 2>/dev/null) || return 1
+  [ "$other" != "$RIG_DIR" ] && [ -f "$other/pids/kubelet.pid" ] &&
+    kill -0 "$(cat "$other/pids/kubelet.pid")" 2>/dev/null
+}
+case "${OUTBOX_RIG_NODE:-1}" in
+  0) ;;
+  auto)
+    if node_elsewhere; then
+      log "the node is taken by the rig in $(cat "$NODE_OWNER"): relay pods run on the pod runner"
+    else
+      echo "$RIG_DIR" >"$NODE_OWNER"
+      start_node
+    fi ;;
+  *)
+    node_elsewhere && die "another rig runs the node ($(cat "$NODE_OWNER")): stop it (tests/rig/down.sh there), or start this one with OUTBOX_RIG_NODE=0"
+    echo "$RIG_DIR" >"$NODE_OWNER"
+    start_node ;;
+esac
 
 # --- the rest --------------------------------------------------------------------------------
 wait_for kafka 90 "$RIG_DIR/logs/kafka.log" kcat -b "127.0.0.1:$KAFKA_PORT" -L -m 2
