@@ -1,5 +1,6 @@
 //! A stand-in for the scheduler and kubelet, so the relay pods the operator asks for
-//! really run in tests: the rig's control plane has no kubelet.
+//! really run in tests on a rig without a node (tests/common/node.rs runs them on the
+//! rig's kubelet when it has one).
 //!
 //! # Why pods, not Deployments
 //!
