@@ -19,7 +19,7 @@ help: ## this list
 
 test: provision lint ## provision the rig, lint, start every server, run all tests, stop the servers
 	$(CARGO) build --all-targets --locked
-	tests/rig/with-rig.sh $(CARGO) test --all-targets --locked --no-fail-fast
+	CARGO=$(CARGO) tests/rig/with-rig.sh tests/rig/test-all.sh
 
 demo: provision ## the operator end to end on a rig of its own, until Ctrl-C (DEMO_ARGS="--duration 2m")
 	tests/rig/demo.sh $(DEMO_ARGS)

@@ -438,10 +438,22 @@ fn availability(valid: &ValidRelay, observed: &Observed) -> Cond {
             "spec.replicas is 0: no relay runs and nothing is published",
         )
     } else if available > 0 {
+        let trouble = observed
+            .children
+            .pod_trouble
+            .as_ref()
+            .map(|t| format!("; {}", t.message()))
+            .unwrap_or_default();
         Cond::yes(
             CONDITION_READY,
             "RelayAvailable",
-            format!("{available} of {wanted} relay pods available"),
+            format!("{available} of {wanted} relay pods available{trouble}"),
+        )
+    } else if let Some(trouble) = &observed.children.pod_trouble {
+        Cond::no(
+            CONDITION_READY,
+            trouble.reason(),
+            format!("0 of {wanted} relay pods available; {}", trouble.message()),
         )
     } else {
         Cond::no(

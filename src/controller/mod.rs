@@ -16,6 +16,7 @@ mod decide;
 mod figures;
 mod metrics;
 mod observe;
+mod pods;
 mod protect;
 mod reconcile;
 mod status;

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
 use super::database::{self, DatabaseSeen};
@@ -63,6 +64,9 @@ pub(super) struct ChildrenSeen {
     /// would send, instead of reading them again).
     pub config_map: Option<ConfigMap>,
     pub service: Option<Service>,
+    /// Why relay pods are unavailable, as their kubelet and the scheduler say (read only
+    /// while the Deployment has fewer available pods than it wants).
+    pub pod_trouble: Option<super::pods::PodTrouble>,
 }
 
 /// Whose the log-tailing slot is, by its publication's marker.
@@ -449,6 +453,10 @@ async fn children(
                 .is_some_and(|t| t != "Recreate"),
         }
     });
+    let pod_trouble = match deployment.as_ref() {
+        Some(d) if short_of_pods(d) => pod_trouble(relay, ctx).await?,
+        _ => None,
+    };
     Ok(ChildrenSeen {
         rolled_out,
         runs_polling,
@@ -456,7 +464,39 @@ async fn children(
         deployment,
         config_map,
         service,
+        pod_trouble,
     })
+}
+
+/// Whether `deployment` has fewer available pods than it wants.
+fn short_of_pods(deployment: &Deployment) -> bool {
+    let want = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.replicas)
+        .unwrap_or(1);
+    let available = deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.available_replicas)
+        .unwrap_or(0);
+    available < want
+}
+
+/// The relay pods' trouble, if any (see [`super::pods`]).
+async fn pod_trouble(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> Result<Option<super::pods::PodTrouble>, Error> {
+    let selector = crate::resources::selector_labels(relay)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let pods: Api<Pod> =
+        Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
+    let list = pods.list(&ListParams::default().labels(&selector)).await?;
+    Ok(super::pods::diagnose(&list.items))
 }
 
 /// Whether `seen` runs `desired`'s config hash in every pod: the same template hash,

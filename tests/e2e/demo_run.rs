@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The demo's own run time; the test allows for setup and shutdown on top of it.
-const RUN_FOR: &str = "40s";
+const RUN_FOR: &str = "20s";
 const DEADLINE: Duration = Duration::from_secs(300);
 
 /// `<target>/<profile>/examples/demo`, next to this test's `<target>/<profile>/deps/`.

@@ -280,12 +280,37 @@ fn signal(pid: i64, signal: &str) {
     assert!(status.success(), "kill -{signal} {pid}");
 }
 
-/// A relay that stops answering (SIGSTOP: its loop, its probes, everything) fails its
-/// liveness probe; the kubelet kills it after the probe's own short grace period and
+/// First a relay no node takes (a node selector nothing matches): the scheduler's reason
+/// is the OutboxRelay's (`RelayUnschedulable`), and fixing the selector brings it up.
+/// Then it stops answering (SIGSTOP: its loop, its probes, everything), fails its
+/// liveness probe, and the kubelet kills it after the probe's own short grace period and
 /// starts it again; nothing committed meanwhile is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_relay_is_restarted_by_its_liveness_probe_and_loses_nothing() {
-    let setup = setup(json!({}), Sink::nats().await).await;
+    let setup = setup(
+        json!({"nodeSelector": {"outbox.dev/pool": "nonexistent"}}),
+        Sink::nats().await,
+    )
+    .await;
+    let why = common::wait_for_some_or(
+        "Ready=False with reason RelayUnschedulable on the OutboxRelay",
+        WAIT,
+        || setup.pods.log_tails(20),
+        || async {
+            let relay = setup.relays().get_opt(NAME).await.ok().flatten()?;
+            operator::condition(&relay, "Ready")
+                .filter(|c| c.status == "False" && c.reason == "RelayUnschedulable")
+        },
+    )
+    .await;
+    assert!(why.message.contains("no node takes it"), "{}", why.message);
+    println!("Ready=False RelayUnschedulable: {}", why.message);
+    let mut manifest = setup.manifest.clone();
+    if let Some(relay) = manifest["spec"]["relay"].as_object_mut() {
+        relay.remove("nodeSelector");
+    }
+    operator::apply_relay(&setup.client, &setup.ns, &manifest).await;
+
     setup.wait_streaming(1_000).await;
     let (pod, status) = setup.pod().await.unwrap_or_else(|| panic!("no relay pod"));
     let old = status
@@ -348,7 +373,8 @@ async fn a_hung_relay_is_restarted_by_its_liveness_probe_and_loses_nothing() {
 /// One event too large for the relay's memory limit (24 MiB, which RabbitMQ takes: its
 /// limit is 128 MiB) takes the relay past it: the runtime kills it (OOMKilled), and the
 /// kubelet restarts it, again and again on the same event, as it would in a cluster.
-/// Raising the limit rolls the Deployment, and every event arrives: those from before,
+/// The OutboxRelay's `Ready` says so (`RelayOOMKilled`, with the limit). Raising the
+/// limit rolls the Deployment, and every event arrives: those from before,
 /// the large one, and those committed while the relay was down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
@@ -393,6 +419,25 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
         committed_at.elapsed().as_secs_f64(),
         killed.restart_count
     );
+
+    // The OutboxRelay says why its relay is down, and what to change.
+    let why = common::wait_for_some_or(
+        "Ready=False with reason RelayOOMKilled on the OutboxRelay",
+        WAIT,
+        || setup.pods.log_tails(20),
+        || async {
+            let relay = setup.relays().get_opt(NAME).await.ok().flatten()?;
+            operator::condition(&relay, "Ready")
+                .filter(|c| c.status == "False" && c.reason == "RelayOOMKilled")
+        },
+    )
+    .await;
+    assert!(
+        why.message.contains("40Mi") && why.message.contains("spec.relay.resources.limits.memory"),
+        "{}",
+        why.message
+    );
+    println!("Ready=False RelayOOMKilled: {}", why.message);
 
     // The user raises the limit: a new pod, and everything arrives.
     let mut manifest = setup.manifest.clone();

@@ -193,6 +193,50 @@ fn update_with_everything_in_place_runs_no_sql_and_reports_ready() {
 }
 
 #[test]
+fn ready_says_why_relay_pods_are_down_when_their_kubelet_does() {
+    use crate::controller::pods::PodTrouble;
+    let trouble = PodTrouble::OomKilled {
+        pod: "r-1".into(),
+        limit: Some("64Mi".into()),
+    };
+    let mut o = observed(
+        secrets_ok(),
+        facts("logical", Some(Some(our_marker())), true),
+        0,
+    );
+    o.children.pod_trouble = Some(trouble.clone());
+    let d = run(&relay("logTailing", 1), None, Some(&o));
+    assert_eq!(ready(&d), ("False", "RelayOOMKilled"));
+    let message = &d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_READY)
+        .unwrap()
+        .message;
+    assert!(
+        message.starts_with("0 of 1 relay pods available; pod r-1"),
+        "{message}"
+    );
+    // Some pods up: Ready, and the message tells of the others.
+    let mut some = o.clone();
+    some.children.deployment = observed(secrets_ok(), DatabaseSeen::NotLooked, 1)
+        .children
+        .deployment;
+    let d = run(&relay("logTailing", 2), None, Some(&some));
+    assert_eq!(ready(&d), ("True", "RelayAvailable"));
+    let message = &d
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_READY)
+        .unwrap()
+        .message;
+    assert!(
+        message.contains("killed for memory at its limit of 64Mi"),
+        "{message}"
+    );
+}
+
+#[test]
 fn wal_level_replica_creates_nothing() {
     let o = observed(secrets_ok(), facts("replica", None, false), -1);
     let d = run(&relay("logTailing", 1), None, Some(&o));
