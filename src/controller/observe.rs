@@ -454,7 +454,7 @@ async fn children(
         }
     });
     let pod_trouble = match deployment.as_ref() {
-        Some(d) if short_of_pods(d) => pod_trouble(relay, ctx).await?,
+        Some(d) if short_of_pods(d) => pod_trouble(relay, ctx).await,
         _ => None,
     };
     Ok(ChildrenSeen {
@@ -483,11 +483,9 @@ fn short_of_pods(deployment: &Deployment) -> bool {
     available < want
 }
 
-/// The relay pods' trouble, if any (see [`super::pods`]).
-async fn pod_trouble(
-    relay: &OutboxRelay,
-    ctx: &Context,
-) -> Result<Option<super::pods::PodTrouble>, Error> {
+/// The relay pods' trouble, if any (see [`super::pods`]). Only a diagnosis: a failed
+/// read is logged and the relay reconciled without it.
+async fn pod_trouble(relay: &OutboxRelay, ctx: &Context) -> Option<super::pods::PodTrouble> {
     let selector = crate::resources::selector_labels(relay)
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -495,8 +493,18 @@ async fn pod_trouble(
         .join(",");
     let pods: Api<Pod> =
         Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
-    let list = pods.list(&ListParams::default().labels(&selector)).await?;
-    Ok(super::pods::diagnose(&list.items))
+    match pods.list(&ListParams::default().labels(&selector)).await {
+        Ok(list) => super::pods::diagnose(&list.items, k8s_openapi::jiff::Timestamp::now()),
+        Err(err) => {
+            tracing::warn!(
+                relay = %relay.name_any(),
+                namespace = %relay.namespace().unwrap_or_default(),
+                error = %err,
+                "cannot read the relay's pods to tell why they are unavailable"
+            );
+            None
+        }
+    }
 }
 
 /// Whether `seen` runs `desired`'s config hash in every pod: the same template hash,

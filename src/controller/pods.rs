@@ -9,6 +9,7 @@
 //! every restart.
 
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use k8s_openapi::jiff::Timestamp;
 
 /// The container the operator's relay pods run.
 const RELAY_CONTAINER: &str = "relay";
@@ -19,12 +20,9 @@ pub(super) enum PodTrouble {
     /// The runtime killed the relay for memory (its last termination).
     OomKilled { pod: String, limit: Option<String> },
     /// The image cannot be pulled (or is not a valid name).
-    ImagePull {
-        pod: String,
-        image: String,
-        message: String,
-    },
-    /// The kubelet cannot build the container: a Secret or key it needs is missing.
+    ImagePull { pod: String, image: String },
+    /// The kubelet cannot create the container: a Secret or key it needs is missing, or
+    /// the runtime refused it.
     ConfigError { pod: String, message: String },
     /// The relay exits and the kubelet waits before starting it again.
     CrashLooping { pod: String, exit_code: i32 },
@@ -56,11 +54,9 @@ impl PodTrouble {
                     .map(|l| format!(" at its limit of {l}"))
                     .unwrap_or_default()
             ),
-            Self::ImagePull {
-                pod,
-                image,
-                message,
-            } => format!("pod {pod}: image {image} cannot be pulled: {message}"),
+            Self::ImagePull { pod, image } => format!(
+                "pod {pod}: image {image} cannot be pulled (kubectl describe pod {pod} says why)"
+            ),
             Self::ConfigError { pod, message } => {
                 format!("pod {pod}: the kubelet cannot create the relay container: {message}")
             }
@@ -84,20 +80,24 @@ impl PodTrouble {
     }
 }
 
-/// The worst trouble among `pods` (those being deleted aside), if any; ties go to the
-/// pod first by name, so the choice is stable.
-pub(super) fn diagnose(pods: &[Pod]) -> Option<PodTrouble> {
+/// A container that has run this long since its last termination is no longer taken
+/// for crash-looping (the kubelet's back-off tops out at five minutes).
+const RECENT_SECONDS: i64 = 600;
+
+/// The worst trouble among `pods` (those being deleted aside) at `now`, if any; ties go
+/// to the pod first by name, so the choice is stable.
+pub(super) fn diagnose(pods: &[Pod], now: Timestamp) -> Option<PodTrouble> {
     let mut pods: Vec<&Pod> = pods
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .collect();
     pods.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     pods.into_iter()
-        .filter_map(trouble)
+        .filter_map(|p| trouble(p, now))
         .min_by_key(PodTrouble::rank)
 }
 
-fn trouble(pod: &Pod) -> Option<PodTrouble> {
+fn trouble(pod: &Pod, now: Timestamp) -> Option<PodTrouble> {
     let name = pod.metadata.name.clone().unwrap_or_default();
     let status = pod.status.as_ref()?;
     let relay = status
@@ -106,7 +106,7 @@ fn trouble(pod: &Pod) -> Option<PodTrouble> {
         .flatten()
         .find(|c| c.name == RELAY_CONTAINER);
     if let Some(relay) = relay.filter(|c| !c.ready)
-        && let Some(found) = container_trouble(pod, &name, relay)
+        && let Some(found) = container_trouble(pod, &name, relay, now)
     {
         return Some(found);
     }
@@ -117,59 +117,115 @@ fn trouble(pod: &Pod) -> Option<PodTrouble> {
     })?;
     Some(PodTrouble::Unschedulable {
         pod: name,
-        message: unschedulable.message.clone().unwrap_or_default(),
+        message: scheduling_causes(unschedulable.message.as_deref().unwrap_or_default()),
     })
 }
 
-fn container_trouble(pod: &Pod, name: &str, relay: &ContainerStatus) -> Option<PodTrouble> {
-    let last = relay
-        .last_state
-        .as_ref()
-        .and_then(|s| s.terminated.as_ref());
-    let current = relay.state.as_ref().and_then(|s| s.terminated.as_ref());
-    let oom = |t: Option<&k8s_openapi::api::core::v1::ContainerStateTerminated>| {
-        t.is_some_and(|t| t.reason.as_deref() == Some("OOMKilled"))
-    };
-    if oom(current) || oom(last) {
-        let limit = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.containers.iter().find(|c| c.name == RELAY_CONTAINER))
-            .and_then(|c| c.resources.as_ref())
-            .and_then(|r| r.limits.as_ref())
-            .and_then(|l| l.get("memory"))
-            .map(|q| q.0.clone());
-        return Some(PodTrouble::OomKilled {
-            pod: name.to_owned(),
-            limit,
-        });
-    }
-    let waiting = relay.state.as_ref().and_then(|s| s.waiting.as_ref())?;
-    let message = waiting.message.clone().unwrap_or_default();
-    match waiting.reason.as_deref()? {
-        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" | "ErrImageNeverPull" => {
-            Some(PodTrouble::ImagePull {
-                pod: name.to_owned(),
-                image: relay.image.clone(),
-                message,
-            })
+/// The relay container's trouble. A crash loop alternates between waiting
+/// (`CrashLoopBackOff`), running briefly and terminated; all three give the last
+/// termination's reason, so the report holds still through the loop. A container
+/// running for a while since it last ended (not ready for another reason, which the
+/// other conditions tell) has none.
+fn container_trouble(
+    pod: &Pod,
+    name: &str,
+    relay: &ContainerStatus,
+    now: Timestamp,
+) -> Option<PodTrouble> {
+    let state = relay.state.as_ref();
+    let waiting = state.and_then(|s| s.waiting.as_ref());
+    let ended = state
+        .and_then(|s| s.terminated.as_ref())
+        .or_else(|| relay.last_state.as_ref()?.terminated.as_ref());
+    let running_since = state
+        .and_then(|s| s.running.as_ref())
+        .and_then(|r| r.started_at.as_ref())
+        .map(|t| t.0);
+    let looping = match running_since {
+        Some(since) => {
+            relay.restart_count > 0 && now.duration_since(since).as_secs() < RECENT_SECONDS
         }
-        "CreateContainerConfigError" | "CreateContainerError" => Some(PodTrouble::ConfigError {
-            pod: name.to_owned(),
-            message,
-        }),
-        "CrashLoopBackOff" => Some(PodTrouble::CrashLooping {
-            pod: name.to_owned(),
-            exit_code: last.map_or(0, |t| t.exit_code),
-        }),
-        _ => None,
+        None => true,
+    };
+    if let Some(waiting) = waiting {
+        match waiting.reason.as_deref() {
+            Some(
+                "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" | "ErrImageNeverPull",
+            ) => {
+                return Some(PodTrouble::ImagePull {
+                    pod: name.to_owned(),
+                    image: relay.image.clone(),
+                });
+            }
+            Some("CreateContainerConfigError" | "CreateContainerError") => {
+                return Some(PodTrouble::ConfigError {
+                    pod: name.to_owned(),
+                    message: waiting.message.clone().unwrap_or_default(),
+                });
+            }
+            _ => {}
+        }
     }
+    let ended = ended.filter(|_| looping)?;
+    if ended.reason.as_deref() == Some("OOMKilled") {
+        Some(PodTrouble::OomKilled {
+            pod: name.to_owned(),
+            limit: memory_limit(pod),
+        })
+    } else if relay.restart_count > 0 || waiting.is_none() {
+        Some(PodTrouble::CrashLooping {
+            pod: name.to_owned(),
+            exit_code: ended.exit_code,
+        })
+    } else {
+        None
+    }
+}
+
+fn memory_limit(pod: &Pod) -> Option<String> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == RELAY_CONTAINER))
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get("memory"))
+        .map(|q| q.0.clone())
+}
+
+/// The kinds of cause in the scheduler's message, without its counts (which change as
+/// nodes come and go, and would rewrite the status each time): "0/3 nodes are
+/// available: 1 node(s) had untolerated taint {a: b}, 2 Insufficient memory.
+/// preemption: …" gives "had untolerated taint {a: b}; Insufficient memory".
+fn scheduling_causes(message: &str) -> String {
+    let causes = message
+        .split_once("available: ")
+        .map_or(message, |(_, rest)| rest);
+    let causes = causes.split(". preemption:").next().unwrap_or(causes);
+    let causes: Vec<&str> = causes
+        .trim_end_matches('.')
+        .split(", ")
+        .map(|c| {
+            let c = c.trim();
+            let c = c
+                .trim_start_matches(|ch: char| ch.is_ascii_digit())
+                .trim_start();
+            c.strip_prefix("node(s) ").unwrap_or(c)
+        })
+        .filter(|c| !c.is_empty())
+        .collect();
+    causes.join("; ")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    const NOW: &str = "2026-12-05T10:00:00Z";
+
+    fn now() -> Timestamp {
+        NOW.parse().unwrap()
+    }
 
     fn pod(name: &str, status: serde_json::Value) -> Pod {
         serde_json::from_value(json!({
@@ -181,42 +237,67 @@ mod tests {
         .unwrap()
     }
 
-    fn waiting(reason: &str, message: &str, last: serde_json::Value) -> serde_json::Value {
+    fn relay(state: serde_json::Value, last: serde_json::Value, ready: bool) -> serde_json::Value {
         json!({"containerStatuses": [{"name": "relay", "image": "relay:1", "imageID": "",
-            "ready": false, "restartCount": 3,
-            "state": {"waiting": {"reason": reason, "message": message}},
-            "lastState": last}]})
+            "ready": ready, "restartCount": 3, "state": state, "lastState": last}]})
+    }
+
+    fn waiting(reason: &str, message: &str, last: serde_json::Value) -> serde_json::Value {
+        relay(
+            json!({"waiting": {"reason": reason, "message": message}}),
+            last,
+            false,
+        )
+    }
+
+    fn oom() -> serde_json::Value {
+        json!({"terminated": {"reason": "OOMKilled", "exitCode": 137}})
+    }
+
+    fn running_since(at: &str) -> serde_json::Value {
+        json!({"running": {"startedAt": at}})
     }
 
     #[test]
-    fn a_relay_killed_for_memory_says_so_with_its_limit() {
-        let killed = pod(
-            "r-1",
+    fn a_relay_killed_for_memory_says_so_with_its_limit_all_through_its_crash_loop() {
+        let states = [
             waiting(
                 "CrashLoopBackOff",
                 "back-off 40s restarting failed container",
-                json!({"terminated": {"reason": "OOMKilled", "exitCode": 137}}),
+                oom(),
             ),
+            // Between back-offs: running again (not ready yet), then killed again.
+            relay(running_since("2026-12-05T09:59:55Z"), oom(), false),
+            relay(oom(), json!({}), false),
+        ];
+        for status in states {
+            let found = diagnose(&[pod("r-1", status)], now()).unwrap();
+            assert_eq!(found.reason(), "RelayOOMKilled");
+            let message = found.message();
+            assert!(message.contains("at its limit of 40Mi"), "{message}");
+            assert!(message.contains("spec.relay.resources.limits.memory"));
+        }
+        // Running for long since (not ready for another reason): no longer blamed.
+        let settled = pod(
+            "r-1",
+            relay(running_since("2026-12-05T09:00:00Z"), oom(), false),
         );
-        let found = diagnose(&[killed]).unwrap();
-        assert_eq!(found.reason(), "RelayOOMKilled");
-        assert!(
-            found.message().contains("at its limit of 40Mi"),
-            "{}",
-            found.message()
-        );
-        assert!(
-            found
-                .message()
-                .contains("spec.relay.resources.limits.memory")
-        );
+        assert_eq!(diagnose(&[settled], now()), None);
     }
 
     #[test]
-    fn each_kind_of_trouble_has_its_reason() {
+    fn each_kind_of_trouble_has_its_reason_and_a_message_that_holds_still() {
         let cases = [
             (
                 waiting("ImagePullBackOff", "Back-off pulling image", json!({})),
+                "RelayImagePullFailed",
+            ),
+            (
+                waiting(
+                    "ErrImagePull",
+                    "rpc error: dial tcp: i/o timeout",
+                    json!({}),
+                ),
                 "RelayImagePullFailed",
             ),
             (
@@ -236,26 +317,51 @@ mod tests {
                 "RelayCrashLooping",
             ),
             (
+                relay(
+                    running_since("2026-12-05T09:59:58Z"),
+                    json!({"terminated": {"reason": "Error", "exitCode": 2}}),
+                    false,
+                ),
+                "RelayCrashLooping",
+            ),
+            (
                 json!({"phase": "Pending", "conditions": [{"type": "PodScheduled",
                     "status": "False", "reason": "Unschedulable",
                     "message": "0/3 nodes are available: 3 node(s) had untolerated taint"}]}),
                 "RelayUnschedulable",
             ),
         ];
+        let mut messages = Vec::new();
         for (status, reason) in cases {
-            let found = diagnose(&[pod("r-1", status)]).unwrap();
+            let found = diagnose(&[pod("r-1", status)], now()).unwrap();
             assert_eq!(found.reason(), reason, "{}", found.message());
+            messages.push(found.message());
         }
-        let crash = diagnose(&[pod(
-            "r-1",
-            waiting(
-                "CrashLoopBackOff",
-                "",
-                json!({"terminated": {"reason": "Error", "exitCode": 2}}),
+        // The two pull failures read alike (the kubelet's wording differs between them).
+        assert_eq!(messages[0], messages[1]);
+        assert!(messages[3].contains("last exit code 2"));
+        assert_eq!(messages[3], messages[4]);
+    }
+
+    #[test]
+    fn the_schedulers_counts_are_left_out() {
+        let message = "0/3 nodes are available: 1 node(s) had untolerated taint \
+                       {outbox.dev/rig-node: true}, 2 Insufficient memory. preemption: 0/3 \
+                       nodes are available: 3 Preemption is not helpful for scheduling.";
+        assert_eq!(
+            scheduling_causes(message),
+            "had untolerated taint {outbox.dev/rig-node: true}; Insufficient memory"
+        );
+        let fewer = message
+            .replace("0/3", "0/4")
+            .replace("2 Insufficient", "3 Insufficient");
+        assert_eq!(scheduling_causes(&fewer), scheduling_causes(message));
+        assert_eq!(
+            scheduling_causes(
+                "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
             ),
-        )])
-        .unwrap();
-        assert!(crash.message().contains("last exit code 2"));
+            "didn't match Pod's node affinity/selector"
+        );
     }
 
     #[test]
@@ -263,16 +369,13 @@ mod tests {
         let starting = pod("r-1", waiting("ContainerCreating", "", json!({})));
         let ready = pod(
             "r-2",
-            json!({"containerStatuses": [{"name": "relay", "image": "relay:1", "imageID": "",
-                "ready": true, "restartCount": 1, "state": {"running": {}},
-                "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]}),
+            relay(running_since("2026-12-05T09:59:00Z"), oom(), true),
         );
         let mut deleted = pod("r-3", waiting("ImagePullBackOff", "", json!({})));
-        deleted.metadata.deletion_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-            ));
-        assert_eq!(diagnose(&[starting.clone(), ready, deleted]), None);
+        deleted.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+        );
+        assert_eq!(diagnose(&[starting.clone(), ready, deleted], now()), None);
 
         let crash = pod(
             "r-4",
@@ -282,16 +385,9 @@ mod tests {
                 json!({"terminated": {"reason": "Error", "exitCode": 1}}),
             ),
         );
-        let oom = pod(
-            "r-5",
-            waiting(
-                "CrashLoopBackOff",
-                "",
-                json!({"terminated": {"reason": "OOMKilled", "exitCode": 137}}),
-            ),
-        );
+        let killed = pod("r-5", waiting("CrashLoopBackOff", "", oom()));
         assert_eq!(
-            diagnose(&[crash, starting, oom]).map(|t| t.reason()),
+            diagnose(&[crash, starting, killed], now()).map(|t| t.reason()),
             Some("RelayOOMKilled")
         );
     }

@@ -136,7 +136,8 @@ pub fn apply_dry_run_server(manifest: &str) -> std::process::Output {
     ])
 }
 
-/// `helm install` of the chart (no `--wait`: the rig has no kubelet, pods stay Pending).
+/// `helm install` of the chart (no `--wait`: the operator's pods do not tolerate the rig
+/// node's taint, so they stay Pending).
 pub fn install(release: &str, namespace: &str, args: &[&str]) {
     install_from(&chart_dir(), release, namespace, args);
 }

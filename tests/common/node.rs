@@ -217,10 +217,9 @@ impl RelayPods {
                     *kafka = json!(rig.get("OUTBOX_RIG_POD_KAFKA_SASL_SSL_BOOTSTRAP"));
                 }
             }
-            for kind in ["nats", "rabbitmq"] {
-                if let Some(url) = broker[kind]["url"].as_str() {
-                    broker[kind]["url"] = json!(pod_url(url));
-                }
+            // RabbitMQ's URL comes from a Secret: see [`amqp_for_pods`].
+            if let Some(url) = broker["nats"]["url"].as_str() {
+                broker["nats"]["url"] = json!(pod_url(url));
             }
         }
     }
@@ -306,19 +305,36 @@ impl NodePods {
                 watcher::watcher(pods, watcher::Config::default().labels(MANAGED_PODS))
                     .default_backoff()
                     .boxed();
+            // The pods of a relist (after a watch expired): those missing from it went
+            // meanwhile.
+            let mut relisted: Option<std::collections::BTreeSet<String>> = None;
             while let Some(event) = events.next().await {
                 let mut seen = lock(&shared);
                 match event {
-                    Ok(Event::Apply(pod) | Event::InitApply(pod)) => observe(&mut seen, &pod),
+                    Ok(Event::Apply(pod)) => observe(&mut seen, &pod),
+                    Ok(Event::InitApply(pod)) => {
+                        if let Some(names) = relisted.as_mut() {
+                            names.insert(pod.metadata.name.clone().unwrap_or_default());
+                        }
+                        observe(&mut seen, &pod);
+                    }
                     Ok(Event::Delete(pod)) => {
-                        let name = pod.metadata.name.clone().unwrap_or_default();
-                        if let Some(was) = seen.pods.remove(&name)
-                            && was.running.is_some()
-                        {
-                            seen.history.push(ProcessEvent::Ended(name.clone()));
+                        gone(&mut seen, &pod.metadata.name.clone().unwrap_or_default());
+                    }
+                    Ok(Event::Init) => relisted = Some(Default::default()),
+                    Ok(Event::InitDone) => {
+                        let names = relisted.take().unwrap_or_default();
+                        let left: Vec<String> = seen
+                            .pods
+                            .keys()
+                            .filter(|n| !names.contains(*n))
+                            .cloned()
+                            .collect();
+                        for name in left {
+                            gone(&mut seen, &name);
                         }
                     }
-                    Ok(Event::Init | Event::InitDone) | Err(_) => {}
+                    Err(_) => {}
                 }
             }
         });
@@ -374,6 +390,15 @@ impl Drop for NodePods {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status();
+    }
+}
+
+/// A pod is gone: its container ended, if it ran.
+fn gone(seen: &mut Seen, name: &str) {
+    if let Some(was) = seen.pods.remove(name)
+        && was.running.is_some()
+    {
+        seen.history.push(ProcessEvent::Ended(name.to_owned()));
     }
 }
 

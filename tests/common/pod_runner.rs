@@ -283,7 +283,7 @@ async fn register_node(client: &kube::Client, name: &str) {
         spec: Some(NodeSpec {
             taints: Some(vec![Taint {
                 key: "outbox.dev/pod-runner".to_owned(),
-                value: Some(name.to_owned()),
+                value: Some("true".to_owned()),
                 effect: "NoSchedule".to_owned(),
                 time_added: None,
             }]),

@@ -668,7 +668,8 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
             condition(r, "SlotReady").is_some_and(|c| c.status == "True")
         })
         .await;
-        // kube-controller-manager makes the Deployment's pod (Pending: no kubelet).
+        // kube-controller-manager makes the Deployment's pod (Pending: it does not tolerate
+        // the rig node's taint).
         let selector = ListParams::default().labels("app.kubernetes.io/instance=held");
         let pod = common::wait_for_some("the relay's pod", WAIT, || async {
             pods.list(&selector).await.ok()?.items.into_iter().next()

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The demo's own run time; the test allows for setup and shutdown on top of it.
-const RUN_FOR: &str = "20s";
+const RUN_FOR: &str = "40s";
 const DEADLINE: Duration = Duration::from_secs(300);
 
 /// `<target>/<profile>/examples/demo`, next to this test's `<target>/<profile>/deps/`.
@@ -139,6 +139,11 @@ async fn demo_prints_events_and_lag_then_stops_everything_it_started() {
             )),
             "the demo did not run its relay pods on the rig's node\n{output}"
         );
+        // Its relay containers are gone too (they are the runtime's, not its children).
+        for example in ["polling-kafka", "polling-nats", "log-tailing-rabbitmq"] {
+            let left = common::node::crictl_pods(&format!("{prefix}-{example}"));
+            assert!(left.is_empty(), "relay containers left running: {left:?}");
+        }
     }
     for example in ["polling-kafka", "polling-nats", "log-tailing-rabbitmq"] {
         let lines = stdout

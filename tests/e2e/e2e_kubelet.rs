@@ -370,8 +370,8 @@ async fn a_hung_relay_is_restarted_by_its_liveness_probe_and_loses_nothing() {
     );
 }
 
-/// One event too large for the relay's memory limit (24 MiB, which RabbitMQ takes: its
-/// limit is 128 MiB) takes the relay past it: the runtime kills it (OOMKilled), and the
+/// One event too large for the relay's memory limit of 64Mi (48 MiB, which RabbitMQ
+/// takes: its limit is 128 MiB) takes the relay past it: the runtime kills it (OOMKilled), and the
 /// kubelet restarts it, again and again on the same event, as it would in a cluster.
 /// The OutboxRelay's `Ready` says so (`RelayOOMKilled`, with the limit). Raising the
 /// limit rolls the Deployment, and every event arrives: those from before,
@@ -380,10 +380,14 @@ async fn a_hung_relay_is_restarted_by_its_liveness_probe_and_loses_nothing() {
 async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
     let limited = json!({"resources": {
         "requests": {"cpu": "50m", "memory": "32Mi"},
-        "limits": {"memory": "40Mi"}}});
+        "limits": {"memory": "64Mi"}}});
     let setup = setup(limited, Sink::rabbit().await).await;
     setup.wait_streaming(1_000).await;
-    let (pod, _) = setup.pod().await.unwrap_or_else(|| panic!("no relay pod"));
+    let (pod, status) = setup.pod().await.unwrap_or_else(|| panic!("no relay pod"));
+    assert_eq!(
+        status.restart_count, 0,
+        "the relay restarted before the large event: {status:?}"
+    );
 
     let large: BTreeSet<i64> = setup
         .db
@@ -391,7 +395,7 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
         .query(
             "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload)
              VALUES ($1, 'large', 'Large',
-                     jsonb_build_object('aggregate', 'large', 'blob', repeat('x', 24 * 1024 * 1024)))
+                     jsonb_build_object('aggregate', 'large', 'blob', repeat('x', 48 * 1024 * 1024)))
              RETURNING id",
             &[&WriterOptions::default().aggregate_type],
         )
@@ -433,7 +437,7 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
     )
     .await;
     assert!(
-        why.message.contains("40Mi") && why.message.contains("spec.relay.resources.limits.memory"),
+        why.message.contains("64Mi") && why.message.contains("spec.relay.resources.limits.memory"),
         "{}",
         why.message
     );
@@ -460,7 +464,7 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
     .await;
     let (ledger, report) = setup.finish(4_000, &large).await;
     println!(
-        "OOM: {} events committed (one of 24 MiB), {} received, {} duplicates, \
+        "OOM: {} events committed (one of 48 MiB), {} received, {} duplicates, \
          0 lost, 0 reordered",
         ledger.committed.len(),
         report.received,

@@ -5,8 +5,9 @@
 #
 # The demo's rig has its own run folder (/tmp/outbox-operator-demo-<hash>), ports,
 # RabbitMQ node and epmd, and leaves the checkout's .rig link alone, so it runs beside a
-# rig that `make test` or `make rig-up` starts from the same checkout. A second demo
-# from the same checkout is refused.
+# rig that `make test` or `make rig-up` starts from the same checkout. (It takes the
+# machine's one node only when no other rig has it.) A second demo from the same
+# checkout is refused.
 set -euo pipefail
 RIG_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CHECKOUT=$(cd "$RIG_SCRIPTS/../.." && pwd)

@@ -51,10 +51,15 @@ stop containerd TERM 15
 if [ -d "$RIG_DIR/node" ]; then
   awk -v d="$RIG_DIR/node" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r |
     while read -r m; do umount -l "$m" 2>/dev/null || true; done
-  ip link del obxrig0 2>/dev/null || true
-  while pod_nat_rules -D 2>/dev/null; do :; done
-  iptables -t nat -F OUTBOX-RIG 2>/dev/null && iptables -t nat -X OUTBOX-RIG 2>/dev/null || true
-  [ "$(cat "$NODE_OWNER" 2>/dev/null)" != "$RIG_DIR" ] || rm -f "$NODE_OWNER"
+  # The pods' network, unless another rig has taken the node since (this one's kubelet
+  # having died): it is that rig's now.
+  owner=$(cat "$NODE_OWNER" 2>/dev/null || echo "$RIG_DIR")
+  if [ "$owner" = "$RIG_DIR" ]; then
+    ip link del obxrig0 2>/dev/null || true
+    for _ in 1 2 3; do pod_nat_rules -D 2>/dev/null || break; done
+    iptables -t nat -F OUTBOX-RIG 2>/dev/null && iptables -t nat -X OUTBOX-RIG 2>/dev/null || true
+    rm -f "$NODE_OWNER"
+  fi
 fi
 
 stop kube-scheduler TERM 10

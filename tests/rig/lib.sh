@@ -10,7 +10,8 @@ CACHE=${OUTBOX_CACHE:-$HOME/.cache/outbox-operator}
 BIN="$CACHE/bin"
 # The run folder sits under /tmp, not in the checkout: PostgreSQL and RabbitMQ run as
 # their own system users, which cannot enter a checkout under /root. One folder per
-# checkout, so two checkouts never share a rig.
+# checkout, so two checkouts never share a rig; but a machine has one node (see
+# NODE_OWNER below), so two rigs with a node do not run at once.
 RIG_DIR=${OUTBOX_RIG_DIR:-/tmp/outbox-operator-rig-$(printf %s "$REPO" | md5sum | cut -c1-10)}
 RIG_ENV="$RIG_DIR/rig.env"
 
@@ -108,10 +109,12 @@ env_set() { printf '%s=%s\n' "$1" "$2" >>"$RIG_ENV"; }
 POD_CIDR=10.244.0.0/24
 POD_GATEWAY=10.244.0.1
 # The run folder of the rig that runs the node (there is one per machine).
-NODE_OWNER=/tmp/outbox-operator-node.owner
+NODE_OWNER=/run/outbox-operator-node.owner
 # pod_nat_rules -A|-D: add or delete the jumps into the chain that sends connections to
-# the gateway address to 127.0.0.1.
+# the gateway address to 127.0.0.1 (each on its own: -D goes on past a missing one).
 pod_nat_rules() {
-  iptables -t nat "$1" PREROUTING -i obxrig0 -j OUTBOX-RIG &&
-    iptables -t nat "$1" OUTPUT -d "$POD_GATEWAY/32" -j OUTBOX-RIG
+  local rc=0
+  iptables -t nat "$1" PREROUTING -i obxrig0 -j OUTBOX-RIG || rc=1
+  iptables -t nat "$1" OUTPUT -d "$POD_GATEWAY/32" -j OUTBOX-RIG || rc=1
+  return "$rc"
 }

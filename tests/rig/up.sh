@@ -124,22 +124,32 @@ runuser -u postgres -- "$PG/initdb" -D "$RIG_DIR/postgres/data" -U postgres --au
 # line wins), and members of outbox_tls_users only over TLS; everyone else is trusted.
 # Tests prove the relays authenticate both ways and encrypt every session.
 # The role outbox_cert logs in with its client certificate only (CN=outbox_cert).
-sed -i '1i hostssl all outbox_cert 127.0.0.1/32 cert\
-hostssl replication outbox_cert 127.0.0.1/32 cert\
-host all outbox_cert 127.0.0.1/32 reject\
-host replication outbox_cert 127.0.0.1/32 reject\
-hostnossl all +outbox_tls_users 127.0.0.1/32 reject\
-hostnossl replication +outbox_tls_users 127.0.0.1/32 reject\
-hostssl all +outbox_tls_users 127.0.0.1/32 scram-sha-256\
-hostssl replication +outbox_tls_users 127.0.0.1/32 scram-sha-256\
-host all +outbox_md5_users 127.0.0.1/32 md5\
-host replication +outbox_md5_users 127.0.0.1/32 md5\
-host all +outbox_scram_users 127.0.0.1/32 scram-sha-256\
-host replication +outbox_scram_users 127.0.0.1/32 scram-sha-256' "$RIG_DIR/postgres/data/pg_hba.conf"
-# Relay pods on the rig's node reach the servers through their bridge's gateway (see
-# start_node): trusted like loopback.
-printf 'host all all %s trust\nhost replication all %s trust\n' "$POD_CIDR" "$POD_CIDR" \
-  >>"$RIG_DIR/postgres/data/pg_hba.conf"
+# The same rules hold for relay pods on the rig's node, which connect from the pod
+# network (through their bridge's gateway, see start_node).
+hba_rules() { # hba_rules ADDRESS
+  local rule
+  for rule in "hostssl all outbox_cert" "hostssl replication outbox_cert"; do echo "$rule $1 cert"; done
+  for rule in "host all outbox_cert" "host replication outbox_cert" \
+    "hostnossl all +outbox_tls_users" "hostnossl replication +outbox_tls_users"; do
+    echo "$rule $1 reject"
+  done
+  for rule in "hostssl all +outbox_tls_users" "hostssl replication +outbox_tls_users"; do
+    echo "$rule $1 scram-sha-256"
+  done
+  echo "host all +outbox_md5_users $1 md5"
+  echo "host replication +outbox_md5_users $1 md5"
+  echo "host all +outbox_scram_users $1 scram-sha-256"
+  echo "host replication +outbox_scram_users $1 scram-sha-256"
+}
+hba="$RIG_DIR/postgres/data/pg_hba.conf"
+{
+  hba_rules 127.0.0.1/32
+  hba_rules "$POD_CIDR"
+  cat "$hba"
+  printf 'host all all %s trust\nhost replication all %s trust\n' "$POD_CIDR" "$POD_CIDR"
+} >"$hba.new"
+mv "$hba.new" "$hba"
+chown postgres:postgres "$hba"
 PG_TLS="$RIG_DIR/postgres/tls"
 mkdir -p "$PG_TLS"
 cp "$TLS/server.crt" "$TLS/server.key" "$TLS/ca.crt" "$PG_TLS/"
@@ -377,6 +387,10 @@ ip link set obxrig0 up
 sysctl -qw net.ipv4.conf.obxrig0.route_localnet=1
 pod_nat_rules -D 2>/dev/null || true
 iptables -t nat -N OUTBOX-RIG 2>/dev/null || iptables -t nat -F OUTBOX-RIG
+# Not etcd: it would take anything from a pod, unauthenticated.
+for port in "$ETCD_PORT" "$ETCD_PEER_PORT"; do
+  iptables -t nat -A OUTBOX-RIG -d "$POD_GATEWAY/32" -p tcp --dport "$port" -j RETURN
+done
 iptables -t nat -A OUTBOX-RIG -d "$POD_GATEWAY/32" -p tcp -j DNAT --to-destination 127.0.0.1
 pod_nat_rules -A
 cat >"$NODE_DIR/containerd.toml" <<EOC
@@ -475,18 +489,25 @@ node_elsewhere() {
   [ "$other" != "$RIG_DIR" ] && [ -f "$other/pids/kubelet.pid" ] &&
     kill -0 "$(cat "$other/pids/kubelet.pid")" 2>/dev/null
 }
+# claim_node: records this rig as the node's, unless another rig runs it (under a lock,
+# so two rigs starting at once do not both take it).
+claim_node() {
+  (
+    flock 7
+    ! node_elsewhere || exit 1
+    echo "$RIG_DIR" >"$NODE_OWNER"
+  ) 7>"$NODE_OWNER.lock"
+}
 case "${OUTBOX_RIG_NODE:-1}" in
   0) ;;
   auto)
-    if node_elsewhere; then
-      log "the node is taken by the rig in $(cat "$NODE_OWNER"): relay pods run on the pod runner"
-    else
-      echo "$RIG_DIR" >"$NODE_OWNER"
+    if claim_node; then
       start_node
+    else
+      log "the node is taken by the rig in $(cat "$NODE_OWNER"): relay pods run on the pod runner"
     fi ;;
   *)
-    node_elsewhere && die "another rig runs the node ($(cat "$NODE_OWNER")): stop it (tests/rig/down.sh there), or start this one with OUTBOX_RIG_NODE=0"
-    echo "$RIG_DIR" >"$NODE_OWNER"
+    claim_node || die "another rig runs the node ($(cat "$NODE_OWNER")): stop it (tests/rig/down.sh there), or start this one with OUTBOX_RIG_NODE=0"
     start_node ;;
 esac
 
