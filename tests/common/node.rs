@@ -4,7 +4,7 @@
 //! On the node, the relay pods the operator's Deployment asks for are placed by the rig's
 //! kube-scheduler (they tolerate the node's taint, `spec.relay.tolerations`, as a user's
 //! would), run by the kubelet from the operator's image (`tests/rig/image.sh`, assembled
-//! from the binary under test, imported into containerd, never pulled), and reach the
+//! from this checkout's release binary, imported into containerd, never pulled), and reach the
 //! servers through their bridge's gateway. [`RelayPods`] watches those pods and tells the
 //! tests what the pod runner tells them: which pods run, the order containers started and
 //! ended in, and the tails of their logs (read from the kubelet's pod-log folder).
@@ -40,14 +40,27 @@ pub fn name() -> &'static str {
     })
 }
 
-/// The operator's image, built once per test process from the binary under test and
-/// imported into the node's containerd: (reference, `buildah inspect` of it).
+/// The operator's image, built once per test process and imported into the node's
+/// containerd: (reference, `buildah inspect` of it). It carries the release binary
+/// `OUTBOX_IMAGE_BINARY` names (what `make test` builds, as the Dockerfile does), else
+/// the debug binary under test.
 pub fn operator_image() -> &'static (String, Value) {
     static IMAGE: OnceLock<(String, Value)> = OnceLock::new();
     IMAGE.get_or_init(|| {
         let rig = Rig::load();
         name();
-        let binary = operator::operator_binary();
+        let binary = match std::env::var_os("OUTBOX_IMAGE_BINARY") {
+            Some(path) => {
+                let path = std::path::PathBuf::from(path);
+                assert!(
+                    path.is_file(),
+                    "OUTBOX_IMAGE_BINARY names {}, which is not there (make test builds it)",
+                    path.display()
+                );
+                path
+            }
+            None => operator::operator_binary(),
+        };
         let tag = format!("test-{}", super::unique_suffix());
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rig/image.sh");
         let out = std::process::Command::new(&script)
