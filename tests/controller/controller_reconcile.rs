@@ -282,6 +282,47 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     assert_eq!(monitoring.status, "False");
     assert_eq!(monitoring.reason, "PrometheusOperatorNotInstalled");
 
+    // Settle first: the scheduler reports on each pod in its own time, and Ready then
+    // names the first unschedulable pod; from there on nothing changes.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+    let first_pod = common::wait_for_some(
+        "the scheduler's verdict on both relay pods",
+        WAIT,
+        || async {
+            let list = pods
+                .list(&kube::api::ListParams::default().labels("app.kubernetes.io/instance=orders"))
+                .await
+                .ok()?;
+            let unschedulable = |p: &k8s_openapi::api::core::v1::Pod| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| {
+                        c.iter().any(|c| {
+                            c.type_ == "PodScheduled"
+                                && c.status == "False"
+                                && c.reason.as_deref() == Some("Unschedulable")
+                        })
+                    })
+            };
+            (list.items.len() == 2 && list.items.iter().all(unschedulable))
+                .then(|| list.items.iter().map(ResourceExt::name_any).min())
+                .flatten()
+        },
+    )
+    .await;
+    wait_status(
+        &relays,
+        "orders",
+        "Ready naming the first unschedulable pod",
+        |r| {
+            condition(r, "Ready").is_some_and(|c| {
+                c.reason == "RelayUnschedulable" && c.message.contains(&format!("pod {first_pod}:"))
+            })
+        },
+    )
+    .await;
+
     // A second pass changes nothing: no child's resourceVersion or generation moves and
     // the status keeps its timestamps.
     let before_versions: Vec<Option<String>> = vec![
