@@ -486,11 +486,7 @@ fn short_of_pods(deployment: &Deployment) -> bool {
 /// The relay pods' trouble, if any (see [`super::pods`]). Only a diagnosis: a failed
 /// read is logged and the relay reconciled without it.
 async fn pod_trouble(relay: &OutboxRelay, ctx: &Context) -> Option<super::pods::PodTrouble> {
-    let selector = crate::resources::selector_labels(relay)
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let selector = crate::resources::pod_selector(relay);
     let pods: Api<Pod> =
         Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
     match pods.list(&ListParams::default().labels(&selector)).await {

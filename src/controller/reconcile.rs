@@ -25,7 +25,7 @@ use super::{decide, observe, protect};
 use crate::api::{FallbackStatus, OutboxRelay, OutboxRelayStatus, SlotStatus};
 use crate::resources::{
     ChildKind, Desired, FIELD_MANAGER, annotate_secret_versions, build, children_selector,
-    relay_object_name, selector_labels,
+    relay_object_name,
 };
 
 /// How soon to look again when a referenced Secret is missing: Secrets are not watched
@@ -959,11 +959,7 @@ async fn stop_relay(relay: &OutboxRelay, ctx: &Context) -> Result<(), Error> {
             }
         }
     }
-    let selector = selector_labels(relay)
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let selector = crate::resources::pod_selector(relay);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
     let left = pods
         .list_metadata(&ListParams::default().labels(&selector))

@@ -279,6 +279,15 @@ pub fn selector_labels(relay: &OutboxRelay) -> BTreeMap<String, String> {
     ])
 }
 
+/// [`selector_labels`] as a label selector (`k=v,k=v`), to list the relay's pods.
+pub fn pod_selector(relay: &OutboxRelay) -> String {
+    selector_labels(relay)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The labels of every child object, `component` saying which part it is.
 pub fn labels(relay: &OutboxRelay, component: &str) -> BTreeMap<String, String> {
     let mut labels = selector_labels(relay);

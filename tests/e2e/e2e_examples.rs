@@ -172,6 +172,17 @@ where
     }
 }
 
+/// Secret `orders-db` with the example database's URL as the relay pods reach it.
+async fn create_db_secret(client: &Client, ns: &str, db: &common::TestDatabase) {
+    operator::create_secret(
+        client,
+        ns,
+        "orders-db",
+        &[("uri", &common::node::for_pods(&db.url))],
+    )
+    .await;
+}
+
 /// Waits for `Ready=True` (reason `RelayAvailable`) for the relay's current generation,
 /// with `DatabaseReady` and `BrokerReady` true as well.
 async fn wait_ready(relays: &Api<OutboxRelay>, name: &str, runner: &RelayPods) -> OutboxRelay {
@@ -570,13 +581,7 @@ fn aggregate_type() -> String {
 async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -601,13 +606,7 @@ async fn polling_kafka_example_reaches_ready_and_publishes_every_row() {
 async fn orders_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -632,13 +631,7 @@ async fn orders_example_reaches_ready_and_publishes_every_row() {
 async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         let kind = aggregate_type();
         // The example's header: "a stream must capture outbox.>". A stream capturing
         // only this test's subject keeps parallel tests apart.
@@ -672,13 +665,7 @@ async fn polling_nats_example_reaches_ready_and_publishes_every_row() {
 async fn polling_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         operator::create_secret(
             &client,
             &ns,
@@ -707,13 +694,7 @@ async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         let kind = aggregate_type();
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
@@ -766,13 +747,7 @@ async fn log_tailing_nats_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         operator::create_secret(&client, &ns, "orders-nats", &[("nats.creds", CREDS)]).await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
@@ -811,13 +786,7 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
     let tracked = replication.clone();
     with_operator(true, |client, ns, runner| async move {
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         operator::create_secret(
             &client,
             &ns,
@@ -877,13 +846,7 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
     with_operator(true, |client, ns, runner| async move {
         let runner = runner.unwrap_or_else(|| panic!("this test needs relay pods"));
         let db = operator::example_database().await;
-        operator::create_secret(
-            &client,
-            &ns,
-            "orders-db",
-            &[("uri", &common::node::for_pods(&db.url))],
-        )
-        .await;
+        create_db_secret(&client, &ns, &db).await;
         let kind = aggregate_type();
         let nats = common::nats_connect().await;
         let jetstream = async_nats::jetstream::new(nats.clone());

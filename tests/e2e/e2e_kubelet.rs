@@ -95,9 +95,7 @@ async fn setup(relay: Value, sink: Sink) -> Setup {
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let pods = RelayPods::start(&client, &ns).await;
-    let env = pods.controller_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let controller = ControllerProcess::start_with_env(Some(&ns), &format!("e2e-{ns}"), &ns, &env);
+    let controller = pods.controller(&ns, &[]);
     operator::create_secret(&client, &ns, "orders-db", &[("uri", &pods.url(&db.url))]).await;
     operator::create_secret(&client, &ns, "orders-mq", &[("url", &pods.amqp_url())]).await;
     let mut manifest = json!({
@@ -175,17 +173,7 @@ impl Setup {
             || self.pods.log_tails(30),
             || async {
                 let relay = self.relays().get_opt(NAME).await.ok().flatten()?;
-                let active = self
-                    .db
-                    .client
-                    .query_opt(
-                        "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                        &[&slot],
-                    )
-                    .await
-                    .ok()
-                    .flatten()
-                    .is_some();
+                let active = common::slot_active(&self.db.client, &slot).await;
                 (operator::is_ready(&relay) && active && self.writer.committed() >= events)
                     .then_some(())
             },
@@ -228,6 +216,24 @@ impl Setup {
         self.db.drop_database().await;
         assert!(stopped.is_ok_and(|s| s.success()), "the controller's exit");
         (ledger, report)
+    }
+
+    /// Waits for `Ready=False` with `reason` on the OutboxRelay and returns the condition.
+    async fn wait_not_ready(
+        &self,
+        reason: &str,
+    ) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        common::wait_for_some_or(
+            &format!("Ready=False with reason {reason} on the OutboxRelay"),
+            WAIT,
+            || self.pods.log_tails(20),
+            || async {
+                let relay = self.relays().get_opt(NAME).await.ok().flatten()?;
+                operator::condition(&relay, "Ready")
+                    .filter(|c| c.status == "False" && c.reason == reason)
+            },
+        )
+        .await
     }
 
     /// Kubelet Events about the relay's pods: (reason, message).
@@ -292,17 +298,7 @@ async fn a_hung_relay_is_restarted_by_its_liveness_probe_and_loses_nothing() {
         Sink::nats().await,
     )
     .await;
-    let why = common::wait_for_some_or(
-        "Ready=False with reason RelayUnschedulable on the OutboxRelay",
-        WAIT,
-        || setup.pods.log_tails(20),
-        || async {
-            let relay = setup.relays().get_opt(NAME).await.ok().flatten()?;
-            operator::condition(&relay, "Ready")
-                .filter(|c| c.status == "False" && c.reason == "RelayUnschedulable")
-        },
-    )
-    .await;
+    let why = setup.wait_not_ready("RelayUnschedulable").await;
     assert!(why.message.contains("no node takes it"), "{}", why.message);
     println!("Ready=False RelayUnschedulable: {}", why.message);
     let mut manifest = setup.manifest.clone();
@@ -425,17 +421,7 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
     );
 
     // The OutboxRelay says why its relay is down, and what to change.
-    let why = common::wait_for_some_or(
-        "Ready=False with reason RelayOOMKilled on the OutboxRelay",
-        WAIT,
-        || setup.pods.log_tails(20),
-        || async {
-            let relay = setup.relays().get_opt(NAME).await.ok().flatten()?;
-            operator::condition(&relay, "Ready")
-                .filter(|c| c.status == "False" && c.reason == "RelayOOMKilled")
-        },
-    )
-    .await;
+    let why = setup.wait_not_ready("RelayOOMKilled").await;
     assert!(
         why.message.contains("64Mi") && why.message.contains("spec.relay.resources.limits.memory"),
         "{}",

@@ -34,7 +34,7 @@ use serde_json::{Value, json};
 
 use common::app_writer::{AppWriter, Ledger, WriterOptions};
 use common::node::RelayPods;
-use common::operator::{self, ControllerProcess};
+use common::operator;
 use common::pod_runner::ProcessEvent;
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -153,10 +153,7 @@ async fn run(scenario: Scenario, sink: Sink, db: common::TestDatabase) {
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let runner = Arc::new(RelayPods::start(&client, &ns).await);
-    let env = runner.controller_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let mut controller =
-        ControllerProcess::start_with_env(Some(&ns), &format!("e2e-{ns}"), &ns, &env);
+    let mut controller = runner.controller(&ns, &[]);
     let slot = slot_of(&scenario, &ns);
 
     let outcome = AssertUnwindSafe(body(&client, &ns, &scenario, &sink, &db, &runner))

@@ -192,6 +192,14 @@ fn update_with_everything_in_place_runs_no_sql_and_reports_ready() {
     assert_eq!(ready(&d), ("True", "RelayAvailable"));
 }
 
+fn ready_message(d: &Decision) -> &str {
+    &d.conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_READY)
+        .unwrap()
+        .message
+}
+
 #[test]
 fn ready_says_why_relay_pods_are_down_when_their_kubelet_does() {
     use crate::controller::pods::PodTrouble;
@@ -207,12 +215,7 @@ fn ready_says_why_relay_pods_are_down_when_their_kubelet_does() {
     o.children.pod_trouble = Some(trouble.clone());
     let d = run(&relay("logTailing", 1), None, Some(&o));
     assert_eq!(ready(&d), ("False", "RelayOOMKilled"));
-    let message = &d
-        .conditions
-        .iter()
-        .find(|c| c.type_ == CONDITION_READY)
-        .unwrap()
-        .message;
+    let message = ready_message(&d);
     assert!(
         message.starts_with("0 of 1 relay pods available; pod r-1"),
         "{message}"
@@ -224,12 +227,7 @@ fn ready_says_why_relay_pods_are_down_when_their_kubelet_does() {
         .deployment;
     let d = run(&relay("logTailing", 2), None, Some(&some));
     assert_eq!(ready(&d), ("True", "RelayAvailable"));
-    let message = &d
-        .conditions
-        .iter()
-        .find(|c| c.type_ == CONDITION_READY)
-        .unwrap()
-        .message;
+    let message = ready_message(&d);
     assert!(
         message.contains("killed for memory at its limit of 64Mi"),
         "{message}"
