@@ -481,6 +481,21 @@ pub async fn current_snapshot(client: &Client) -> Result<String, PgError> {
         .get(0))
 }
 
+/// The statement that deletes published rows by id (`$1`: the ids, `int8[]`).
+///
+/// The id column is compared as it is, never cast: `id::int8 = ANY(…)` on an
+/// `integer` or `smallint` id is an expression the primary key cannot serve, and every
+/// chunk became a sequential scan of the whole table. PostgreSQL compares the integer
+/// types with each other inside one operator family, so the key serves all three.
+pub fn delete_rows_sql(schema: &str, table: &str, id_column: &str) -> String {
+    format!(
+        "DELETE FROM {}.{} WHERE {} = ANY($1::int8[])",
+        quote(schema),
+        quote(table),
+        quote(id_column)
+    )
+}
+
 /// Deletes published rows by id. The deletes stream through the slot too, and are
 /// ignored there (the publication publishes inserts only; the relay ignores deletes).
 pub async fn delete_rows(
@@ -491,15 +506,7 @@ pub async fn delete_rows(
     ids: &[i64],
 ) -> Result<u64, PgError> {
     client
-        .execute(
-            &format!(
-                "DELETE FROM {}.{} WHERE {}::int8 = ANY($1::int8[])",
-                quote(schema),
-                quote(table),
-                quote(id_column)
-            ),
-            &[&ids],
-        )
+        .execute(&delete_rows_sql(schema, table, id_column), &[&ids])
         .await
         .map_err(db("deleting published rows"))
 }

@@ -629,6 +629,7 @@ async fn housekeeping_loop(
     let plan = crate::postgres::admin::Plan::for_relay(&settings.valid);
     let mut session: Option<(Client, OutboxTable, bool)> = None;
     let mut next_retention = Instant::now() + retention_every;
+    let mut backlog_pacing = crate::postgres::admin::Pacing::new(STATS_EVERY);
     loop {
         if session.as_ref().is_none_or(|(c, _, _)| c.is_closed()) {
             session = housekeeping_session(&settings)
@@ -636,16 +637,21 @@ async fn housekeeping_loop(
                 .map(|(c, t)| (c, t, false));
         }
         if let Some((client, table, holds_retention)) = session.as_mut() {
-            match crate::postgres::admin::backlog(client, &plan).await {
-                Ok(Some(b)) => {
+            match backlog_pacing
+                .run(crate::postgres::admin::backlog(client, &plan))
+                .await
+            {
+                Some(Ok(Some(b))) => {
                     health.metrics.backlog_rows.set(b.rows);
                     health
                         .metrics
                         .oldest_unpublished_age
                         .set(b.oldest_age_seconds.unwrap_or(0.0).max(0.0));
                 }
-                Ok(None) => {}
-                Err(err) => tracing::debug!(error = %err, "measuring the backlog failed"),
+                Some(Ok(None)) | None => {}
+                Some(Err(err)) => {
+                    tracing::debug!(error = %err, "measuring the backlog failed");
+                }
             }
             if Instant::now() >= next_retention {
                 next_retention = Instant::now() + retention_every;

@@ -35,7 +35,7 @@ mod marker_lock;
 mod orphans;
 mod slot;
 
-pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, backlog, backlog_sql, human_age};
+pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, Pacing, backlog, backlog_sql, human_age};
 pub use checks::{evaluate, first_failure};
 pub use drop::{Dropped, database_is_gone, drop_owned, drop_slot_over_budget, hand_over};
 pub use facts::gather;

@@ -1,6 +1,7 @@
 //! The slot statistics task: reads the slot's state for the slot metrics and, when the
 //! relay deletes what it publishes (so the table holds exactly the unpublished rows),
-//! the table's backlog for the backlog metrics, for the life of the relay.
+//! the table's backlog for the backlog metrics, for the life of the relay. The backlog
+//! count is paced by what it costs (see [`crate::postgres::admin::Pacing`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -52,6 +53,7 @@ pub(super) async fn slot_stats_loop(
     } = target;
     let mut client: Option<Client> = None;
     let mut last_stats: Option<Instant> = None;
+    let mut backlog_pacing = crate::postgres::admin::Pacing::new(STATS_EVERY);
     loop {
         if client.as_ref().is_none_or(Client::is_closed) {
             client = postgres::connect(&url, &env, &tls).await.ok();
@@ -107,8 +109,16 @@ pub(super) async fn slot_stats_loop(
                 }
             }
         }
-        if let (Some(c), Some(plan), true) = (&client, &backlog, stats_due) {
-            match crate::postgres::admin::backlog(c, plan).await {
+        let measured = match (&client, &backlog) {
+            (Some(c), Some(plan)) => {
+                backlog_pacing
+                    .run(crate::postgres::admin::backlog(c, plan))
+                    .await
+            }
+            _ => None,
+        };
+        if let Some(measured) = measured {
+            match measured {
                 Ok(Some(b)) => {
                     m.backlog_rows.set(b.rows);
                     m.oldest_unpublished_age
