@@ -19,13 +19,63 @@ use super::Context;
 use super::database;
 use super::status::{CONDITION_DATABASE_READY, find};
 use crate::api::{OutboxRelay, OutboxRelayStatus};
-use crate::postgres::admin::{self, Backlog, Plan, human_age};
+use crate::postgres::admin::{self, Backlog, Pacing, Plan, human_age};
 use crate::postgres::replication::SlotStats;
 
 /// The field manager of the figures in status.
 pub const FIGURES_MANAGER: &str = "outbox-operator-figures";
 /// Relays sampled at the same time (each holds a pooled connection while it runs).
 const CONCURRENCY: usize = 8;
+
+/// The backlog counts of status, per relay (by uid): when each is next due and what the
+/// last one found. A count is repeated no sooner than twenty times what it took
+/// ([`Pacing`]), and status keeps the last figure in between: counting a large table
+/// (a relay far behind, or many dead rows) every interval would keep a database backend
+/// busy for each such relay.
+#[derive(Default)]
+pub(crate) struct BacklogCounts(
+    std::sync::Mutex<std::collections::HashMap<String, (Pacing, Option<Backlog>)>>,
+);
+
+impl BacklogCounts {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (Pacing, Option<Backlog>)>>
+    {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The relay's backlog: counted now when due, else the last count.
+    async fn measure(
+        &self,
+        uid: &str,
+        every: Duration,
+        client: &tokio_postgres::Client,
+        plan: &Plan,
+    ) -> Option<Backlog> {
+        let started = std::time::Instant::now();
+        if let Some((pacing, last)) = self.lock().get(uid)
+            && !pacing.due(started)
+        {
+            return *last;
+        }
+        let backlog = database::measure_backlog(client, plan).await;
+        let mut counts = self.lock();
+        let (pacing, last) = counts
+            .entry(uid.to_owned())
+            .or_insert_with(|| (Pacing::new(every), None));
+        pacing.measured(started, started.elapsed());
+        *last = backlog;
+        backlog
+    }
+
+    /// Forgets relays no longer in the cache.
+    fn retain(&self, uids: &std::collections::HashSet<String>) {
+        self.lock().retain(|uid, _| uids.contains(uid));
+    }
+}
 
 /// Samples every relay in `store` each status interval until dropped (the caller aborts
 /// it when the controller stops, e.g. on losing the Lease).
@@ -37,7 +87,10 @@ pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
         if !*ctx.leader.borrow() {
             continue;
         }
-        futures::stream::iter(store.state())
+        let relays = store.state();
+        ctx.backlog_counts
+            .retain(&relays.iter().filter_map(|r| r.uid()).collect());
+        futures::stream::iter(relays)
             .for_each_concurrent(CONCURRENCY, |relay| {
                 let ctx = ctx.clone();
                 async move {
@@ -84,7 +137,15 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         }
     };
     let plan = Plan::for_relay(&valid);
-    let backlog = database::measure_backlog(&client, &plan).await;
+    let backlog = ctx
+        .backlog_counts
+        .measure(
+            &relay.uid().unwrap_or_default(),
+            ctx.status_interval,
+            &client,
+            &plan,
+        )
+        .await;
     let slot_name = relay
         .status
         .as_ref()

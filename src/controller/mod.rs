@@ -260,6 +260,9 @@ pub(crate) struct Context {
     known_relays: AtomicUsize,
     /// Rechecks of unchanged relays allowed per second, over all of them.
     rechecks_per_second: f64,
+    /// When each relay's (by uid) backlog is next counted for status, and the last
+    /// count: a count that takes long is repeated less often (see [`figures`]).
+    backlog_counts: figures::BacklogCounts,
 }
 
 /// Counts a reconcile as in flight for as long as it lives.
@@ -385,6 +388,7 @@ pub async fn run(
         echoes: Arc::default(),
         known_relays: AtomicUsize::new(0),
         rechecks_per_second: args.max_rechecks_per_second.max(0.0),
+        backlog_counts: figures::BacklogCounts::default(),
     });
 
     let mut leader_rx = leader;
