@@ -344,7 +344,12 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         ))
     })?;
     let id = row.id.to_string();
-    let mut headers = vec![("id".to_owned(), id.clone())];
+    // id, type, aggregateType, the placed headers, and room for CloudEvents' attributes
+    // and content type: no growth while it fills.
+    let mut headers = Vec::with_capacity(
+        3 + shape.placed.len() + if shape.cloud_events.is_some() { 8 } else { 0 },
+    );
+    headers.push(("id".to_owned(), id.clone()));
     if let Some(t) = &row.event_type {
         headers.push(("type".to_owned(), t.clone()));
     }
