@@ -131,6 +131,73 @@ struct Throughput {
     /// Commit → consumer latency with the same relays once the backlog is drained, at
     /// 80% of `events_per_s` (at most 10,000/s).
     probe: Option<LatencyResult>,
+    /// Where the machine's CPU went from the relays' start to the drain's end.
+    cpu: CpuUse,
+}
+
+/// CPU seconds per published event of each part of the system, and how busy the
+/// machine was, over a throughput run.
+#[derive(Debug, Default, Clone, Copy)]
+struct CpuUse {
+    /// Every PostgreSQL process (walsender, the relay's sessions, autovacuum, …).
+    postgres_us_per_event: f64,
+    /// The broker's processes (Kafka's JVM, nats-server, RabbitMQ's beam.smp).
+    broker_us_per_event: f64,
+    /// The relay processes.
+    relay_us_per_event: f64,
+    /// Busy time of all cores (from /proc/stat) over the window, as a share of them.
+    machine_busy: f64,
+    /// Events/s the cores would carry if only PostgreSQL and the broker used them, at
+    /// their measured cost per event: the most any relay could reach on this machine.
+    bound_without_relay: f64,
+}
+
+/// CPU seconds used so far: (PostgreSQL's processes, the broker's, the machine's busy
+/// time over all cores). Processes found by their command name, the broker's by
+/// `target`.
+fn cpu_split(target: Target) -> (f64, f64, f64) {
+    let mut postgres = 0.0;
+    let mut broker = 0.0;
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let cmdline =
+                || std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let is_broker = match (target, comm.trim()) {
+                (Target::Kafka, "java") => cmdline().contains("kafka"),
+                (Target::Nats, "nats-server") => true,
+                (Target::RabbitMq, "beam.smp") => true,
+                _ => false,
+            };
+            if comm.trim() == "postgres" {
+                postgres += cpu_seconds(pid).unwrap_or(0.0);
+            } else if is_broker {
+                broker += cpu_seconds(pid).unwrap_or(0.0);
+            }
+        }
+    }
+    // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+    let busy = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|stat| {
+            let line = stat.lines().next()?.to_owned();
+            let f: Vec<f64> = line
+                .split_whitespace()
+                .skip(1)
+                .take(8)
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            (f.len() == 8).then(|| (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / clock_ticks())
+        })
+        .unwrap_or(0.0);
+    (postgres, broker, busy)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -1071,6 +1138,8 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
     let setup = setup(case.mode, case.target, case.partitions, case.delete).await;
     let backlog = plan.backlog_for(case.payload);
     prefill(&setup.db.client, 1, backlog, case.payload).await;
+    let split_before = cpu_split(case.target);
+    let window = Instant::now();
     let mut relays: Vec<Relay> = (0..case.replicas).map(|_| setup.start_relay()).collect();
     let target = backlog as f64;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -1111,6 +1180,8 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
     // included, a few hundredths of a second), per event they published; and their
     // high-water mark of resident memory.
     let done = published(&mut relays).await;
+    let split_after = cpu_split(case.target);
+    let window = window.elapsed().as_secs_f64();
     let cpu: f64 = relays.iter().filter_map(|r| cpu_seconds(r.pid())).sum();
     let peak_rss_mib = relays
         .iter()
@@ -1127,6 +1198,7 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
         peak_rss_mib,
         database_per_s: 0.0,
         probe: None,
+        cpu: cpu_use(split_before, split_after, cpu, done, window),
     };
     if !plan.full {
         // The smoke run checks that every row made it, once the relays have drained.
@@ -1195,6 +1267,36 @@ struct LatencyResult {
     relay_cpu_percent: f64,
     relay_rss_peak_mib: f64,
     relay_rss_avg_mib: f64,
+}
+
+/// The CPU per event of each part over a throughput run, from [`cpu_split`] before and
+/// after, the relays' CPU seconds, the events they published and the window's length.
+fn cpu_use(
+    before: (f64, f64, f64),
+    after: (f64, f64, f64),
+    relay_cpu: f64,
+    events: f64,
+    window_s: f64,
+) -> CpuUse {
+    if events <= 0.0 || window_s <= 0.0 {
+        return CpuUse::default();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let per_event = |seconds: f64| (seconds.max(0.0) / events) * 1e6;
+    let postgres_us_per_event = per_event(after.0 - before.0);
+    let broker_us_per_event = per_event(after.1 - before.1);
+    let others = postgres_us_per_event + broker_us_per_event;
+    CpuUse {
+        postgres_us_per_event,
+        broker_us_per_event,
+        relay_us_per_event: per_event(relay_cpu),
+        machine_busy: ((after.2 - before.2) / (window_s * cores)).clamp(0.0, 1.0),
+        bound_without_relay: if others > 0.0 {
+            cores * 1e6 / others
+        } else {
+            0.0
+        },
+    }
 }
 
 /// Commit → consumer receive: a writer commits `rate` rows per second in 10 ms ticks and
@@ -2059,6 +2161,39 @@ impl Report {
             ));
         }
         line(String::new());
+        line("### Where the CPU went while each backlog drained".to_owned());
+        line(String::new());
+        line(format!(
+            "CPU time per published event of the relay processes, of every PostgreSQL process and of the broker's, from the relays' start to the drain's end, and how busy the {} cores were. \"Bound without the relay\": the events/s these cores would carry if PostgreSQL and the broker had them to themselves at the cost per event they showed, the most any relay could reach on this machine, also as a share of the broker ceiling; the last column is the relay's rate as a share of that bound.",
+            self.machine["cores"]
+        ));
+        line(String::new());
+        line("| mode | broker | replicas | payload | after publish | events/s | relay µs / event | PostgreSQL µs / event | broker µs / event | cores busy | bound without the relay, events/s | bound, of the broker ceiling | events/s, of the bound |".to_owned());
+        line("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned());
+        for (case, r) in &self.throughput {
+            let c = &r.cpu;
+            line(format!(
+                "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} |",
+                case.mode.label(),
+                case.target.label(),
+                case.replicas,
+                bytes(case.payload),
+                match (case.delete, case.mode) {
+                    (true, _) => "delete",
+                    (false, Mode::Polling { .. }) => "mark",
+                    (false, Mode::LogTailing) => "keep",
+                },
+                r.events_per_s,
+                c.relay_us_per_event,
+                c.postgres_us_per_event,
+                c.broker_us_per_event,
+                pct(c.machine_busy),
+                c.bound_without_relay,
+                pct(c.bound_without_relay / self.ceiling(case.target)),
+                pct(r.events_per_s / c.bound_without_relay),
+            ));
+        }
+        line(String::new());
         line(format!(
             "### End-to-end latency, commit → consumer receive, and relay resource use (polling interval {POLL_INTERVAL})"
         ));
@@ -2133,6 +2268,11 @@ impl Report {
                 "ratio_of_broker_ceiling": r.events_per_s / self.ceiling(c.target),
                 "ratio_of_postgres_insert": r.events_per_s / self.pg_ceiling,
                 "database_alone_events_per_s": r.database_per_s,
+                "relay_us_per_event": r.cpu.relay_us_per_event,
+                "postgres_us_per_event": r.cpu.postgres_us_per_event,
+                "broker_us_per_event": r.cpu.broker_us_per_event,
+                "cores_busy": r.cpu.machine_busy,
+                "bound_without_relay_events_per_s": r.cpu.bound_without_relay,
                 "ratio_of_database_alone": r.events_per_s / r.database_per_s,
                 "relay_cpu_seconds_per_100k_events": r.cpu_s_per_100k,
                 "relay_peak_rss_mib": r.peak_rss_mib,
