@@ -90,6 +90,15 @@ struct ThroughputCase {
 }
 
 impl ThroughputCase {
+    /// What happens to a published row, as the tables say it.
+    fn after_publish(&self) -> &'static str {
+        match (self.delete, self.mode) {
+            (true, _) => "delete",
+            (false, Mode::Polling { .. }) => "mark",
+            (false, Mode::LogTailing) => "keep",
+        }
+    }
+
     fn label(&self) -> String {
         format!(
             "{} -> {}, {} partitions, {} replica{}, {} payloads, {}",
@@ -2147,11 +2156,7 @@ impl Report {
                 case.partitions,
                 case.replicas,
                 bytes(case.payload),
-                match (case.delete, case.mode) {
-                    (true, _) => "delete",
-                    (false, Mode::Polling { .. }) => "mark",
-                    (false, Mode::LogTailing) => "keep",
-                },
+                case.after_publish(),
                 r.events_per_s,
                 pct(r.events_per_s / self.ceiling(case.target)),
                 r.database_per_s,
@@ -2178,11 +2183,7 @@ impl Report {
                 case.target.label(),
                 case.replicas,
                 bytes(case.payload),
-                match (case.delete, case.mode) {
-                    (true, _) => "delete",
-                    (false, Mode::Polling { .. }) => "mark",
-                    (false, Mode::LogTailing) => "keep",
-                },
+                case.after_publish(),
                 r.events_per_s,
                 c.relay_us_per_event,
                 c.postgres_us_per_event,

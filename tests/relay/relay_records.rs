@@ -290,9 +290,13 @@ async fn scenario_on(pg18: bool, log_tailing: bool, tombstone_on_empty: bool, pl
     let relay = RelayProcess::start(&yaml, &db.url, &broker);
     let events = event_times(&db.client).await;
     let topic_for_kcat = topic.clone();
-    let got = tokio::task::spawn_blocking(move || kcat_records(&topic_for_kcat, ROWS.len()))
+    let got = match tokio::task::spawn_blocking(move || kcat_records(&topic_for_kcat, ROWS.len()))
         .await
-        .unwrap();
+    {
+        Ok(got) => got,
+        // Say what the relay was doing: its log goes with it otherwise.
+        Err(err) => panic!("{err}\nthe relay's log:\n{}", relay.log_tail(80)),
+    };
     let want = expected(
         &ids,
         log_tailing.then_some(window),
