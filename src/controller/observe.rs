@@ -468,13 +468,18 @@ async fn children(
     })
 }
 
-/// Whether `deployment` has fewer available pods than it wants.
-fn short_of_pods(deployment: &Deployment) -> bool {
-    let want = deployment
+/// The pods a Deployment asks for (the API's default for an unset count is 1).
+fn wanted_replicas(deployment: &Deployment) -> i32 {
+    deployment
         .spec
         .as_ref()
         .and_then(|s| s.replicas)
-        .unwrap_or(1);
+        .unwrap_or(1)
+}
+
+/// Whether `deployment` has fewer available pods than it wants.
+fn short_of_pods(deployment: &Deployment) -> bool {
+    let want = wanted_replicas(deployment);
     let available = deployment
         .status
         .as_ref()
@@ -522,7 +527,7 @@ fn settled(seen: &Deployment) -> bool {
     let Some(status) = seen.status.as_ref() else {
         return false;
     };
-    let want = seen.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let want = wanted_replicas(seen);
     status.observed_generation >= seen.metadata.generation
         && status.updated_replicas.unwrap_or(0) == want
         && status.replicas.unwrap_or(0) == want

@@ -62,6 +62,14 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// The backlog as the table shows it: waiting rows and the oldest one's age (0 when
+    /// none, or without a created-at column).
+    pub fn set_backlog(&self, backlog: &crate::postgres::admin::Backlog) {
+        self.backlog_rows.set(backlog.rows);
+        self.oldest_unpublished_age
+            .set(backlog.oldest_age_seconds.unwrap_or(0.0).max(0.0));
+    }
+
     /// Registers every metric, labelled with the relay's namespace and name. The slot
     /// metrics are registered only for a log-tailing relay (`log_tailing`): a polling
     /// relay has no slot, and a constant 0 would read as an inactive one.

@@ -641,13 +641,7 @@ async fn housekeeping_loop(
                 .run(crate::postgres::admin::backlog(client, &plan))
                 .await
             {
-                Some(Ok(Some(b))) => {
-                    health.metrics.backlog_rows.set(b.rows);
-                    health
-                        .metrics
-                        .oldest_unpublished_age
-                        .set(b.oldest_age_seconds.unwrap_or(0.0).max(0.0));
-                }
+                Some(Ok(Some(b))) => health.metrics.set_backlog(&b),
                 Some(Ok(None)) | None => {}
                 Some(Err(err)) => {
                     tracing::debug!(error = %err, "measuring the backlog failed");

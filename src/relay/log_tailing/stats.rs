@@ -117,18 +117,12 @@ pub(super) async fn slot_stats_loop(
             }
             _ => None,
         };
-        if let Some(measured) = measured {
-            match measured {
-                Ok(Some(b)) => {
-                    m.backlog_rows.set(b.rows);
-                    m.oldest_unpublished_age
-                        .set(b.oldest_age_seconds.unwrap_or(0.0).max(0.0));
-                }
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::debug!(error = %err, "measuring the backlog failed");
-                    client = None;
-                }
+        match measured {
+            Some(Ok(Some(b))) => m.set_backlog(&b),
+            Some(Ok(None)) | None => {}
+            Some(Err(err)) => {
+                tracing::debug!(error = %err, "measuring the backlog failed");
+                client = None;
             }
         }
         tokio::select! {
