@@ -87,6 +87,9 @@ struct ThroughputCase {
     /// Rows deleted once published (polling `afterPublish: delete`, log tailing
     /// `deleteAfterPublish`), else marked (polling) or left (log tailing).
     delete: bool,
+    /// How many aggregates the rows cycle through: [`AGGREGATES`], or a few busy
+    /// ones, whose events in one batch go out one after another (per-aggregate order).
+    aggregates: i64,
 }
 
 impl ThroughputCase {
@@ -101,12 +104,21 @@ impl ThroughputCase {
 
     fn label(&self) -> String {
         format!(
-            "{} -> {}, {} partitions, {} replica{}, {} payloads, {}",
+            "{} -> {}, {} partitions, {} replica{}, {}{} payloads, {}",
             self.mode.label(),
             self.target.label(),
             self.partitions,
             self.replicas,
             if self.replicas == 1 { "" } else { "s" },
+            if self.aggregates == AGGREGATES {
+                String::new()
+            } else {
+                format!(
+                    "{} aggregate{}, ",
+                    self.aggregates,
+                    if self.aggregates == 1 { "" } else { "s" }
+                )
+            },
             bytes(self.payload),
             if self.delete {
                 "delete after publish"
@@ -237,14 +249,24 @@ struct Plan {
 /// The payload bytes of a throughput case's backlog, at most (16 KiB rows: 25,600).
 const BACKLOG_BYTES: i64 = 400 << 20;
 
+/// The backlog of a case with a few busy aggregates, at most: their events drain one
+/// round trip each, and the drain must end well within `max_drain`.
+const BUSY_BACKLOG: i64 = 40_000;
+
 /// Best of this many runs of each broker's raw produce rate.
 const CEILING_ROUNDS: usize = 3;
 
 impl Plan {
-    /// Backlog rows for `payload`-byte rows.
-    fn backlog_for(&self, payload: usize) -> i64 {
-        let payload = i64::try_from(payload.max(1)).unwrap_or(i64::MAX);
-        self.backlog.min((BACKLOG_BYTES / payload).max(1))
+    /// Backlog rows of `case`: at most `backlog`, `BACKLOG_BYTES` of payloads, and
+    /// `BUSY_BACKLOG` when a few busy aggregates slow the drain.
+    fn backlog_for(&self, case: &ThroughputCase) -> i64 {
+        let payload = i64::try_from(case.payload.max(1)).unwrap_or(i64::MAX);
+        let rows = self.backlog.min((BACKLOG_BYTES / payload).max(1));
+        if case.aggregates < AGGREGATES {
+            rows.min(BUSY_BACKLOG)
+        } else {
+            rows
+        }
     }
 
     fn new(full: bool) -> Plan {
@@ -256,6 +278,7 @@ impl Plan {
             replicas,
             payload: 1024,
             delete: false,
+            aggregates: AGGREGATES,
         };
         // The headline workload (issue #17): a typical outbox, 1 KiB JSON over 1,000
         // aggregates, keyed records to 4 Kafka partitions, acks=all idempotent producer,
@@ -267,6 +290,13 @@ impl Plan {
             replicas,
             payload,
             delete,
+            aggregates: AGGREGATES,
+        };
+        // The headline workload with all events on a few busy aggregates: each batch
+        // holds a chain of events per aggregate, sent one after another.
+        let busy = |mode, replicas, aggregates| ThroughputCase {
+            aggregates,
+            ..headline(mode, replicas, 1024, true)
         };
         let lc = |mode, target, rate| LatencyCase { mode, target, rate };
         if !full {
@@ -283,6 +313,7 @@ impl Plan {
                 throughput: vec![
                     headline(Mode::LogTailing, 1, 1024, true),
                     headline(polling(500), 2, 256, true),
+                    busy(Mode::LogTailing, 1, 10),
                     tc(polling(500), Target::Kafka, 4, 2),
                     tc(Mode::LogTailing, Target::Nats, 4, 1),
                     tc(Mode::LogTailing, Target::RabbitMq, 4, 1),
@@ -322,6 +353,13 @@ impl Plan {
                 headline(Mode::LogTailing, 1, 16384, true),
                 headline(polling(500), 2, 256, true),
                 headline(polling(500), 2, 16384, true),
+                busy(Mode::LogTailing, 1, 10),
+                busy(Mode::LogTailing, 1, 1),
+                busy(polling(500), 2, 10),
+                ThroughputCase {
+                    target: Target::Nats,
+                    ..busy(Mode::LogTailing, 1, 10)
+                },
                 tc(polling(500), Target::Kafka, 4, 1),
                 tc(polling(100), Target::Kafka, 4, 1),
                 tc(polling(2000), Target::Kafka, 4, 1),
@@ -536,14 +574,14 @@ async fn run(plan: Plan) {
 
 /// A 1 KiB JSON payload of aggregate `seq % 1000`, like the pre-fill writes.
 fn payload(seq: i64) -> String {
-    payload_of(seq, 1024)
+    payload_of(seq, 1024, AGGREGATES)
 }
 
-/// A JSON payload of about `size` bytes of aggregate `seq % 1000`.
-fn payload_of(seq: i64, size: usize) -> String {
+/// A JSON payload of about `size` bytes of aggregate `seq % aggregates`.
+fn payload_of(seq: i64, size: usize, aggregates: i64) -> String {
     let mut p = format!(
         r#"{{"aggregate": "agg-{}", "seq": {seq}, "data": ""#,
-        seq % AGGREGATES
+        seq % aggregates
     );
     p.push_str(&"x".repeat(size.saturating_sub(p.len() + 2).max(1)));
     p.push_str(r#""}"#);
@@ -569,15 +607,21 @@ fn row(id: i64) -> OutboxRow {
 }
 
 /// Inserts rows `first..first + count` server-side, `ROWS_PER_TX` per transaction, with
-/// 1 KiB JSON payloads over `AGGREGATES` aggregates.
-async fn prefill(client: &tokio_postgres::Client, first: i64, count: i64, payload: usize) {
+/// `payload`-byte JSON payloads over `aggregates` aggregates.
+async fn prefill(
+    client: &tokio_postgres::Client,
+    first: i64,
+    count: i64,
+    payload: usize,
+    aggregates: i64,
+) {
     // The JSON around `data` takes about 49 bytes.
     let data = payload.saturating_sub(49).max(1);
     let statement = client
         .prepare(&format!(
             "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
-             SELECT 'order', 'agg-' || (i % 1000), 'Happened', \
-                    jsonb_build_object('aggregate', 'agg-' || (i % 1000), 'seq', i, \
+             SELECT 'order', 'agg-' || (i % {aggregates}), 'Happened', \
+                    jsonb_build_object('aggregate', 'agg-' || (i % {aggregates}), 'seq', i, \
                                        'data', repeat('x', {data})), \
                     '00-trace-01' \
              FROM generate_series($1::int8, $2::int8) AS i"
@@ -602,14 +646,15 @@ async fn insert_payloads(
     statement: &tokio_postgres::Statement,
     seqs: std::ops::Range<i64>,
     size: usize,
+    aggregates: i64,
 ) -> Vec<i64> {
-    let aggregates: Vec<String> = seqs
+    let ids: Vec<String> = seqs
         .clone()
-        .map(|s| format!("agg-{}", s % AGGREGATES))
+        .map(|s| format!("agg-{}", s % aggregates))
         .collect();
-    let payloads: Vec<String> = seqs.map(|seq| payload_of(seq, size)).collect();
+    let payloads: Vec<String> = seqs.map(|seq| payload_of(seq, size, aggregates)).collect();
     client
-        .query(statement, &[&aggregates, &payloads])
+        .query(statement, &[&ids, &payloads])
         .await
         .unwrap_or_else(|err| panic!("PostgreSQL: insert failed: {err}"))
         .iter()
@@ -817,7 +862,7 @@ async fn postgres_ceiling(rows: i64) -> f64 {
             let end = seq + per_writer;
             while seq < end {
                 let next = (seq + ROWS_PER_TX).min(end);
-                insert_payloads(&client, &statement, seq..next, 1024).await;
+                insert_payloads(&client, &statement, seq..next, 1024, AGGREGATES).await;
                 seq = next;
             }
         });
@@ -840,12 +885,12 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, case.partitions).await;
-    let backlog = plan.backlog_for(case.payload);
+    let backlog = plan.backlog_for(case);
     let rate = match case.mode {
         Mode::LogTailing => {
             let guard = common::SlotGuard::new(rig.pg_url(), "alone");
             common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-            prefill(&db.client, 1, backlog, case.payload).await;
+            prefill(&db.client, 1, backlog, case.payload, case.aggregates).await;
             let started = Instant::now();
             let messages: i64 = db
                 .client
@@ -869,7 +914,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
         Mode::Polling { batch } => {
             use outbox_operator::api::AfterPublish;
             use outbox_operator::postgres::{Columns, OutboxTable};
-            prefill(&db.client, 1, backlog, case.payload).await;
+            prefill(&db.client, 1, backlog, case.payload, case.aggregates).await;
             let columns = Columns {
                 id: "id".to_owned(),
                 aggregate_type: "aggregatetype".to_owned(),
@@ -1145,8 +1190,8 @@ async fn published(relays: &mut [Relay]) -> f64 {
 /// first published row until the backlog is drained or `plan.max_drain` has passed.
 async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
     let setup = setup(case.mode, case.target, case.partitions, case.delete).await;
-    let backlog = plan.backlog_for(case.payload);
-    prefill(&setup.db.client, 1, backlog, case.payload).await;
+    let backlog = plan.backlog_for(case);
+    prefill(&setup.db.client, 1, backlog, case.payload, case.aggregates).await;
     let split_before = cpu_split(case.target);
     let window = Instant::now();
     let mut relays: Vec<Relay> = (0..case.replicas).map(|_| setup.start_relay()).collect();
@@ -1251,6 +1296,7 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
                 &mut relays,
                 probe_rate,
                 case.payload,
+                case.aggregates,
                 plan.probe_window,
                 !plan.full,
             )
@@ -1322,6 +1368,7 @@ async fn relay_latency(plan: &Plan, case: &LatencyCase) -> LatencyResult {
         &mut relays,
         case.rate,
         1024,
+        AGGREGATES,
         (plan.latency_warmup, plan.latency_run),
         !plan.full,
     )
@@ -1338,6 +1385,7 @@ async fn latency_probe(
     relays: &mut [Relay],
     rate: u32,
     size: usize,
+    aggregates: i64,
     window: (Duration, Duration),
     strict: bool,
 ) -> LatencyResult {
@@ -1352,7 +1400,7 @@ async fn latency_probe(
         .prepare(INSERT_PAYLOADS)
         .await
         .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
-    let first = insert_payloads(&setup.db.client, &statement, 0..1, size).await;
+    let first = insert_payloads(&setup.db.client, &statement, 0..1, size, aggregates).await;
     let arrived = tokio::time::timeout(Duration::from_secs(60), async {
         while !first
             .iter()
@@ -1386,7 +1434,14 @@ async fn latency_probe(
         if sampler.is_none() && Instant::now() >= measure_from {
             sampler = Some(ProcSampler::start(relays[0].pid()));
         }
-        let ids = insert_payloads(&setup.db.client, &statement, seq..seq + per_tick, size).await;
+        let ids = insert_payloads(
+            &setup.db.client,
+            &statement,
+            seq..seq + per_tick,
+            size,
+            aggregates,
+        )
+        .await;
         seq += per_tick;
         let at = Instant::now();
         if at >= measure_from {
@@ -2135,13 +2190,17 @@ impl Report {
             self.pg_ceiling
         ));
         line(String::new());
-        line("### Relay throughput and cost (JSON payloads over 1,000 aggregates, perAggregate; a backlog drained)".to_owned());
-        line(String::new());
-        line("The first rows are the headline workload: keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. Events/s: a backlog drained. Latency: commit → consumer receive, measured next with the same relays at 80% of that rate (at most 10,000/s). CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory.".to_owned());
-        line(String::new());
-        line("| mode | broker | partitions | replicas | payload | after publish | events/s | of broker ceiling | database alone, events/s | of database alone | latency at events/s | p50 ms | p99 ms | relay CPU s / 100k events | relay peak RSS MiB |".to_owned());
         line(
-            "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned(),
+            "### Relay throughput and cost (JSON payloads, perAggregate; a backlog drained)"
+                .to_owned(),
+        );
+        line(String::new());
+        line("The first rows are the headline workload: 1,000 aggregates, keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. The rows with 10 or 1 aggregates put every event on a few busy aggregates: a batch then holds long chains, each sent one event after another (each waits for its predecessor's acknowledgement). Events/s: a backlog drained. Latency: commit → consumer receive, measured next with the same relays at 80% of that rate (at most 10,000/s). CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory.".to_owned());
+        line(String::new());
+        line("| mode | broker | partitions | replicas | payload | aggregates | after publish | events/s | of broker ceiling | database alone, events/s | of database alone | latency at events/s | p50 ms | p99 ms | relay CPU s / 100k events | relay peak RSS MiB |".to_owned());
+        line(
+            "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                .to_owned(),
         );
         for (case, r) in &self.throughput {
             let (probe_rate, p50, p99) =
@@ -2155,12 +2214,13 @@ impl Report {
                         )
                     });
             line(format!(
-                "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {:.0} | {} | {probe_rate} | {p50} | {p99} | {:.2} | {:.0} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {:.0} | {} | {:.0} | {} | {probe_rate} | {p50} | {p99} | {:.2} | {:.0} |",
                 case.mode.label(),
                 case.target.label(),
                 case.partitions,
                 case.replicas,
                 bytes(case.payload),
+                case.aggregates,
                 case.after_publish(),
                 r.events_per_s,
                 pct(r.events_per_s / self.ceiling(case.target)),
@@ -2178,16 +2238,17 @@ impl Report {
             self.machine["cores"]
         ));
         line(String::new());
-        line("| mode | broker | replicas | payload | after publish | events/s | relay µs / event | PostgreSQL µs / event | broker µs / event | cores busy | bound without the relay, events/s | bound, of the broker ceiling | events/s, of the bound |".to_owned());
-        line("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned());
+        line("| mode | broker | replicas | payload | aggregates | after publish | events/s | relay µs / event | PostgreSQL µs / event | broker µs / event | cores busy | bound without the relay, events/s | bound, of the broker ceiling | events/s, of the bound |".to_owned());
+        line("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|".to_owned());
         for (case, r) in &self.throughput {
             let c = &r.cpu;
             line(format!(
-                "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} |",
                 case.mode.label(),
                 case.target.label(),
                 case.replicas,
                 bytes(case.payload),
+                case.aggregates,
                 case.after_publish(),
                 r.events_per_s,
                 c.relay_us_per_event,
@@ -2269,6 +2330,7 @@ impl Report {
                 "partitions": c.partitions,
                 "replicas": c.replicas,
                 "payload_bytes": c.payload,
+                "aggregates": c.aggregates,
                 "delete_after_publish": c.delete,
                 "events_per_s": r.events_per_s,
                 "ratio_of_broker_ceiling": r.events_per_s / self.ceiling(c.target),

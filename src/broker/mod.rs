@@ -249,6 +249,14 @@ pub trait Broker: Send + Sync {
     /// Publishes one message and waits for its acknowledgement.
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>>;
 
+    /// Publishes the next message of a chain, whose predecessor was just acknowledged,
+    /// and waits for its acknowledgement. It is sent alone, so a broker client that
+    /// waits to batch messages (Kafka's `linger.ms`) should send it at once: the wait
+    /// would be paid once per event of a busy aggregate.
+    fn publish_next<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+        self.publish(message)
+    }
+
     /// True when the client can never publish again and the process must restart.
     fn is_broken(&self) -> bool {
         false

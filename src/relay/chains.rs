@@ -74,6 +74,7 @@ pub(super) async fn publish_chain(
 ) -> ChainResult {
     let mut published = Vec::with_capacity(chain.len());
     let mut rows = chain.into_iter();
+    let mut first = true;
     while let Some(row) = rows.next() {
         let sent = if fence.is_some_and(|f| Instant::now() >= f) {
             Err(PublishError::transient(
@@ -81,10 +82,14 @@ pub(super) async fn publish_chain(
             ))
         } else {
             match shape.build(&row) {
-                Ok(message) => broker.publish(&message).await,
+                // The chain's first message goes out with the whole batch's; the
+                // others one at a time, after their predecessor's acknowledgement.
+                Ok(message) if first => broker.publish(&message).await,
+                Ok(message) => broker.publish_next(&message).await,
                 Err(err) => Err(err),
             }
         };
+        first = false;
         match sent {
             Ok(()) => published.push((row.id, row.created_at)),
             Err(err) => {
@@ -103,8 +108,47 @@ pub(super) async fn publish_chain(
     }
 }
 
+/// A broker for unit tests that records what it is asked to publish.
+#[cfg(test)]
+pub(crate) mod recording {
+    use crate::broker::{Broker, Message, PublishError};
+
+    /// Records what it is asked to publish, and whether as a chain's next message;
+    /// accepts everything.
+    #[derive(Default)]
+    pub struct Recorder(pub std::sync::Mutex<Vec<(String, bool)>>);
+
+    impl Recorder {
+        fn record(&self, message: &Message, next: bool) {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((message.id.clone(), next));
+        }
+    }
+
+    impl Broker for Recorder {
+        fn publish<'a>(
+            &'a self,
+            message: &'a Message,
+        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+            self.record(message, false);
+            Box::pin(async { Ok(()) })
+        }
+
+        fn publish_next<'a>(
+            &'a self,
+            message: &'a Message,
+        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+            self.record(message, true);
+            Box::pin(async { Ok(()) })
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::recording::Recorder;
     use super::*;
 
     fn row(id: i64, aggregate: &str) -> OutboxRow {
@@ -121,21 +165,25 @@ mod tests {
         }
     }
 
-    /// Records what it is asked to publish; accepts everything.
-    #[derive(Default)]
-    struct Recorder(std::sync::Mutex<Vec<String>>);
-
-    impl Broker for Recorder {
-        fn publish<'a>(
-            &'a self,
-            message: &'a crate::broker::Message,
-        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
-            self.0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(message.id.clone());
-            Box::pin(async { Ok(()) })
-        }
+    #[tokio::test]
+    async fn a_chains_first_message_goes_with_the_batch_and_the_rest_as_next() {
+        let broker = Recorder::default();
+        let rows = vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")];
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
+            chains(rows, true),
+            None,
+        )
+        .await;
+        assert!(results.iter().all(|r| r.failed.is_none()));
+        let mut sent = broker.0.lock().unwrap().clone();
+        sent.sort();
+        let sent: Vec<(&str, bool)> = sent.iter().map(|(id, n)| (id.as_str(), *n)).collect();
+        assert_eq!(
+            sent,
+            vec![("1", false), ("2", false), ("3", true), ("4", true)]
+        );
     }
 
     #[tokio::test]

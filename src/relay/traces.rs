@@ -95,8 +95,14 @@ pub fn parent_context(headers: &[(String, String)]) -> Context {
     TraceContextPropagator::new().extract(&carrier)
 }
 
-impl Broker for TracedBroker {
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+impl TracedBroker {
+    /// Publishes `message` in a producer span, through the inner broker's `publish`, or
+    /// its `publish_next` for a chain's next message.
+    fn traced<'a>(
+        &'a self,
+        message: &'a Message,
+        next: bool,
+    ) -> BoxFuture<'a, Result<(), PublishError>> {
         Box::pin(async move {
             let parent = parent_context(&message.headers);
             let mut span = self
@@ -124,7 +130,11 @@ impl Broker for TracedBroker {
                 Some((_, v)) => *v = traceparent,
                 None => sent.headers.push(("traceparent".to_owned(), traceparent)),
             }
-            let result = self.inner.publish(&sent).await;
+            let result = if next {
+                self.inner.publish_next(&sent).await
+            } else {
+                self.inner.publish(&sent).await
+            };
             if let Err(err) = &result {
                 span.set_status(Status::error(err.message.clone()));
                 let context = span.span_context();
@@ -141,6 +151,16 @@ impl Broker for TracedBroker {
             result
         })
     }
+}
+
+impl Broker for TracedBroker {
+    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+        self.traced(message, false)
+    }
+
+    fn publish_next<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+        self.traced(message, true)
+    }
 
     fn is_broken(&self) -> bool {
         self.inner.is_broken()
@@ -151,6 +171,30 @@ impl Broker for TracedBroker {
 mod tests {
     use super::*;
     use opentelemetry::trace::TraceContextExt;
+
+    #[tokio::test]
+    async fn a_chains_next_message_keeps_its_way_through_the_span() {
+        use opentelemetry::trace::TracerProvider as _;
+        let inner = Arc::new(crate::relay::chains::recording::Recorder::default());
+        let tracer = SdkTracerProvider::builder().build().tracer("test");
+        let traced = TracedBroker::new(inner.clone(), tracer, BrokerKind::Kafka);
+        let message = |id: &str| Message {
+            destination: "t".to_owned(),
+            key: None,
+            id: id.to_owned(),
+            headers: Vec::new(),
+            payload: None,
+            timestamp_ms: None,
+            partition: None,
+            content_type: None,
+        };
+        traced.publish(&message("1")).await.unwrap();
+        traced.publish_next(&message("2")).await.unwrap();
+        assert_eq!(
+            *inner.0.lock().unwrap(),
+            vec![("1".to_owned(), false), ("2".to_owned(), true)]
+        );
+    }
 
     #[test]
     fn the_parent_is_the_messages_traceparent() {
