@@ -80,7 +80,10 @@ pub struct KafkaSpec {
     pub sasl: Option<SaslSpec>,
     /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`).
     /// Settings that would weaken delivery (`acks`, `enable.idempotence`) and security
-    /// settings (use `tls` and `sasl`) are rejected.
+    /// settings (use `tls` and `sasl`) are rejected. `linger.ms` (default 1) applies to
+    /// the first event of each aggregate in a batch: an aggregate's next events, each
+    /// sent once the previous one is acknowledged, go at once through a second producer
+    /// with the same settings.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'security.protocol', 'bootstrap.servers'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight.requests.per.connection, security.protocol, bootstrap.servers, sasl.* or ssl.*: delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
     pub properties: BTreeMap<String, String>,

@@ -15,7 +15,7 @@ use lapin::options::ExchangeDeclareOptions;
 
 use super::probe::{Probe, TIMEOUT};
 use super::tls::{self, TlsFiles};
-use super::{Broker, Message, PublishError};
+use super::{Broker, Delivered, Message, PublishError};
 use crate::api::{AmqpAuthMechanism, RabbitMqSpec};
 use crate::rules::{BrokerKind, Problems, check_secret_ref, check_template_into};
 use crate::secrets::{Content, Delivery, ENV_RABBITMQ_URL, SecretSlot, SecretUse};
@@ -127,7 +127,10 @@ impl AmqpBroker {
 }
 
 impl Broker for AmqpBroker {
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let channel = self.channel().await?;
             let mut headers = FieldTable::default();
@@ -176,7 +179,7 @@ impl Broker for AmqpBroker {
                 )));
             };
             match confirmation {
-                Ok(Confirmation::Ack(None)) => Ok(()),
+                Ok(Confirmation::Ack(None)) => Ok(Delivered::default()),
                 Ok(Confirmation::Ack(Some(returned))) | Ok(Confirmation::Nack(Some(returned))) => {
                     Err(PublishError::row(format!(
                         "RabbitMQ: row {}: exchange `{}` routed routing key `{}` to no queue ({} {})",

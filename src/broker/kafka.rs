@@ -14,8 +14,9 @@
 //! chain steps through a second one with `linger.ms=0`.
 //!
 //! Order is unaffected: a chain's next message is produced only after the previous
-//! one is acknowledged (written with `acks=all`), whichever producer wrote it, and both
-//! producers partition a key alike (same settings, same partitioner).
+//! one is acknowledged (written with `acks=all`), whichever producer wrote it, and to
+//! the partition the previous one was written to (the producers' metadata may
+//! disagree for a while about a topic's partition count).
 
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
 
 use super::probe::{Probe, TIMEOUT, templated};
 use super::tls::{self, TlsFiles};
-use super::{Broker, Message, PublishError};
+use super::{Broker, Delivered, Message, PublishError};
 use crate::api::{KafkaSpec, SaslMechanism};
 use crate::rules::{
     BrokerKind, Problems, check_secret_ref, check_template_into, is_fixed_kafka_property,
@@ -67,12 +68,14 @@ impl KafkaBroker {
         })
     }
 
-    /// Produces `message` through `producer` and waits for its acknowledgement.
+    /// Produces `message` through `producer`, to `partition` when given (else where
+    /// the partitioner puts its key), and waits for its acknowledgement.
     async fn send(
         &self,
         producer: &FutureProducer<Context>,
         message: &Message,
-    ) -> Result<(), PublishError> {
+        partition: Option<i32>,
+    ) -> Result<Delivered, KafkaError> {
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
         for (key, value) in &message.headers {
             headers = headers.insert(Header {
@@ -91,14 +94,18 @@ impl KafkaBroker {
         if let Some(ms) = message.timestamp_ms {
             record = record.timestamp(ms);
         }
-        if let Some(partition) = message.partition {
+        if let Some(partition) = partition {
             record = record.partition(partition);
         }
         // Waiting for queue space is bounded; the delivery itself is bounded by
         // message.timeout.ms.
         match producer.send(record, Duration::from_secs(10)).await {
-            Ok(_) => Ok(()),
-            Err((err, _)) => Err(classify(&err, producer, &self.last_error)),
+            Ok(delivery) => Ok(Delivered {
+                // Only a partition the partitioner chose carries over to the chain's
+                // next message; a placed one was this message's alone.
+                partition: message.partition.is_none().then_some(delivery.partition),
+            }),
+            Err((err, _)) => Err(err),
         }
     }
 }
@@ -168,6 +175,12 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         // librdkafka's own default (CRC32) would not.
         .set("partitioner", "murmur2_random");
     for (key, value) in &config.properties {
+        // librdkafka's own name for linger.ms: set under that name, so the config never
+        // holds both (which one wins would depend on the order they are applied in).
+        let key = match key.as_str() {
+            "queue.buffering.max.ms" => "linger.ms",
+            key => key,
+        };
         client.set(key, value);
     }
     // Fixed, after the user's properties: idempotence keeps each Kafka partition in
@@ -260,12 +273,42 @@ fn classify(
 }
 
 impl Broker for KafkaBroker {
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(self.send(&self.batching, message))
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        Box::pin(async move {
+            self.send(&self.batching, message, message.partition)
+                .await
+                .map_err(|err| classify(&err, &self.batching, &self.last_error))
+        })
     }
 
-    fn publish_next<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
-        Box::pin(self.send(&self.eager, message))
+    /// Sends through the producer that does not linger, to the partition the
+    /// predecessor went to: the two producers keep their own topic metadata, and
+    /// while a topic gains partitions one may know the new count before the other, so
+    /// the partitioner alone could put an aggregate's events on two partitions.
+    fn publish_next<'a>(
+        &'a self,
+        message: &'a Message,
+        after: Delivered,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        Box::pin(async move {
+            let partition = message.partition.or(after.partition);
+            match self.send(&self.eager, message, partition).await {
+                // This producer has not seen the partition yet (its metadata lags the
+                // other's); nothing was sent: the batching producer, which wrote the
+                // predecessor there, sends it.
+                Err(err)
+                    if err.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) =>
+                {
+                    self.send(&self.batching, message, partition)
+                        .await
+                        .map_err(|err| classify(&err, &self.batching, &self.last_error))
+                }
+                sent => sent.map_err(|err| classify(&err, &self.eager, &self.last_error)),
+            }
+        })
     }
 
     fn is_broken(&self) -> bool {
@@ -502,6 +545,11 @@ mod tests {
         let eager = eager_config(&user);
         assert_eq!(batching.get("linger.ms"), Some("20"));
         assert_eq!(eager.get("linger.ms"), Some("0"));
+        // Under librdkafka's other name for it, too.
+        let alias = settings(&[("queue.buffering.max.ms", "20")]);
+        assert_eq!(client_config(&alias).get("linger.ms"), Some("20"));
+        assert_eq!(eager_config(&alias).get("linger.ms"), Some("0"));
+        assert_eq!(eager_config(&alias).get("queue.buffering.max.ms"), None);
         // Everything else is the same: a key maps to the same partition through both,
         // with the same delivery guarantees.
         let rest = |c: &ClientConfig| {

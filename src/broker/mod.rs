@@ -160,6 +160,17 @@ pub struct Message {
     pub content_type: Option<String>,
 }
 
+/// Where an acknowledged message was written, as far as the next message of its chain
+/// needs to know.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Delivered {
+    /// The Kafka partition the partitioner chose for the message's key: the next
+    /// message of its chain goes there too, unless it names a partition itself.
+    /// `None` when the message named its own partition (a `partition` placement), and
+    /// for brokers without partitions.
+    pub partition: Option<i32>,
+}
+
 /// Why a publish failed, and whether the row itself is at fault.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
@@ -247,13 +258,22 @@ impl BrokerSettings {
 /// acknowledged the message durably (Kafka acks=all, JetStream PubAck, AMQP confirm).
 pub trait Broker: Send + Sync {
     /// Publishes one message and waits for its acknowledgement.
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>>;
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>>;
 
-    /// Publishes the next message of a chain, whose predecessor was just acknowledged,
-    /// and waits for its acknowledgement. It is sent alone, so a broker client that
-    /// waits to batch messages (Kafka's `linger.ms`) should send it at once: the wait
-    /// would be paid once per event of a busy aggregate.
-    fn publish_next<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+    /// Publishes the next message of a chain, whose predecessor was just acknowledged
+    /// as `after`, and waits for its acknowledgement. It is sent alone, so a broker
+    /// client that waits to batch messages (Kafka's `linger.ms`) should send it at
+    /// once: the wait would be paid once per event of a busy aggregate. It must land
+    /// where its predecessor did (Kafka: the same partition).
+    fn publish_next<'a>(
+        &'a self,
+        message: &'a Message,
+        after: Delivered,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        let _ = after;
         self.publish(message)
     }
 

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use super::AGGREGATE_TYPE_PLACEHOLDER;
 use super::probe::{Probe, TIMEOUT};
 use super::tls::{self, TlsFiles};
-use super::{Broker, Message, PublishError};
+use super::{Broker, Delivered, Message, PublishError};
 use crate::api::{NatsSpec, SecretKeyRef};
 use crate::rules::{BrokerKind, Problems, check_secret_ref, check_template_into};
 use crate::secrets::{
@@ -76,7 +76,10 @@ impl NatsBroker {
 }
 
 impl Broker for NatsBroker {
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let mut publish = PublishMessage::build()
                 .payload(message.payload.clone().unwrap_or_default())
@@ -97,7 +100,7 @@ impl Broker for NatsBroker {
                     _ => PublishError::transient(format!("NATS: {err}")),
                 })?;
             match ack.await {
-                Ok(_) => Ok(()),
+                Ok(_) => Ok(Delivered::default()),
                 Err(err) if err.kind() == PublishErrorKind::StreamNotFound => {
                     Err(self.no_stream(&message.destination, &err).await)
                 }

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::broker::{Broker, PublishError, Shape};
+use crate::broker::{Broker, Delivered, PublishError, Shape};
 use crate::postgres::OutboxRow;
 
 /// One chain's outcome.
@@ -74,7 +74,8 @@ pub(super) async fn publish_chain(
 ) -> ChainResult {
     let mut published = Vec::with_capacity(chain.len());
     let mut rows = chain.into_iter();
-    let mut first = true;
+    // The acknowledgement of the message before: the next one follows it.
+    let mut previous: Option<Delivered> = None;
     while let Some(row) = rows.next() {
         let sent = if fence.is_some_and(|f| Instant::now() >= f) {
             Err(PublishError::transient(
@@ -83,15 +84,20 @@ pub(super) async fn publish_chain(
         } else {
             match shape.build(&row) {
                 // The chain's first message goes out with the whole batch's; the
-                // others one at a time, after their predecessor's acknowledgement.
-                Ok(message) if first => broker.publish(&message).await,
-                Ok(message) => broker.publish_next(&message).await,
+                // others one at a time, after their predecessor's acknowledgement,
+                // and to where it went.
+                Ok(message) => match previous {
+                    None => broker.publish(&message).await,
+                    Some(after) => broker.publish_next(&message, after).await,
+                },
                 Err(err) => Err(err),
             }
         };
-        first = false;
         match sent {
-            Ok(()) => published.push((row.id, row.created_at)),
+            Ok(delivered) => {
+                previous = Some(delivered);
+                published.push((row.id, row.created_at));
+            }
             Err(err) => {
                 let mut rest = vec![row];
                 rest.extend(rows);
@@ -111,7 +117,7 @@ pub(super) async fn publish_chain(
 /// A broker for unit tests that records what it is asked to publish.
 #[cfg(test)]
 pub(crate) mod recording {
-    use crate::broker::{Broker, Message, PublishError};
+    use crate::broker::{Broker, Delivered, Message, PublishError};
 
     /// Records what it is asked to publish, and whether as a chain's next message;
     /// accepts everything.
@@ -131,17 +137,18 @@ pub(crate) mod recording {
         fn publish<'a>(
             &'a self,
             message: &'a Message,
-        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+        ) -> futures::future::BoxFuture<'a, Result<Delivered, PublishError>> {
             self.record(message, false);
-            Box::pin(async { Ok(()) })
+            Box::pin(async { Ok(Delivered::default()) })
         }
 
         fn publish_next<'a>(
             &'a self,
             message: &'a Message,
-        ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+            _after: Delivered,
+        ) -> futures::future::BoxFuture<'a, Result<Delivered, PublishError>> {
             self.record(message, true);
-            Box::pin(async { Ok(()) })
+            Box::pin(async { Ok(Delivered::default()) })
         }
     }
 }

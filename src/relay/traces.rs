@@ -16,7 +16,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 
-use crate::broker::{Broker, BrokerKind, Message, PublishError};
+use crate::broker::{Broker, BrokerKind, Delivered, Message, PublishError};
 
 /// The exporter of a relay's spans; [`Traces::shutdown`] sends what is left.
 pub struct Traces {
@@ -101,8 +101,8 @@ impl TracedBroker {
     fn traced<'a>(
         &'a self,
         message: &'a Message,
-        next: bool,
-    ) -> BoxFuture<'a, Result<(), PublishError>> {
+        after: Option<Delivered>,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let parent = parent_context(&message.headers);
             let mut span = self
@@ -130,10 +130,9 @@ impl TracedBroker {
                 Some((_, v)) => *v = traceparent,
                 None => sent.headers.push(("traceparent".to_owned(), traceparent)),
             }
-            let result = if next {
-                self.inner.publish_next(&sent).await
-            } else {
-                self.inner.publish(&sent).await
+            let result = match after {
+                Some(after) => self.inner.publish_next(&sent, after).await,
+                None => self.inner.publish(&sent).await,
             };
             if let Err(err) = &result {
                 span.set_status(Status::error(err.message.clone()));
@@ -154,12 +153,19 @@ impl TracedBroker {
 }
 
 impl Broker for TracedBroker {
-    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
-        self.traced(message, false)
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        self.traced(message, None)
     }
 
-    fn publish_next<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<(), PublishError>> {
-        self.traced(message, true)
+    fn publish_next<'a>(
+        &'a self,
+        message: &'a Message,
+        after: Delivered,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        self.traced(message, Some(after))
     }
 
     fn is_broken(&self) -> bool {
@@ -189,7 +195,10 @@ mod tests {
             content_type: None,
         };
         traced.publish(&message("1")).await.unwrap();
-        traced.publish_next(&message("2")).await.unwrap();
+        traced
+            .publish_next(&message("2"), Delivered::default())
+            .await
+            .unwrap();
         assert_eq!(
             *inner.0.lock().unwrap(),
             vec![("1".to_owned(), false), ("2".to_owned(), true)]

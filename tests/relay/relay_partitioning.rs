@@ -128,6 +128,8 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
     );
     let mut id = 0;
     for key in &keys {
+        // A chain of two: the second goes the way a chain's next message goes.
+        let mut previous = None;
         for _ in 0..2 {
             id += 1;
             let row = OutboxRow {
@@ -144,7 +146,10 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
             let message = Shape::new(BrokerKind::Kafka, topic.as_str())
                 .build(&row)
                 .unwrap();
-            broker.publish(&message).await.unwrap();
+            previous = Some(match previous {
+                None => broker.publish(&message).await.unwrap(),
+                Some(after) => broker.publish_next(&message, after).await.unwrap(),
+            });
         }
     }
     let found = partitions_by_key(&topic, keys.len() * 2);
@@ -161,4 +166,54 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
     // Not every key on one partition (the check above would then prove little).
     let used: std::collections::BTreeSet<i32> = expected.values().copied().collect();
     assert!(used.len() > PARTITIONS as usize / 2, "{used:?}");
+}
+
+/// A chain's next message goes to the partition its predecessor was written to, not
+/// where the partitioner would put its key: the relay's two producers keep their own
+/// topic metadata, and while a topic gains partitions they may disagree on the count.
+#[tokio::test]
+async fn a_chains_next_message_follows_its_predecessor_to_its_partition() {
+    let topic = common::fresh_topic(PARTITIONS).await;
+    let broker = KafkaBroker::new(&KafkaSettings {
+        bootstrap_servers: common::Rig::load().kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+        tls: false,
+        tls_files: Default::default(),
+        sasl: None,
+        properties: Default::default(),
+    })
+    .unwrap();
+    let key = "order-7".to_owned();
+    let natural = java_partitions(std::slice::from_ref(&key), PARTITIONS)[&key];
+    let elsewhere = (natural + 1) % PARTITIONS;
+    let row = OutboxRow {
+        id: 1,
+        aggregate_type: "order".into(),
+        aggregate_id: Some(key.clone()),
+        event_type: Some("Placed".into()),
+        payload: Some(bytes::Bytes::from_static(b"{}")),
+        extra: Vec::new(),
+        partition: 0,
+        created_at: None,
+        timestamp: None,
+    };
+    let message = Shape::new(BrokerKind::Kafka, topic.as_str())
+        .build(&row)
+        .unwrap();
+    let first = broker.publish(&message).await.unwrap();
+    assert_eq!(first.partition, Some(natural));
+    // As if the predecessor had been written elsewhere (a producer that saw another
+    // partition count): the next message follows it there.
+    let after = outbox_operator::broker::Delivered {
+        partition: Some(elsewhere),
+    };
+    let next = broker.publish_next(&message, after).await.unwrap();
+    assert_eq!(next.partition, Some(elsewhere));
+    let mut found = partitions_by_key(&topic, 2)
+        .remove(&key)
+        .unwrap_or_default();
+    found.sort_unstable();
+    let mut want = vec![natural, elsewhere];
+    want.sort_unstable();
+    assert_eq!(found, want, "where the two records of {key} landed");
 }
