@@ -199,6 +199,10 @@ fn config_hash(deployment: &Deployment) -> Option<String> {
 
 #[tokio::test]
 async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected() {
+    // Ready's reason below is the scheduler's verdict on the relay pods, and the rig
+    // runs kube-scheduler only with its node: without one, say so now rather than time
+    // out waiting for that verdict.
+    common::node::name();
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
