@@ -229,6 +229,12 @@ listener.name.pods_sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.secur
 listener.name.pods_sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.pods_sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$RIG_DIR/kafka/data
+# Records carry the event's own time, and the tests write events from 1969 and 1999.
+# Time-based retention judges a segment by its records' timestamps, and a segment whose
+# first record is decades old rolls at the next append: at the broker's next retention
+# check (every 5 min) such a record was deleted, and a test found 7 of its 8 records.
+# Tests delete their topics; nothing on the rig needs to expire.
+log.retention.ms=-1
 num.partitions=1
 offsets.topic.replication.factor=1
 offsets.topic.num.partitions=4
