@@ -103,18 +103,39 @@ fn partitions_by_key(topic: &str, expected: usize) -> BTreeMap<String, Vec<i32>>
     found
 }
 
-#[tokio::test]
-async fn keyed_records_land_where_the_java_client_puts_them() {
-    let topic = common::fresh_topic(PARTITIONS).await;
-    let broker = KafkaBroker::new(&KafkaSettings {
+/// The relay's Kafka publisher for `topic`, with the relay's default settings.
+fn relay_broker(topic: &str) -> KafkaBroker {
+    KafkaBroker::new(&KafkaSettings {
         bootstrap_servers: common::Rig::load().kafka_bootstrap().to_owned(),
-        topic: topic.clone(),
+        topic: topic.to_owned(),
         tls: false,
         tls_files: Default::default(),
         sasl: None,
         properties: Default::default(),
     })
-    .unwrap();
+    .unwrap()
+}
+
+/// The message the relay builds for row `id` of aggregate `key` (no placed partition).
+fn keyed_message(topic: &str, id: i64, key: &str) -> outbox_operator::broker::Message {
+    let row = OutboxRow {
+        id,
+        aggregate_type: "order".into(),
+        aggregate_id: Some(key.to_owned()),
+        event_type: Some("Placed".into()),
+        payload: Some(bytes::Bytes::from_static(b"{}")),
+        extra: Vec::new(),
+        partition: 0,
+        created_at: None,
+        timestamp: None,
+    };
+    Shape::new(BrokerKind::Kafka, topic).build(&row).unwrap()
+}
+
+#[tokio::test]
+async fn keyed_records_land_where_the_java_client_puts_them() {
+    let topic = common::fresh_topic(PARTITIONS).await;
+    let broker = relay_broker(&topic);
     // Keys of several shapes: numeric, UUID-like, non-ASCII, long.
     let mut keys: Vec<String> = (0..40).map(|i| format!("order-{i}")).collect();
     keys.extend(
@@ -132,20 +153,7 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
         let mut previous = None;
         for _ in 0..2 {
             id += 1;
-            let row = OutboxRow {
-                id,
-                aggregate_type: "order".into(),
-                aggregate_id: Some(key.clone()),
-                event_type: Some("Placed".into()),
-                payload: Some(bytes::Bytes::from_static(b"{}")),
-                extra: Vec::new(),
-                partition: 0,
-                created_at: None,
-                timestamp: None,
-            };
-            let message = Shape::new(BrokerKind::Kafka, topic.as_str())
-                .build(&row)
-                .unwrap();
+            let message = keyed_message(&topic, id, key);
             previous = Some(match previous {
                 None => broker.publish(&message).await.unwrap(),
                 Some(after) => broker.publish_next(&message, after).await.unwrap(),
@@ -174,32 +182,11 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
 #[tokio::test]
 async fn a_chains_next_message_follows_its_predecessor_to_its_partition() {
     let topic = common::fresh_topic(PARTITIONS).await;
-    let broker = KafkaBroker::new(&KafkaSettings {
-        bootstrap_servers: common::Rig::load().kafka_bootstrap().to_owned(),
-        topic: topic.clone(),
-        tls: false,
-        tls_files: Default::default(),
-        sasl: None,
-        properties: Default::default(),
-    })
-    .unwrap();
+    let broker = relay_broker(&topic);
     let key = "order-7".to_owned();
     let natural = java_partitions(std::slice::from_ref(&key), PARTITIONS)[&key];
     let elsewhere = (natural + 1) % PARTITIONS;
-    let row = OutboxRow {
-        id: 1,
-        aggregate_type: "order".into(),
-        aggregate_id: Some(key.clone()),
-        event_type: Some("Placed".into()),
-        payload: Some(bytes::Bytes::from_static(b"{}")),
-        extra: Vec::new(),
-        partition: 0,
-        created_at: None,
-        timestamp: None,
-    };
-    let message = Shape::new(BrokerKind::Kafka, topic.as_str())
-        .build(&row)
-        .unwrap();
+    let message = keyed_message(&topic, 1, &key);
     let first = broker.publish(&message).await.unwrap();
     assert_eq!(first.partition, Some(natural));
     // As if the predecessor had been written elsewhere (a producer that saw another
