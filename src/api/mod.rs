@@ -582,7 +582,9 @@ pub struct ColumnsSpec {
     /// timestamp, RabbitMQ's `timestamp` property). Left out, the record carries the
     /// row's commit time in log tailing and its `createdAt` column in polling (the
     /// time of publishing when the table has none). A NULL value falls back the same
-    /// way.
+    /// way. Kafka's time-based retention goes by this time: records whose time is older
+    /// than the topic's `retention.ms` (old events, a long backlog) are deleted soon
+    /// after they are written, unless the topic has `message.timestamp.type=LogAppendTime`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub timestamp: Option<String>,
