@@ -676,8 +676,9 @@ impl Mode<'_> {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct PollingSpec {
-    /// Time from one poll's start to the next when the poll did not fill a batch (the
-    /// longest a committed row waits to be looked at); a full batch polls again at once.
+    /// Time from one round of polls' start to the next (the longest a committed row
+    /// waits to be looked at): a full batch polls again at once, within the round, and
+    /// the round ends with a poll that does not fill a batch.
     #[serde(default = "default_interval")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1ms')").message("spec.mode.polling.interval must be at least 1ms"))]

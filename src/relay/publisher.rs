@@ -108,7 +108,7 @@ impl From<PgError> for SessionEnd {
 enum Outcome {
     /// A full batch: poll again at once.
     Full,
-    /// Less than a full batch: poll again one interval after this poll started.
+    /// Less than a full batch: poll again one interval after the round started.
     Partial,
     /// The broker is unavailable: back off.
     Unavailable,
@@ -129,6 +129,41 @@ pub(super) struct Publisher {
     /// Rows the next batch selects: `batchSize`, or fewer when rows are large (see
     /// [`next_limit`]).
     limit: i64,
+}
+
+/// When the next poll is due. A round is the polls from one nap to the next: full
+/// batches poll again at once, and the interval runs from the round's first poll, so
+/// a round that needed several batches does not add its own length to the interval.
+/// (Counted from the round's last poll, large rows made rounds of three batches and
+/// a cycle of the interval plus those batches: 16 KiB rows at 6,000/s waited
+/// 144 ms at p99 with `interval: 100ms`.)
+#[derive(Debug, Default)]
+struct Rounds {
+    /// The first poll of the current round.
+    started: Option<Instant>,
+}
+
+impl Rounds {
+    /// A poll starts at `at`.
+    fn polled(&mut self, at: Instant) {
+        self.started.get_or_insert(at);
+    }
+
+    /// The poll did not fill a batch, at `now`: the round ends, and the next starts one
+    /// interval after this one started. A round longer than that still rests a tenth
+    /// of the interval, so a slow database gets a breath between rounds.
+    fn nap(&mut self, interval: Duration, now: Instant) -> Duration {
+        let started = self.started.take().unwrap_or(now);
+        interval
+            .saturating_sub(now.saturating_duration_since(started))
+            .max(interval / 10)
+    }
+
+    /// The round was cut short (an unavailable broker, no partition to poll): the
+    /// next poll starts a new one.
+    fn abandon(&mut self) {
+        self.started = None;
+    }
 }
 
 /// The next batch's row limit: as many rows as fit [`MAX_BATCH_BYTES`] at the last
@@ -268,6 +303,7 @@ impl Publisher {
         let partitions = usize::try_from(table.partitions()).unwrap_or(1);
         let mut owned = BTreeSet::new();
         let mut next_rebalance = Instant::now();
+        let mut rounds = Rounds::default();
         loop {
             self.health.turned();
             if self.stopping() {
@@ -306,6 +342,7 @@ impl Publisher {
                 .filter(|p| !self.paused.contains_key(p))
                 .collect();
             if active.is_empty() {
+                rounds.abandon();
                 self.nap(self.settings.interval.min(REBALANCE_EVERY)).await;
                 continue;
             }
@@ -316,7 +353,7 @@ impl Publisher {
                 let _ = stop.wait_for(|s| *s).await;
                 tokio::time::sleep(SHUTDOWN_GRACE).await;
             };
-            let polled_at = Instant::now();
+            rounds.polled(Instant::now());
             let outcome = tokio::select! {
                 outcome = self.batch(client, &table, &active) => outcome?,
                 () = grace => return Err(SessionEnd::Abandoned),
@@ -325,20 +362,11 @@ impl Publisher {
                 Outcome::Full => backoff.reset(),
                 Outcome::Partial => {
                     backoff.reset();
-                    // The interval runs from this poll's start, not from the end of
-                    // its batch: a row committed just after the poll looked waits one
-                    // interval, not an interval plus the time the batch took. A poll
-                    // slower than that still rests a tenth of the interval, so a slow
-                    // database gets a breath between polls.
-                    let interval = self.settings.interval;
-                    self.nap(
-                        interval
-                            .saturating_sub(polled_at.elapsed())
-                            .max(interval / 10),
-                    )
-                    .await;
+                    self.nap(rounds.nap(self.settings.interval, Instant::now()))
+                        .await;
                 }
                 Outcome::Unavailable => {
+                    rounds.abandon();
                     if self.broker.is_broken() {
                         return Err(SessionEnd::Fatal(RelayError::Broker(
                             "the broker client failed permanently; restarting".to_owned(),
@@ -726,6 +754,44 @@ async fn retention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn the_interval_runs_from_a_rounds_first_poll() {
+        let interval = 100 * MS;
+        let t0 = Instant::now();
+        let mut rounds = Rounds::default();
+        // Three full batches of 25 ms, then one that is not full at 75 ms: the next
+        // round starts 100 ms after the first poll, not 100 ms after the last.
+        for poll in 0..4 {
+            rounds.polled(t0 + poll * 25 * MS);
+        }
+        assert_eq!(rounds.nap(interval, t0 + 80 * MS), 20 * MS);
+        // The next round counts from its own first poll.
+        rounds.polled(t0 + 100 * MS);
+        assert_eq!(rounds.nap(interval, t0 + 110 * MS), 90 * MS);
+    }
+
+    #[test]
+    fn a_round_longer_than_the_interval_still_rests_a_tenth_of_it() {
+        let t0 = Instant::now();
+        let mut rounds = Rounds::default();
+        rounds.polled(t0);
+        rounds.polled(t0 + 150 * MS);
+        assert_eq!(rounds.nap(100 * MS, t0 + 180 * MS), 10 * MS);
+    }
+
+    #[test]
+    fn a_round_cut_short_does_not_shorten_the_next() {
+        let t0 = Instant::now();
+        let mut rounds = Rounds::default();
+        rounds.polled(t0);
+        // The broker was unavailable: back-off, then a new round at 5 s.
+        rounds.abandon();
+        rounds.polled(t0 + 5000 * MS);
+        assert_eq!(rounds.nap(100 * MS, t0 + 5020 * MS), 80 * MS);
+    }
 
     #[test]
     fn large_rows_make_smaller_batches_within_batch_size() {
