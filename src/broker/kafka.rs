@@ -13,6 +13,11 @@
 //! and used 80% more CPU). So the bursts go through the batching producer and the
 //! chain steps through a second one with `linger.ms=0`.
 //!
+//! The second producer is made on the first chain step, not with the relay: an
+//! idempotent producer connects at once for its producer id, and a relay whose chains
+//! are all one message long (`ordering.mode: none`, or every aggregate once per batch)
+//! would hold a second connection to every broker for nothing.
+//!
 //! Order is unaffected: a chain's next message is produced only after the previous
 //! one is acknowledged (written with `acks=all`), whichever producer wrote it, and to
 //! the partition the previous one was written to (the producers' metadata may
@@ -41,31 +46,32 @@ use crate::secrets::{
 pub struct KafkaBroker {
     /// A batch's burst of chain starts: `linger.ms` as configured.
     batching: FutureProducer<Context>,
-    /// A chain's next message, sent alone: `linger.ms=0`.
-    eager: FutureProducer<Context>,
+    /// A chain's next message, sent alone: `linger.ms=0`; made on the first chain step.
+    eager: tokio::sync::OnceCell<FutureProducer<Context>>,
+    /// The settings `eager` is made with.
+    eager_config: ClientConfig,
     last_error: LastError,
 }
 
 impl KafkaBroker {
-    /// Builds the producers (this does not connect yet: librdkafka connects lazily).
+    /// Builds the batching producer (the chain steps' producer comes with the first
+    /// chain step).
     pub fn new(config: &KafkaSettings) -> Result<Self, PublishError> {
         let last_error = LastError::default();
-        let create = |client: &ClientConfig| {
-            client
-                .create_with_context(Context {
-                    last_error: last_error.clone(),
-                })
-                .map_err(|err| {
-                    PublishError::transient(format!("cannot create the Kafka producer: {err}"))
-                })
-        };
-        let batching = create(&client_config(config))?;
-        let eager = create(&eager_config(config))?;
+        let batching = create(&client_config(config), &last_error)?;
         Ok(Self {
             batching,
-            eager,
+            eager: tokio::sync::OnceCell::new(),
+            eager_config: eager_config(config),
             last_error,
         })
+    }
+
+    /// The chain steps' producer, made on first use.
+    async fn eager(&self) -> Result<&FutureProducer<Context>, PublishError> {
+        self.eager
+            .get_or_try_init(|| async { create(&self.eager_config, &self.last_error) })
+            .await
     }
 
     /// Produces `message` through `producer`, to `partition` when given (else where
@@ -224,6 +230,18 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
     client
 }
 
+/// A producer of `client`'s settings that reports connection errors to `last_error`.
+fn create(
+    client: &ClientConfig,
+    last_error: &LastError,
+) -> Result<FutureProducer<Context>, PublishError> {
+    client
+        .create_with_context(Context {
+            last_error: last_error.clone(),
+        })
+        .map_err(|err| PublishError::transient(format!("cannot create the Kafka producer: {err}")))
+}
+
 /// The settings of the producer that sends a chain's next message: the relay's, with
 /// no lingering (see the module's notes).
 fn eager_config(config: &KafkaSettings) -> ClientConfig {
@@ -295,7 +313,8 @@ impl Broker for KafkaBroker {
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let partition = message.partition.or(after.partition);
-            match self.send(&self.eager, message, partition).await {
+            let eager = self.eager().await?;
+            match self.send(eager, message, partition).await {
                 // This producer has not seen the partition yet (its metadata lags the
                 // other's); nothing was sent: the batching producer, which wrote the
                 // predecessor there, sends it.
@@ -306,14 +325,17 @@ impl Broker for KafkaBroker {
                         .await
                         .map_err(|err| classify(&err, &self.batching, &self.last_error))
                 }
-                sent => sent.map_err(|err| classify(&err, &self.eager, &self.last_error)),
+                sent => sent.map_err(|err| classify(&err, eager, &self.last_error)),
             }
         })
     }
 
     fn is_broken(&self) -> bool {
         self.batching.client().fatal_error().is_some()
-            || self.eager.client().fatal_error().is_some()
+            || self
+                .eager
+                .get()
+                .is_some_and(|eager| eager.client().fatal_error().is_some())
     }
 }
 
@@ -536,6 +558,17 @@ mod tests {
         // What correctness needs is not the user's to change.
         let config = client_config(&settings(&[("acks", "1")]));
         assert_eq!(config.get("acks"), Some("all"));
+    }
+
+    #[tokio::test]
+    async fn the_chain_steps_producer_comes_with_the_first_chain_step() {
+        let broker = KafkaBroker::new(&settings(&[])).expect("a producer");
+        // Chains of one message never need it, nor its connections.
+        assert!(broker.eager.get().is_none());
+        let first: *const _ = broker.eager().await.expect("made");
+        let again: *const _ = broker.eager().await.expect("kept");
+        assert_eq!(first, again, "made once");
+        assert!(!broker.is_broken());
     }
 
     #[test]
