@@ -234,8 +234,8 @@ impl BrokerSettings {
         }
     }
 
-    /// A publisher with these settings (Kafka and RabbitMQ connect lazily, NATS in the
-    /// background when the server is down).
+    /// A publisher with these settings (Kafka and RabbitMQ return before they are
+    /// connected, NATS connects in the background when the server is down).
     pub async fn connect(&self) -> Result<Arc<dyn Broker>, PublishError> {
         Ok(match self {
             BrokerSettings::Kafka(k) => Arc::new(kafka::KafkaBroker::new(k)?),
