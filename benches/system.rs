@@ -1306,8 +1306,8 @@ async fn relay_throughput(plan: &Plan, case: &ThroughputCase) -> Throughput {
         // together (writers offering 7,680 of the 10,000/s asked), so the run measured
         // a saturated machine. Such a run is not the sustainable rate the latency is
         // wanted at: once more at 80% of what it carried.
-        let carried = run.offered.min(run.delivered);
-        if carried < 0.95 * run.asked {
+        if !run.kept_up() {
+            let carried = run.carried();
             let first = (run.asked, carried);
             run = latency_probe(
                 &setup,
@@ -1400,6 +1400,19 @@ fn cpu_use(
         } else {
             0.0
         },
+    }
+}
+
+impl LatencyResult {
+    /// What writers, relays, broker and consumer carried together: the rows committed
+    /// or the rows delivered per second, whichever is lower.
+    fn carried(&self) -> f64 {
+        self.offered.min(self.delivered)
+    }
+
+    /// The run carried at least 95% of the asked rate: a rate the machine sustains.
+    fn kept_up(&self) -> bool {
+        self.carried() >= 0.95 * self.asked
     }
 }
 
@@ -2294,11 +2307,11 @@ impl Report {
                         )
                     });
             let first_try = r.probe.as_ref().map_or("-".to_owned(), |p| {
-                let carried = p.offered.min(p.delivered);
-                let short = if carried < 0.95 * p.asked {
-                    ", short of the rate"
-                } else {
+                let carried = p.carried();
+                let short = if p.kept_up() {
                     ""
+                } else {
+                    ", short of the rate"
                 };
                 match p.retried_from {
                     Some((asked, first)) => {

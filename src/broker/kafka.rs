@@ -74,6 +74,17 @@ impl KafkaBroker {
             .await
     }
 
+    /// [`Self::send`] through the batching producer, a failure classified against it.
+    async fn send_batching(
+        &self,
+        message: &Message,
+        partition: Option<i32>,
+    ) -> Result<Delivered, PublishError> {
+        self.send(&self.batching, message, partition)
+            .await
+            .map_err(|err| classify(&err, &self.batching, &self.last_error))
+    }
+
     /// Produces `message` through `producer`, to `partition` when given (else where
     /// the partitioner puts its key), and waits for its acknowledgement.
     async fn send(
@@ -295,11 +306,7 @@ impl Broker for KafkaBroker {
         &'a self,
         message: &'a Message,
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
-        Box::pin(async move {
-            self.send(&self.batching, message, message.partition)
-                .await
-                .map_err(|err| classify(&err, &self.batching, &self.last_error))
-        })
+        Box::pin(self.send_batching(message, message.partition))
     }
 
     /// Sends through the producer that does not linger, to the partition the
@@ -319,10 +326,7 @@ impl Broker for KafkaBroker {
                 // if it does, the step waits for company (slower, same order).
                 Err(err) => {
                     tracing::warn!(error = %err, "sending a chain step through the batching producer");
-                    return self
-                        .send(&self.batching, message, partition)
-                        .await
-                        .map_err(|err| classify(&err, &self.batching, &self.last_error));
+                    return self.send_batching(message, partition).await;
                 }
             };
             match self.send(eager, message, partition).await {
@@ -332,9 +336,7 @@ impl Broker for KafkaBroker {
                 Err(err)
                     if err.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) =>
                 {
-                    self.send(&self.batching, message, partition)
-                        .await
-                        .map_err(|err| classify(&err, &self.batching, &self.last_error))
+                    self.send_batching(message, partition).await
                 }
                 sent => sent.map_err(|err| classify(&err, eager, &self.last_error)),
             }
