@@ -22,7 +22,22 @@
 //! one is acknowledged (written with `acks=all`), whichever producer wrote it, and to
 //! the partition the previous one was written to (the producers' metadata may
 //! disagree for a while about a topic's partition count).
+//!
+//! # A producer whose message timed out is replaced
+//!
+//! A message that was not acknowledged within `message.timeout.ms` means the producer
+//! could not reach the partition's leader for that long. Usually the broker is down and
+//! the producer finds it again once it is back, but not always: librdkafka (since 2.10)
+//! forgets every broker a metadata response leaves out, and a single broker answers
+//! without itself while it shuts down. The producer then knows no broker at all and
+//! never asks again (confluentinc/librdkafka#5301, open): the relay would retry into it
+//! forever. So after a timeout the producer that timed out is retired, and the next
+//! send makes a fresh one from `bootstrap.servers`. Sends already under way finish on
+//! the old one, which is closed when the last of them is done. Order is unaffected, by
+//! the same rule as above; a retried message that the old producer did write arrives
+//! twice, as after any outage (at-least-once, with the row id as message id).
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -42,36 +57,27 @@ use crate::secrets::{
     Content, Delivery, ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME, SecretSlot, SecretUse,
 };
 
-/// Publishes to Kafka. The producers reconnect by themselves after an outage.
+/// Publishes to Kafka. The producers reconnect by themselves after an outage, and one
+/// whose message timed out is replaced (see the module's notes).
 pub struct KafkaBroker {
     /// A batch's burst of chain starts: `linger.ms` as configured.
-    batching: FutureProducer<Context>,
+    batching: Slot,
     /// A chain's next message, sent alone: `linger.ms=0`; made on the first chain step.
-    eager: tokio::sync::OnceCell<FutureProducer<Context>>,
-    /// The settings `eager` is made with.
-    eager_config: ClientConfig,
+    eager: Slot,
     last_error: LastError,
 }
 
 impl KafkaBroker {
-    /// Builds the batching producer (the chain steps' producer comes with the first
-    /// chain step).
+    /// Builds the batching producer now, so wrong settings fail the relay's start (the
+    /// chain steps' producer comes with the first chain step).
     pub fn new(config: &KafkaSettings) -> Result<Self, PublishError> {
-        let last_error = LastError::default();
-        let batching = create(&client_config(config), &last_error)?;
-        Ok(Self {
-            batching,
-            eager: tokio::sync::OnceCell::new(),
-            eager_config: eager_config(config),
-            last_error,
-        })
-    }
-
-    /// The chain steps' producer, made on first use.
-    async fn eager(&self) -> Result<&FutureProducer<Context>, PublishError> {
-        self.eager
-            .get_or_try_init(|| async { create(&self.eager_config, &self.last_error) })
-            .await
+        let broker = Self {
+            batching: Slot::new("batching", client_config(config)),
+            eager: Slot::new("chain steps", eager_config(config)),
+            last_error: LastError::default(),
+        };
+        broker.batching.get(&broker.last_error)?;
+        Ok(broker)
     }
 
     /// [`Self::send`] through the batching producer, a failure classified against it.
@@ -80,9 +86,31 @@ impl KafkaBroker {
         message: &Message,
         partition: Option<i32>,
     ) -> Result<Delivered, PublishError> {
-        self.send(&self.batching, message, partition)
+        let producer = self.batching.get(&self.last_error)?;
+        self.send(&producer, message, partition)
             .await
-            .map_err(|err| classify(&err, &self.batching, &self.last_error))
+            .map_err(|err| self.failed(&self.batching, &producer, &err))
+    }
+
+    /// Classifies a failed send through `used`, the producer `slot` gave; a message
+    /// that timed out retires that producer.
+    fn failed(
+        &self,
+        slot: &Slot,
+        used: &Arc<FutureProducer<Context>>,
+        err: &KafkaError,
+    ) -> PublishError {
+        let failure = classify(err, used, &self.last_error);
+        if err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) && slot.retire(used)
+        {
+            // The new producer's own connection errors explain its failures from now on.
+            self.last_error.clear();
+            tracing::warn!(
+                producer = slot.name,
+                "a message timed out: the next one goes through a new Kafka producer"
+            );
+        }
+        failure
     }
 
     /// Produces `message` through `producer`, to `partition` when given (else where
@@ -138,12 +166,88 @@ pub struct Context {
 /// The last connection-level error librdkafka reported, shared with the producer's
 /// owner.
 #[derive(Clone, Default)]
-struct LastError(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+struct LastError(Arc<Mutex<Option<String>>>);
 
 impl LastError {
     fn get(&self) -> Option<String> {
         self.0.lock().ok().and_then(|e| e.clone())
     }
+
+    fn clear(&self) {
+        if let Ok(mut last) = self.0.lock() {
+            *last = None;
+        }
+    }
+}
+
+/// One of the relay's two producers: made when first needed, and made again after
+/// [`Slot::retire`].
+struct Slot {
+    /// For the log.
+    name: &'static str,
+    config: ClientConfig,
+    current: Mutex<Option<Arc<FutureProducer<Context>>>>,
+}
+
+impl Slot {
+    fn new(name: &'static str, config: ClientConfig) -> Self {
+        Self {
+            name,
+            config,
+            current: Mutex::new(None),
+        }
+    }
+
+    /// The current producer, made now if there is none.
+    fn get(&self, last_error: &LastError) -> Result<Arc<FutureProducer<Context>>, PublishError> {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(producer) = current.as_ref() {
+            return Ok(producer.clone());
+        }
+        let made = Arc::new(create(&self.config, last_error)?);
+        *current = Some(made.clone());
+        Ok(made)
+    }
+
+    /// The current producer, if one was made.
+    fn existing(&self) -> Option<Arc<FutureProducer<Context>>> {
+        self.current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Retires `used` if it is still the current producer (of the many sends that fail
+    /// together, the first retires it); the next [`Slot::get`] makes a new one. Returns
+    /// whether it did.
+    fn retire(&self, used: &Arc<FutureProducer<Context>>) -> bool {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        match current.take() {
+            Some(retired) if Arc::ptr_eq(&retired, used) => {
+                close_when_unused(retired);
+                true
+            }
+            other => {
+                *current = other;
+                false
+            }
+        }
+    }
+}
+
+/// Closes a retired producer once the sends still using it are done (they hold the
+/// other references, and no new one can be taken), off the async threads: closing
+/// purges its queue and joins its threads, which blocks for up to half a second.
+fn close_when_unused(producer: Arc<FutureProducer<Context>>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        while Arc::strong_count(&producer) > 1 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = tokio::task::spawn_blocking(move || drop(producer)).await;
+    });
 }
 
 impl rdkafka::producer::ProducerContext for Context {
@@ -191,6 +295,12 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         // consumers migrating from them keep each aggregate on one partition, in order.
         // librdkafka's own default (CRC32) would not.
         .set("partitioner", "murmur2_random");
+    // rust-rdkafka takes the client's log level from the `log` crate, which the relay
+    // does not use (it logs through `tracing`): left alone, librdkafka's warnings, and
+    // the output of a `debug` property, would be dropped.
+    client.set_log_level(librdkafka_log_level(
+        tracing::level_filters::LevelFilter::current(),
+    ));
     for (key, value) in &config.properties {
         // librdkafka's own name for linger.ms: set under that name, so the config never
         // holds both (which one wins would depend on the order they are applied in).
@@ -239,6 +349,23 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
             .set("sasl.password", password);
     }
     client
+}
+
+/// The least severe librdkafka log line worth passing on to a log that keeps `filter`.
+fn librdkafka_log_level(
+    filter: tracing::level_filters::LevelFilter,
+) -> rdkafka::config::RDKafkaLogLevel {
+    use rdkafka::config::RDKafkaLogLevel as L;
+    use tracing::level_filters::LevelFilter as F;
+    if filter >= F::DEBUG {
+        L::Debug
+    } else if filter >= F::INFO {
+        L::Info
+    } else if filter >= F::WARN {
+        L::Warning
+    } else {
+        L::Error
+    }
 }
 
 /// A producer of `client`'s settings that reports connection errors to `last_error`.
@@ -320,7 +447,7 @@ impl Broker for KafkaBroker {
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let partition = message.partition.or(after.partition);
-            let eager = match self.eager().await {
+            let eager = match self.eager.get(&self.last_error) {
                 Ok(eager) => eager,
                 // Its settings are the batching producer's, so this should not happen;
                 // if it does, the step waits for company (slower, same order).
@@ -329,7 +456,7 @@ impl Broker for KafkaBroker {
                     return self.send_batching(message, partition).await;
                 }
             };
-            match self.send(eager, message, partition).await {
+            match self.send(&eager, message, partition).await {
                 // This producer has not seen the partition yet (its metadata lags the
                 // other's); nothing was sent: the batching producer, which wrote the
                 // predecessor there, sends it.
@@ -338,17 +465,16 @@ impl Broker for KafkaBroker {
                 {
                     self.send_batching(message, partition).await
                 }
-                sent => sent.map_err(|err| classify(&err, eager, &self.last_error)),
+                sent => sent.map_err(|err| self.failed(&self.eager, &eager, &err)),
             }
         })
     }
 
     fn is_broken(&self) -> bool {
-        self.batching.client().fatal_error().is_some()
-            || self
-                .eager
-                .get()
-                .is_some_and(|eager| eager.client().fatal_error().is_some())
+        [&self.batching, &self.eager].iter().any(|slot| {
+            slot.existing()
+                .is_some_and(|p| p.client().fatal_error().is_some())
+        })
     }
 }
 
@@ -573,19 +699,78 @@ mod tests {
         assert_eq!(config.get("acks"), Some("all"));
     }
 
+    /// Settings of a relay whose broker is a closed local port: the clients fail to
+    /// connect at once, with no name to resolve.
+    fn unreachable(properties: &[(&str, &str)]) -> KafkaSettings {
+        KafkaSettings {
+            bootstrap_servers: "127.0.0.1:9".to_owned(),
+            ..settings(properties)
+        }
+    }
+
+    #[test]
+    fn librdkafka_logs_as_much_as_the_relays_log_keeps() {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        use tracing::level_filters::LevelFilter as F;
+        let level = |f| librdkafka_log_level(f) as i32;
+        assert_eq!(level(F::TRACE), L::Debug as i32);
+        assert_eq!(level(F::DEBUG), L::Debug as i32);
+        assert_eq!(level(F::INFO), L::Info as i32);
+        assert_eq!(level(F::WARN), L::Warning as i32);
+        assert_eq!(level(F::ERROR), L::Error as i32);
+        assert_eq!(level(F::OFF), L::Error as i32);
+    }
+
     #[tokio::test]
     async fn the_chain_steps_producer_comes_with_the_first_chain_step() {
-        // A closed local port: the clients fail to connect at once, with no name to
-        // resolve.
-        let config = KafkaSettings {
-            bootstrap_servers: "127.0.0.1:9".to_owned(),
-            ..settings(&[])
-        };
-        let broker = KafkaBroker::new(&config).expect("a producer");
+        let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
+        assert!(broker.batching.existing().is_some());
         // Chains of one message never need it, nor its connections.
-        assert!(broker.eager.get().is_none());
-        broker.eager().await.expect("made");
-        assert!(broker.eager.get().is_some());
+        assert!(broker.eager.existing().is_none());
+        broker.eager.get(&broker.last_error).expect("made");
+        assert!(broker.eager.existing().is_some());
+    }
+
+    fn message() -> Message {
+        Message {
+            destination: "orders".to_owned(),
+            key: Some("order-1".to_owned()),
+            id: "1".to_owned(),
+            headers: Vec::new(),
+            payload: Some(bytes::Bytes::from_static(b"{}")),
+            timestamp_ms: None,
+            partition: None,
+            content_type: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_producer_whose_message_timed_out_is_replaced_by_the_next_send() {
+        let broker =
+            KafkaBroker::new(&unreachable(&[("message.timeout.ms", "200")])).expect("a producer");
+        for (slot, next) in [(&broker.batching, false), (&broker.eager, true)] {
+            let before = slot.get(&broker.last_error).expect("made");
+            let sent = if next {
+                broker.publish_next(&message(), Delivered::default()).await
+            } else {
+                broker.publish(&message()).await
+            };
+            let err = sent.expect_err("nothing listens on port 9");
+            assert!(
+                !err.row_fault,
+                "an outage, retried without counting: {err:?}"
+            );
+            assert!(err.message.contains("timed out"), "{}", err.message);
+            let after = slot.get(&broker.last_error).expect("made again");
+            assert!(
+                !Arc::ptr_eq(&before, &after),
+                "the {} producer was kept after a timeout",
+                slot.name
+            );
+            // A send that fails late, on a producer already retired, leaves the new one.
+            assert!(!slot.retire(&before));
+            assert!(Arc::ptr_eq(&after, &slot.existing().expect("kept")));
+        }
     }
 
     #[test]

@@ -969,7 +969,11 @@ impl RelayProcess {
             .arg("--config")
             .arg(&config)
             .env("OUTBOX_DATABASE_URL", database_url)
-            .env("RUST_LOG", "info")
+            // OUTBOX_TEST_RELAY_LOG=debug (RUST_LOG syntax) for a failure's fuller story.
+            .env(
+                "RUST_LOG",
+                std::env::var("OUTBOX_TEST_RELAY_LOG").unwrap_or_else(|_| "info".to_owned()),
+            )
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(stderr);
