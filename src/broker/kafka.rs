@@ -33,9 +33,13 @@
 //! never asks again (confluentinc/librdkafka#5301, open): the relay would retry into it
 //! forever. So after a timeout the producer that timed out is retired, and the next
 //! send makes a fresh one from `bootstrap.servers`. Sends already under way finish on
-//! the old one, which is closed when the last of them is done. Order is unaffected, by
-//! the same rule as above; a retried message that the old producer did write arrives
-//! twice, as after any outage (at-least-once, with the row id as message id).
+//! the old one, which is closed when the last of them is done. First deliveries keep
+//! their order by the same rule as above. One thing differs from a retry on the same
+//! producer: a broker that stalled with the timed-out message in its buffer and writes
+//! it late is not stopped by a newer epoch of the same producer id, so that late copy
+//! can land after the message's successors, as copies do after a relay restart.
+//! Consumers that drop ids they have seen (at-least-once, the row id as message id)
+//! see each aggregate in order either way.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -64,7 +68,6 @@ pub struct KafkaBroker {
     batching: Slot,
     /// A chain's next message, sent alone: `linger.ms=0`; made on the first chain step.
     eager: Slot,
-    last_error: LastError,
 }
 
 impl KafkaBroker {
@@ -74,9 +77,8 @@ impl KafkaBroker {
         let broker = Self {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
-            last_error: LastError::default(),
         };
-        broker.batching.get(&broker.last_error)?;
+        broker.batching.get()?;
         Ok(broker)
     }
 
@@ -86,31 +88,10 @@ impl KafkaBroker {
         message: &Message,
         partition: Option<i32>,
     ) -> Result<Delivered, PublishError> {
-        let producer = self.batching.get(&self.last_error)?;
-        self.send(&producer, message, partition)
+        let producer = self.batching.get()?;
+        self.send(&producer.client, message, partition)
             .await
-            .map_err(|err| self.failed(&self.batching, &producer, &err))
-    }
-
-    /// Classifies a failed send through `used`, the producer `slot` gave; a message
-    /// that timed out retires that producer.
-    fn failed(
-        &self,
-        slot: &Slot,
-        used: &Arc<FutureProducer<Context>>,
-        err: &KafkaError,
-    ) -> PublishError {
-        let failure = classify(err, used, &self.last_error);
-        if err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) && slot.retire(used)
-        {
-            // The new producer's own connection errors explain its failures from now on.
-            self.last_error.clear();
-            tracing::warn!(
-                producer = slot.name,
-                "a message timed out: the next one goes through a new Kafka producer"
-            );
-        }
-        failure
+            .map_err(|err| failed(&self.batching, &producer, &err))
     }
 
     /// Produces `message` through `producer`, to `partition` when given (else where
@@ -155,6 +136,19 @@ impl KafkaBroker {
     }
 }
 
+/// Classifies a failed send through `used`, the producer `slot` gave; a message that
+/// timed out retires that producer.
+fn failed(slot: &Slot, used: &Arc<KafkaProducer>, err: &KafkaError) -> PublishError {
+    let failure = classify(err, used);
+    if err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) && slot.retire(used) {
+        tracing::warn!(
+            producer = slot.name,
+            "a message timed out: the next one goes through a new Kafka producer"
+        );
+    }
+    failure
+}
+
 /// librdkafka reports why it cannot reach a broker (TLS, SASL, DNS) only through the
 /// client's error callback, while a send just times out. This context logs each such
 /// error and keeps the last one, so a failed publish or `check` says why.
@@ -172,12 +166,13 @@ impl LastError {
     fn get(&self) -> Option<String> {
         self.0.lock().ok().and_then(|e| e.clone())
     }
+}
 
-    fn clear(&self) {
-        if let Ok(mut last) = self.0.lock() {
-            *last = None;
-        }
-    }
+/// A producer and the last connection error it reported (each its own: a retired
+/// producer's errors say nothing of its successor).
+struct KafkaProducer {
+    client: FutureProducer<Context>,
+    last_error: LastError,
 }
 
 /// One of the relay's two producers: made when first needed, and made again after
@@ -186,7 +181,7 @@ struct Slot {
     /// For the log.
     name: &'static str,
     config: ClientConfig,
-    current: Mutex<Option<Arc<FutureProducer<Context>>>>,
+    current: Mutex<Option<Arc<KafkaProducer>>>,
 }
 
 impl Slot {
@@ -199,18 +194,18 @@ impl Slot {
     }
 
     /// The current producer, made now if there is none.
-    fn get(&self, last_error: &LastError) -> Result<Arc<FutureProducer<Context>>, PublishError> {
+    fn get(&self) -> Result<Arc<KafkaProducer>, PublishError> {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(producer) = current.as_ref() {
             return Ok(producer.clone());
         }
-        let made = Arc::new(create(&self.config, last_error)?);
+        let made = Arc::new(create(&self.config)?);
         *current = Some(made.clone());
         Ok(made)
     }
 
     /// The current producer, if one was made.
-    fn existing(&self) -> Option<Arc<FutureProducer<Context>>> {
+    fn existing(&self) -> Option<Arc<KafkaProducer>> {
         self.current
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -220,7 +215,7 @@ impl Slot {
     /// Retires `used` if it is still the current producer (of the many sends that fail
     /// together, the first retires it); the next [`Slot::get`] makes a new one. Returns
     /// whether it did.
-    fn retire(&self, used: &Arc<FutureProducer<Context>>) -> bool {
+    fn retire(&self, used: &Arc<KafkaProducer>) -> bool {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         match current.take() {
             Some(retired) if Arc::ptr_eq(&retired, used) => {
@@ -238,7 +233,7 @@ impl Slot {
 /// Closes a retired producer once the sends still using it are done (they hold the
 /// other references, and no new one can be taken), off the async threads: closing
 /// purges its queue and joins its threads, which blocks for up to half a second.
-fn close_when_unused(producer: Arc<FutureProducer<Context>>) {
+fn close_when_unused(producer: Arc<KafkaProducer>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
@@ -295,12 +290,6 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         // consumers migrating from them keep each aggregate on one partition, in order.
         // librdkafka's own default (CRC32) would not.
         .set("partitioner", "murmur2_random");
-    // rust-rdkafka takes the client's log level from the `log` crate, which the relay
-    // does not use (it logs through `tracing`): left alone, librdkafka's warnings, and
-    // the output of a `debug` property, would be dropped.
-    client.set_log_level(librdkafka_log_level(
-        tracing::level_filters::LevelFilter::current(),
-    ));
     for (key, value) in &config.properties {
         // librdkafka's own name for linger.ms: set under that name, so the config never
         // holds both (which one wins would depend on the order they are applied in).
@@ -351,33 +340,20 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
     client
 }
 
-/// The least severe librdkafka log line worth passing on to a log that keeps `filter`.
-fn librdkafka_log_level(
-    filter: tracing::level_filters::LevelFilter,
-) -> rdkafka::config::RDKafkaLogLevel {
-    use rdkafka::config::RDKafkaLogLevel as L;
-    use tracing::level_filters::LevelFilter as F;
-    if filter >= F::DEBUG {
-        L::Debug
-    } else if filter >= F::INFO {
-        L::Info
-    } else if filter >= F::WARN {
-        L::Warning
-    } else {
-        L::Error
-    }
-}
-
-/// A producer of `client`'s settings that reports connection errors to `last_error`.
-fn create(
-    client: &ClientConfig,
-    last_error: &LastError,
-) -> Result<FutureProducer<Context>, PublishError> {
-    client
+/// A producer of `client`'s settings that keeps its last connection error.
+fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
+    let last_error = LastError::default();
+    let producer = client
         .create_with_context(Context {
             last_error: last_error.clone(),
         })
-        .map_err(|err| PublishError::transient(format!("cannot create the Kafka producer: {err}")))
+        .map_err(|err| {
+            PublishError::transient(format!("cannot create the Kafka producer: {err}"))
+        })?;
+    Ok(KafkaProducer {
+        client: producer,
+        last_error,
+    })
 }
 
 /// The settings of the producer that sends a chain's next message: the relay's, with
@@ -408,18 +384,16 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
     )
 }
 
-fn classify(
-    err: &KafkaError,
-    producer: &FutureProducer<Context>,
-    last_error: &LastError,
-) -> PublishError {
-    let text = match last_error.get() {
+fn classify(err: &KafkaError, producer: &KafkaProducer) -> PublishError {
+    let text = match producer.last_error.get() {
         Some(cause) => format!("Kafka: {err} (last client error: {cause})"),
         None => format!("Kafka: {err}"),
     };
-    if let Some((code, reason)) = producer.client().fatal_error() {
+    if let Some((code, reason)) = producer.client.client().fatal_error() {
         // A fatal idempotence error poisons the producer; the relay sees `is_broken`,
-        // exits and is restarted with a new one. Nothing was marked, so nothing is lost.
+        // exits and is restarted with a new one (unless a timeout retired the producer
+        // first: then the next send makes a new one). Nothing was marked, so nothing is
+        // lost.
         return PublishError::transient(format!("Kafka producer fatal error {code:?}: {reason}"));
     }
     match err.rdkafka_error_code() {
@@ -447,7 +421,7 @@ impl Broker for KafkaBroker {
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let partition = message.partition.or(after.partition);
-            let eager = match self.eager.get(&self.last_error) {
+            let eager = match self.eager.get() {
                 Ok(eager) => eager,
                 // Its settings are the batching producer's, so this should not happen;
                 // if it does, the step waits for company (slower, same order).
@@ -456,7 +430,7 @@ impl Broker for KafkaBroker {
                     return self.send_batching(message, partition).await;
                 }
             };
-            match self.send(&eager, message, partition).await {
+            match self.send(&eager.client, message, partition).await {
                 // This producer has not seen the partition yet (its metadata lags the
                 // other's); nothing was sent: the batching producer, which wrote the
                 // predecessor there, sends it.
@@ -465,7 +439,7 @@ impl Broker for KafkaBroker {
                 {
                     self.send_batching(message, partition).await
                 }
-                sent => sent.map_err(|err| self.failed(&self.eager, &eager, &err)),
+                sent => sent.map_err(|err| failed(&self.eager, &eager, &err)),
             }
         })
     }
@@ -473,7 +447,7 @@ impl Broker for KafkaBroker {
     fn is_broken(&self) -> bool {
         [&self.batching, &self.eager].iter().any(|slot| {
             slot.existing()
-                .is_some_and(|p| p.client().fatal_error().is_some())
+                .is_some_and(|p| p.client.client().fatal_error().is_some())
         })
     }
 }
@@ -708,36 +682,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn librdkafka_logs_as_much_as_the_relays_log_keeps() {
-        use rdkafka::config::RDKafkaLogLevel as L;
-        use tracing::level_filters::LevelFilter as F;
-        let level = |f| librdkafka_log_level(f) as i32;
-        assert_eq!(level(F::TRACE), L::Debug as i32);
-        assert_eq!(level(F::DEBUG), L::Debug as i32);
-        assert_eq!(level(F::INFO), L::Info as i32);
-        assert_eq!(level(F::WARN), L::Warning as i32);
-        assert_eq!(level(F::ERROR), L::Error as i32);
-        assert_eq!(level(F::OFF), L::Error as i32);
-    }
-
     #[tokio::test]
     async fn the_chain_steps_producer_comes_with_the_first_chain_step() {
         let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
         assert!(broker.batching.existing().is_some());
         // Chains of one message never need it, nor its connections.
         assert!(broker.eager.existing().is_none());
-        broker.eager.get(&broker.last_error).expect("made");
+        broker.eager.get().expect("made");
         assert!(broker.eager.existing().is_some());
     }
 
-    fn message() -> Message {
+    fn message(payload: &'static [u8]) -> Message {
         Message {
             destination: "orders".to_owned(),
             key: Some("order-1".to_owned()),
             id: "1".to_owned(),
             headers: Vec::new(),
-            payload: Some(bytes::Bytes::from_static(b"{}")),
+            payload: Some(bytes::Bytes::from_static(payload)),
             timestamp_ms: None,
             partition: None,
             content_type: None,
@@ -746,22 +707,36 @@ mod tests {
 
     #[tokio::test]
     async fn a_producer_whose_message_timed_out_is_replaced_by_the_next_send() {
-        let broker =
-            KafkaBroker::new(&unreachable(&[("message.timeout.ms", "200")])).expect("a producer");
+        let broker = KafkaBroker::new(&unreachable(&[
+            ("message.timeout.ms", "200"),
+            ("message.max.bytes", "1000"),
+        ]))
+        .expect("a producer");
+        let broker = &broker;
         for (slot, next) in [(&broker.batching, false), (&broker.eager, true)] {
-            let before = slot.get(&broker.last_error).expect("made");
-            let sent = if next {
-                broker.publish_next(&message(), Delivered::default()).await
-            } else {
-                broker.publish(&message()).await
+            let send = |payload| {
+                let message = message(payload);
+                async move {
+                    if next {
+                        broker.publish_next(&message, Delivered::default()).await
+                    } else {
+                        broker.publish(&message).await
+                    }
+                }
             };
-            let err = sent.expect_err("nothing listens on port 9");
+            let before = slot.get().expect("made");
+            // Refused at once (larger than message.max.bytes): the producer is fine.
+            let err = send(&[b'x'; 2000]).await.expect_err("too large");
+            assert!(err.row_fault, "{err:?}");
+            assert!(Arc::ptr_eq(&before, &slot.get().expect("kept")));
+
+            let err = send(b"{}").await.expect_err("nothing listens on port 9");
             assert!(
                 !err.row_fault,
                 "an outage, retried without counting: {err:?}"
             );
             assert!(err.message.contains("timed out"), "{}", err.message);
-            let after = slot.get(&broker.last_error).expect("made again");
+            let after = slot.get().expect("made again");
             assert!(
                 !Arc::ptr_eq(&before, &after),
                 "the {} producer was kept after a timeout",
@@ -770,6 +745,18 @@ mod tests {
             // A send that fails late, on a producer already retired, leaves the new one.
             assert!(!slot.retire(&before));
             assert!(Arc::ptr_eq(&after, &slot.existing().expect("kept")));
+            // The retired producer is closed once nothing uses it.
+            let retired = Arc::downgrade(&before);
+            drop(before);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while retired.upgrade().is_some() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the retired {} producer is still open",
+                    slot.name
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     }
 
