@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 
 use super::database::{self, Cleanup};
 use super::status::{CONDITION_READY, Cond, differs, find, merge};
+use super::triggers::ChildKey;
 use super::{Context, Error, FINALIZER};
 use super::{decide, observe, protect};
 use crate::api::{FallbackStatus, OutboxRelay, OutboxRelayStatus, SlotStatus};
@@ -39,6 +40,9 @@ const CLEANUP_POLL: Duration = Duration::from_secs(2);
 /// How soon a switch from polling to log tailing looks again whether the polling relay
 /// has published what the new slot cannot stream.
 const HANDOVER_POLL: Duration = Duration::from_secs(2);
+/// How soon a relay is reconciled again after someone else changed one of its children
+/// while it was being applied.
+const LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 /// The controller's reconcile function: everything runs inside the finalizer helper.
 pub(super) async fn reconcile(relay: Arc<OutboxRelay>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -380,10 +384,11 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             .as_ref()
             .is_some_and(|s| s.handover_snapshot.is_some())
         && observed.as_ref().is_some_and(|o| o.children.runs_polling);
+    let mut others_meanwhile = false;
     if decision.apply_children
         && let (Some(desired), Some(observed)) = (&built, &observed)
     {
-        apply_if_changed(relay, ctx, desired, observed).await?;
+        others_meanwhile = apply_if_changed(relay, ctx, desired, observed).await?;
         if handing_over {
             ctx.publish(
                 relay,
@@ -409,6 +414,13 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         "status updated"
     );
     protect::release(relay, &no_longer, ctx).await?;
+    if others_meanwhile {
+        // Someone else changed a child while this pass applied it (kube-controller-
+        // manager writing a Deployment's status, say): the event that would have
+        // reconciled the relay was taken for this pass's own, so look again now.
+        debug!("a child changed while it was applied; looking again");
+        return Ok(Action::requeue(LOOK_AGAIN));
+    }
     Ok(match decision.next {
         decide::Next::AwaitChange => Action::await_change(),
         decide::Next::SecretRetry => Action::requeue(SECRET_RETRY),
@@ -428,6 +440,8 @@ pub(super) struct Applied {
     service_version: Option<String>,
     /// When.
     at: Instant,
+    /// Someone else changed a child while it was applied (see `Echoes::wrote`).
+    others_meanwhile: bool,
 }
 
 /// A hash of the desired children as they would be sent.
@@ -458,7 +472,7 @@ async fn apply_if_changed(
     ctx: &Context,
     desired: &Desired,
     observed: &observe::Observed,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
     let monitoring = observed.monitoring;
     let fingerprint = fingerprint(desired, monitoring);
@@ -490,7 +504,7 @@ async fn apply_if_changed(
             (same && !expired, expired)
         });
     if up_to_date {
-        return Ok(());
+        return Ok(false);
     }
     let before_children = Instant::now();
     let applied = apply_children(
@@ -507,11 +521,12 @@ async fn apply_if_changed(
         children_ms = before_children.elapsed().as_millis(),
         "children applied"
     );
+    let others_meanwhile = applied.others_meanwhile;
     ctx.applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .insert(uid, applied);
-    Ok(())
+    Ok(others_meanwhile)
 }
 
 /// Applies every desired child (whose hash is `fingerprint`) that is not already in
@@ -546,6 +561,7 @@ async fn apply_children(
         config_map_version: None,
         service_version: None,
         at: Instant::now(),
+        others_meanwhile: false,
     };
     for kind in ChildKind::ALL {
         if kind.needs_monitoring_crds() && !monitoring {
@@ -568,42 +584,22 @@ async fn apply_children(
                 _ if seen.deployment.is_none() => None,
                 _ => api.get_opt(&object.name_any()).await?,
             };
+            let key = ChildKey::of_dynamic(&object);
             let result = match current {
                 Some(current) if in_place(&object, &current) => current,
-                _ => match ssa(&api, &object, ctx).await {
-                    Err(Error::Kube(kube::Error::Api(status)))
-                        if kind == ChildKind::Service
-                            && status.is_invalid()
-                            && status.message.contains("clusterIP") =>
-                    {
-                        // A Service of this relay made before it was headless keeps its
-                        // cluster IP, which cannot be taken away: made again (only
-                        // scrapers look at it, through its endpoints). Only the relay's
-                        // own, exactly as seen; anything else keeps failing the apply.
-                        let Some(seen) = seen
-                            .service
-                            .as_ref()
-                            .filter(|s| owned_by(&s.metadata, &uid))
-                        else {
-                            return Err(Error::Kube(kube::Error::Api(status)));
-                        };
-                        info!(child = %object.name_any(), reason = %status.message, "making the relay's Service again: its cluster IP cannot be removed");
-                        ctx.metrics.wrote();
-                        let only_as_seen = DeleteParams {
-                            preconditions: Some(kube::api::Preconditions {
-                                uid: seen.metadata.uid.clone(),
-                                resource_version: seen.metadata.resource_version.clone(),
-                            }),
-                            ..DeleteParams::background()
-                        };
-                        api.delete(&object.name_any(), &only_as_seen).await?;
-                        ssa(&api, &object, ctx).await?
+                _ => {
+                    if kind.watched() {
+                        ctx.echoes.applying(&key);
                     }
-                    other => other?,
-                },
+                    let outcome = apply_child(&api, &object, kind, seen, &uid, ctx).await;
+                    if outcome.is_err() {
+                        ctx.echoes.abandon(&key);
+                    }
+                    outcome?
+                }
             };
-            if kind.watched() {
-                ctx.echoes.wrote(&result);
+            if kind.watched() && ctx.echoes.wrote(&key, &result) {
+                applied.others_meanwhile = true;
             }
             match kind {
                 ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
@@ -624,6 +620,45 @@ async fn apply_children(
     }
     applied.at = Instant::now();
     Ok(applied)
+}
+
+/// Applies one child; a Service made before relays' Services were headless is made
+/// again (its cluster IP cannot be removed).
+async fn apply_child(
+    api: &Api<DynamicObject>,
+    object: &DynamicObject,
+    kind: ChildKind,
+    seen: &observe::ChildrenSeen,
+    uid: &str,
+    ctx: &Context,
+) -> Result<DynamicObject, Error> {
+    match ssa(api, object, ctx).await {
+        Err(Error::Kube(kube::Error::Api(status)))
+            if kind == ChildKind::Service
+                && status.is_invalid()
+                && status.message.contains("clusterIP") =>
+        {
+            // A Service of this relay made before it was headless keeps its
+            // cluster IP, which cannot be taken away: made again (only
+            // scrapers look at it, through its endpoints). Only the relay's
+            // own, exactly as seen; anything else keeps failing the apply.
+            let Some(seen) = seen.service.as_ref().filter(|s| owned_by(&s.metadata, uid)) else {
+                return Err(Error::Kube(kube::Error::Api(status)));
+            };
+            info!(child = %object.name_any(), reason = %status.message, "making the relay's Service again: its cluster IP cannot be removed");
+            ctx.metrics.wrote();
+            let only_as_seen = DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: seen.metadata.uid.clone(),
+                    resource_version: seen.metadata.resource_version.clone(),
+                }),
+                ..DeleteParams::background()
+            };
+            api.delete(&object.name_any(), &only_as_seen).await?;
+            ssa(api, object, ctx).await
+        }
+        other => other,
+    }
 }
 
 /// A typed object as a [`DynamicObject`], for comparing with what would be applied.

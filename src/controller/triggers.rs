@@ -51,34 +51,117 @@ pub(super) fn relay_trigger(relay: &OutboxRelay) -> Option<u64> {
     Some(hasher.finish())
 }
 
+/// The controller's own writes of children, to tell their watch events from others'.
+///
 /// The resource version each child had right after the controller's own apply, by
-/// uid: a watch event carrying exactly that version is the echo of that apply.
+/// uid: a watch event carrying exactly that version is the echo of that apply. The
+/// event may also come in before the apply's answer is read: while a child is being
+/// applied, its events are held back (their versions noted), and once the answer is
+/// in, a noted version other than the apply's means someone else changed the child
+/// meanwhile, which the reconcile that applied it looks at again (see
+/// [`Echoes::wrote`]).
 #[derive(Default)]
-pub(super) struct Echoes(Mutex<HashMap<String, String>>);
+pub(super) struct Echoes(Mutex<Book>);
+
+#[derive(Default)]
+struct Book {
+    /// The version the last apply returned, by uid.
+    wrote: HashMap<String, String>,
+    /// The children being applied now, with the versions their events carried meanwhile.
+    applying: HashMap<ChildKey, Vec<String>>,
+}
+
+/// A child by kind, namespace and name: known before the child is first made, when its
+/// uid is not.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) struct ChildKey {
+    kind: String,
+    namespace: Option<String>,
+    name: Option<String>,
+}
+
+impl ChildKey {
+    /// The key of a child about to be applied.
+    pub(super) fn of_dynamic(object: &kube::api::DynamicObject) -> Self {
+        Self {
+            kind: object
+                .types
+                .as_ref()
+                .map(|t| t.kind.clone())
+                .unwrap_or_default(),
+            namespace: object.metadata.namespace.clone(),
+            name: object.metadata.name.clone(),
+        }
+    }
+
+    /// The key of a child a watch reported.
+    fn of<K: Resource<DynamicType = ()>>(object: &K) -> Self {
+        Self {
+            kind: K::kind(&()).into_owned(),
+            namespace: object.meta().namespace.clone(),
+            name: object.meta().name.clone(),
+        }
+    }
+}
 
 impl Echoes {
-    /// Records what the controller's apply of `object` returned.
-    pub(super) fn wrote<K: Resource>(&self, object: &K) {
+    fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The controller is about to apply child `key`: its events wait for the answer.
+    pub(super) fn applying(&self, key: &ChildKey) {
+        self.book().applying.insert(key.clone(), Vec::new());
+    }
+
+    /// The apply of `key` failed: its events are judged as usual again (the reconcile
+    /// fails and is retried, so those held back meanwhile are not lost).
+    pub(super) fn abandon(&self, key: &ChildKey) {
+        self.book().applying.remove(key);
+    }
+
+    /// Records what the controller's apply of child `key` returned (or the version it
+    /// found in place). Returns whether an event of another version came in while it
+    /// was applied: someone else changed the child meanwhile, and the caller must look
+    /// again, since that event triggered nothing.
+    pub(super) fn wrote<K: Resource>(&self, key: &ChildKey, object: &K) -> bool {
         let meta = object.meta();
-        if let (Some(uid), Some(version), Ok(mut book)) =
-            (&meta.uid, &meta.resource_version, self.0.lock())
-        {
-            book.insert(uid.clone(), version.clone());
+        let mut book = self.book();
+        let held = book.applying.remove(key).unwrap_or_default();
+        if let (Some(uid), Some(version)) = (&meta.uid, &meta.resource_version) {
+            book.wrote.insert(uid.clone(), version.clone());
         }
+        held.iter()
+            .any(|seen| Some(seen) != meta.resource_version.as_ref())
     }
 
     /// Whether `object` is as the controller's last apply left it.
     fn is_echo<K: Resource>(&self, object: &K) -> bool {
         let meta = object.meta();
-        match (&meta.uid, &meta.resource_version, self.0.lock()) {
-            (Some(uid), Some(version), Ok(book)) => book.get(uid) == Some(version),
+        match (&meta.uid, &meta.resource_version) {
+            (Some(uid), Some(version)) => self.book().wrote.get(uid) == Some(version),
             _ => false,
         }
     }
 
+    /// Whether `object` is being applied now; if so, its version is noted for
+    /// [`Echoes::wrote`].
+    fn hold<K: Resource<DynamicType = ()>>(&self, object: &K) -> bool {
+        let mut book = self.book();
+        match book.applying.get_mut(&ChildKey::of(object)) {
+            Some(held) => {
+                held.extend(object.meta().resource_version.clone());
+                true
+            }
+            None => false,
+        }
+    }
+
     fn forget<K: Resource>(&self, object: &K) {
-        if let (Some(uid), Ok(mut book)) = (&object.meta().uid, self.0.lock()) {
-            book.remove(uid);
+        if let Some(uid) = &object.meta().uid {
+            self.book().wrote.remove(uid);
         }
     }
 }
@@ -94,7 +177,7 @@ enum Verdict {
 /// watch's first listing ended: the relays' own listing reconciles every relay then,
 /// so the children listed alongside add nothing. Later listings (after the watch lost
 /// its place) pass through the echo check like any change.
-fn verdict<K: Resource>(
+fn verdict<K: Resource<DynamicType = ()>>(
     event: &watcher::Event<K>,
     first_listing: &mut bool,
     echoes: &Echoes,
@@ -107,7 +190,7 @@ fn verdict<K: Resource>(
         }
         watcher::Event::InitApply(_) if *first_listing => Verdict::Skip,
         watcher::Event::InitApply(object) | watcher::Event::Apply(object) => {
-            if echoes.is_echo(object) {
+            if echoes.is_echo(object) || echoes.hold(object) {
                 Verdict::Skip
             } else {
                 Verdict::Trigger
@@ -127,7 +210,13 @@ pub(super) fn child_triggers<K>(
     echoes: Arc<Echoes>,
 ) -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static
 where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
 {
     let mut first_listing = true;
     watch_stream(api, config)
@@ -297,7 +386,7 @@ mod tests {
         assert!(!first);
 
         // The controller applied version 7: its echo is skipped, a later version is not.
-        echoes.wrote(&config_map("u1", "7"));
+        assert!(!echoes.wrote(&key(), &config_map("u1", "7")));
         assert_eq!(
             verdict(
                 &watcher::Event::Apply(config_map("u1", "7")),
@@ -346,6 +435,50 @@ mod tests {
                 &mut first,
                 &echoes
             ),
+            Verdict::Trigger
+        );
+    }
+
+    fn key() -> ChildKey {
+        ChildKey {
+            kind: "ConfigMap".into(),
+            namespace: None,
+            name: Some("c".into()),
+        }
+    }
+
+    #[test]
+    fn events_that_overtake_the_apply_are_held_until_its_answer() {
+        let echoes = Echoes::default();
+        let mut first = false;
+        let apply = |version: &str| watcher::Event::Apply(config_map("u1", version));
+        // Its own echo before the answer: held, and nothing to look at again.
+        echoes.applying(&key());
+        assert_eq!(verdict(&apply("7"), &mut first, &echoes), Verdict::Skip);
+        assert!(!echoes.wrote(&key(), &config_map("u1", "7")));
+        assert_eq!(verdict(&apply("7"), &mut first, &echoes), Verdict::Skip);
+        // Someone else's change while the controller applied: held, then reported.
+        echoes.applying(&key());
+        assert_eq!(verdict(&apply("8"), &mut first, &echoes), Verdict::Skip);
+        assert_eq!(verdict(&apply("9"), &mut first, &echoes), Verdict::Skip);
+        assert!(echoes.wrote(&key(), &config_map("u1", "9")));
+        // Afterwards, events are judged as usual.
+        assert_eq!(verdict(&apply("10"), &mut first, &echoes), Verdict::Trigger);
+        // A failed apply holds nothing back any more.
+        echoes.applying(&key());
+        echoes.abandon(&key());
+        assert_eq!(verdict(&apply("11"), &mut first, &echoes), Verdict::Trigger);
+        // Another child is not held by this one's apply.
+        echoes.applying(&key());
+        let other = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some("d".into()),
+                ..config_map("u2", "3").metadata
+            },
+            ..ConfigMap::default()
+        };
+        assert_eq!(
+            verdict(&watcher::Event::Apply(other), &mut first, &echoes),
             Verdict::Trigger
         );
     }

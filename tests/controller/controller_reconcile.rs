@@ -526,9 +526,10 @@ async fn a_settled_relay_reconciles_for_others_changes_not_for_its_own_writes() 
         proven,
         "the children's status kept changing: no quiet window to try a status-only change in"
     );
-    let settled = running.metrics.reconciles_total();
 
     // Someone edits a field of the ConfigMap the operator owns: reconciled and repaired.
+    let settled = quiet(&running.metrics, &foreign).await;
+    let others = foreign.count();
     let cm = config_maps.get("orders-relay-config").await.unwrap();
     let (key, value) = cm
         .data
@@ -559,6 +560,15 @@ async fn a_settled_relay_reconciles_for_others_changes_not_for_its_own_writes() 
         running.metrics.reconciles_total() > settled
     })
     .await;
+    // One reconcile for the edit; the repair's own write (its echo) adds none.
+    let after = quiet(&running.metrics, &foreign).await;
+    let others = foreign.count() - others;
+    assert!(
+        after - settled <= 1 + others,
+        "one edit took {} reconciles for {others} status changes of the children \
+         meanwhile (the repair's own write reconciled the relay again?)",
+        after - settled
+    );
 
     delete_relays(&client, &ns).await;
     running.stop().await;
