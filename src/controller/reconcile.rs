@@ -584,21 +584,17 @@ async fn apply_children(
                 _ if seen.deployment.is_none() => None,
                 _ => api.get_opt(&object.name_any()).await?,
             };
-            let key = ChildKey::of_dynamic(&object);
+            // Held from before the apply, so that its echo is known even if it comes
+            // before the answer; on failure the hold is dropped unanswered.
+            let applying = kind.watched().then(|| {
+                ctx.echoes
+                    .applying(ChildKey::to_apply(kind, &namespace, &object))
+            });
             let result = match current {
                 Some(current) if in_place(&object, &current) => current,
-                _ => {
-                    if kind.watched() {
-                        ctx.echoes.applying(&key);
-                    }
-                    let outcome = apply_child(&api, &object, kind, seen, &uid, ctx).await;
-                    if outcome.is_err() {
-                        ctx.echoes.abandon(&key);
-                    }
-                    outcome?
-                }
+                _ => apply_child(&api, &object, kind, seen, &uid, ctx).await?,
             };
-            if kind.watched() && ctx.echoes.wrote(&key, &result) {
+            if applying.is_some_and(|a| a.wrote(&result)) {
                 applied.others_meanwhile = true;
             }
             match kind {

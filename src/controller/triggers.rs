@@ -25,6 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher as watch_stream};
 use serde::de::DeserializeOwned;
 
 use crate::api::OutboxRelay;
+use crate::resources::ChildKind;
 
 /// The properties of an OutboxRelay whose change calls for a reconcile: the spec (by
 /// its generation), labels, annotations, whether deletion started, and the state a
@@ -81,15 +82,15 @@ pub(super) struct ChildKey {
 }
 
 impl ChildKey {
-    /// The key of a child about to be applied.
-    pub(super) fn of_dynamic(object: &kube::api::DynamicObject) -> Self {
+    /// The key of a child of `kind` about to be applied in `namespace`.
+    pub(super) fn to_apply(
+        kind: ChildKind,
+        namespace: &str,
+        object: &kube::api::DynamicObject,
+    ) -> Self {
         Self {
-            kind: object
-                .types
-                .as_ref()
-                .map(|t| t.kind.clone())
-                .unwrap_or_default(),
-            namespace: object.metadata.namespace.clone(),
+            kind: kind.api_resource().kind,
+            namespace: Some(namespace.to_owned()),
             name: object.metadata.name.clone(),
         }
     }
@@ -104,6 +105,28 @@ impl ChildKey {
     }
 }
 
+/// A child being applied: its events are held back until [`Applying::wrote`], or
+/// judged as usual again when this is dropped first (the apply failed or was
+/// abandoned: the reconcile is retried and reads the child afresh, so the events held
+/// back meanwhile are not lost).
+pub(super) struct Applying<'a> {
+    echoes: &'a Echoes,
+    key: ChildKey,
+}
+
+impl Applying<'_> {
+    /// Records what the apply returned; see [`Echoes::wrote`].
+    pub(super) fn wrote<K: Resource>(self, object: &K) -> bool {
+        self.echoes.wrote(&self.key, object)
+    }
+}
+
+impl Drop for Applying<'_> {
+    fn drop(&mut self) {
+        self.echoes.book().applying.remove(&self.key);
+    }
+}
+
 impl Echoes {
     fn book(&self) -> std::sync::MutexGuard<'_, Book> {
         self.0
@@ -112,21 +135,16 @@ impl Echoes {
     }
 
     /// The controller is about to apply child `key`: its events wait for the answer.
-    pub(super) fn applying(&self, key: &ChildKey) {
+    pub(super) fn applying(&self, key: ChildKey) -> Applying<'_> {
         self.book().applying.insert(key.clone(), Vec::new());
-    }
-
-    /// The apply of `key` failed: its events are judged as usual again (the reconcile
-    /// fails and is retried, so those held back meanwhile are not lost).
-    pub(super) fn abandon(&self, key: &ChildKey) {
-        self.book().applying.remove(key);
+        Applying { echoes: self, key }
     }
 
     /// Records what the controller's apply of child `key` returned (or the version it
     /// found in place). Returns whether an event of another version came in while it
     /// was applied: someone else changed the child meanwhile, and the caller must look
     /// again, since that event triggered nothing.
-    pub(super) fn wrote<K: Resource>(&self, key: &ChildKey, object: &K) -> bool {
+    fn wrote<K: Resource>(&self, key: &ChildKey, object: &K) -> bool {
         let meta = object.meta();
         let mut book = self.book();
         let held = book.applying.remove(key).unwrap_or_default();
@@ -137,22 +155,20 @@ impl Echoes {
             .any(|seen| Some(seen) != meta.resource_version.as_ref())
     }
 
-    /// Whether `object` is as the controller's last apply left it.
-    fn is_echo<K: Resource>(&self, object: &K) -> bool {
+    /// Whether `object` is as the controller's last apply left it, or is being applied
+    /// now (then its version is noted for [`Echoes::wrote`]). One look at the book, so
+    /// an answer recorded in between cannot slip past both checks.
+    fn is_own<K: Resource<DynamicType = ()>>(&self, object: &K) -> bool {
         let meta = object.meta();
-        match (&meta.uid, &meta.resource_version) {
-            (Some(uid), Some(version)) => self.book().wrote.get(uid) == Some(version),
-            _ => false,
-        }
-    }
-
-    /// Whether `object` is being applied now; if so, its version is noted for
-    /// [`Echoes::wrote`].
-    fn hold<K: Resource<DynamicType = ()>>(&self, object: &K) -> bool {
         let mut book = self.book();
+        if let (Some(uid), Some(version)) = (&meta.uid, &meta.resource_version)
+            && book.wrote.get(uid) == Some(version)
+        {
+            return true;
+        }
         match book.applying.get_mut(&ChildKey::of(object)) {
             Some(held) => {
-                held.extend(object.meta().resource_version.clone());
+                held.extend(meta.resource_version.clone());
                 true
             }
             None => false,
@@ -190,7 +206,7 @@ fn verdict<K: Resource<DynamicType = ()>>(
         }
         watcher::Event::InitApply(_) if *first_listing => Verdict::Skip,
         watcher::Event::InitApply(object) | watcher::Event::Apply(object) => {
-            if echoes.is_echo(object) || echoes.hold(object) {
+            if echoes.is_own(object) {
                 Verdict::Skip
             } else {
                 Verdict::Trigger
@@ -386,7 +402,7 @@ mod tests {
         assert!(!first);
 
         // The controller applied version 7: its echo is skipped, a later version is not.
-        assert!(!echoes.wrote(&key(), &config_map("u1", "7")));
+        assert!(!echoes.applying(key()).wrote(&config_map("u1", "7")));
         assert_eq!(
             verdict(
                 &watcher::Event::Apply(config_map("u1", "7")),
@@ -447,29 +463,61 @@ mod tests {
         }
     }
 
+    /// The key an apply holds is the key its watch events carry, for every watched kind.
+    #[test]
+    fn a_child_is_held_under_the_key_its_events_carry() {
+        use k8s_openapi::api::apps::v1::Deployment;
+        use k8s_openapi::api::core::v1::Service;
+        use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+        fn event_key<K: Resource<DynamicType = ()> + Default>() -> ChildKey {
+            let mut object = K::default();
+            object.meta_mut().namespace = Some("shop".into());
+            object.meta_mut().name = Some("orders-relay".into());
+            ChildKey::of(&object)
+        }
+        let named: kube::api::DynamicObject =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "orders-relay"}}))
+                .unwrap();
+        let expected = [
+            event_key::<ConfigMap>(),
+            event_key::<Deployment>(),
+            event_key::<Service>(),
+            event_key::<PodDisruptionBudget>(),
+        ];
+        let watched: Vec<ChildKind> = ChildKind::ALL.into_iter().filter(|k| k.watched()).collect();
+        assert_eq!(
+            watched.len(),
+            expected.len(),
+            "a watched kind left unchecked"
+        );
+        for kind in watched {
+            let key = ChildKey::to_apply(kind, "shop", &named);
+            assert!(expected.contains(&key), "{kind:?}: {key:?}");
+        }
+    }
+
     #[test]
     fn events_that_overtake_the_apply_are_held_until_its_answer() {
         let echoes = Echoes::default();
         let mut first = false;
         let apply = |version: &str| watcher::Event::Apply(config_map("u1", version));
         // Its own echo before the answer: held, and nothing to look at again.
-        echoes.applying(&key());
+        let applying = echoes.applying(key());
         assert_eq!(verdict(&apply("7"), &mut first, &echoes), Verdict::Skip);
-        assert!(!echoes.wrote(&key(), &config_map("u1", "7")));
+        assert!(!applying.wrote(&config_map("u1", "7")));
         assert_eq!(verdict(&apply("7"), &mut first, &echoes), Verdict::Skip);
         // Someone else's change while the controller applied: held, then reported.
-        echoes.applying(&key());
+        let applying = echoes.applying(key());
         assert_eq!(verdict(&apply("8"), &mut first, &echoes), Verdict::Skip);
         assert_eq!(verdict(&apply("9"), &mut first, &echoes), Verdict::Skip);
-        assert!(echoes.wrote(&key(), &config_map("u1", "9")));
+        assert!(applying.wrote(&config_map("u1", "9")));
         // Afterwards, events are judged as usual.
         assert_eq!(verdict(&apply("10"), &mut first, &echoes), Verdict::Trigger);
-        // A failed apply holds nothing back any more.
-        echoes.applying(&key());
-        echoes.abandon(&key());
+        // A failed apply (the hold dropped unanswered) holds nothing back any more.
+        drop(echoes.applying(key()));
         assert_eq!(verdict(&apply("11"), &mut first, &echoes), Verdict::Trigger);
         // Another child is not held by this one's apply.
-        echoes.applying(&key());
+        let _applying = echoes.applying(key());
         let other = ConfigMap {
             metadata: ObjectMeta {
                 name: Some("d".into()),
