@@ -440,8 +440,6 @@ pub(super) struct Applied {
     service_version: Option<String>,
     /// When.
     at: Instant,
-    /// Someone else changed a child while it was applied (see `Echoes::wrote`).
-    others_meanwhile: bool,
 }
 
 /// A hash of the desired children as they would be sent.
@@ -507,7 +505,7 @@ async fn apply_if_changed(
         return Ok(false);
     }
     let before_children = Instant::now();
-    let applied = apply_children(
+    let (applied, others_meanwhile) = apply_children(
         relay,
         ctx,
         desired,
@@ -521,7 +519,6 @@ async fn apply_if_changed(
         children_ms = before_children.elapsed().as_millis(),
         "children applied"
     );
-    let others_meanwhile = applied.others_meanwhile;
     ctx.applied
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -531,7 +528,8 @@ async fn apply_if_changed(
 
 /// Applies every desired child (whose hash is `fingerprint`) that is not already in
 /// place, kind by kind in the catalogue's order, deletes the children no longer built,
-/// and returns the versions the apply left. The Prometheus Operator's kinds are
+/// and returns the versions the apply left, and whether someone else changed a child
+/// while it was applied. The Prometheus Operator's kinds are
 /// neither applied nor pruned where their CRDs are not served.
 ///
 /// The API server's CPU bounds how fast many relays are reconciled (it used more than
@@ -551,7 +549,7 @@ async fn apply_children(
     fingerprint: u64,
     seen: &observe::ChildrenSeen,
     full_prune: bool,
-) -> Result<Applied, Error> {
+) -> Result<(Applied, bool), Error> {
     let namespace = relay.namespace().unwrap_or_default();
     let uid = relay.uid().ok_or(Error::MissingField("metadata.uid"))?;
     let selector = children_selector(relay);
@@ -561,8 +559,9 @@ async fn apply_children(
         config_map_version: None,
         service_version: None,
         at: Instant::now(),
-        others_meanwhile: false,
     };
+    // Someone else changed a child while it was applied (see `Echoes::wrote`).
+    let mut others_meanwhile = false;
     for kind in ChildKind::ALL {
         if kind.needs_monitoring_crds() && !monitoring {
             continue;
@@ -595,7 +594,7 @@ async fn apply_children(
                 _ => apply_child(&api, &object, kind, seen, &uid, ctx).await?,
             };
             if applying.is_some_and(|a| a.wrote(&result)) {
-                applied.others_meanwhile = true;
+                others_meanwhile = true;
             }
             match kind {
                 ChildKind::Deployment => applied.deployment_generation = result.metadata.generation,
@@ -615,7 +614,7 @@ async fn apply_children(
         }
     }
     applied.at = Instant::now();
-    Ok(applied)
+    Ok((applied, others_meanwhile))
 }
 
 /// Applies one child; a Service made before relays' Services were headless is made

@@ -589,12 +589,10 @@ impl StatusChanges {
         let tasks = vec![
             tokio::spawn(count_status_changes(
                 Api::<Deployment>::namespaced(client.clone(), namespace),
-                |d| serde_json::to_value(&d.status).unwrap_or_default(),
                 count.clone(),
             )),
             tokio::spawn(count_status_changes(
                 Api::<PodDisruptionBudget>::namespaced(client.clone(), namespace),
-                |p| serde_json::to_value(&p.status).unwrap_or_default(),
                 count.clone(),
             )),
         ];
@@ -614,14 +612,17 @@ impl Drop for StatusChanges {
     }
 }
 
-/// Counts into `count` every change of an object's status (`status` reads it) seen by
-/// a watch of `api`; an object first seen with a status counts once.
-async fn count_status_changes<K>(
-    api: Api<K>,
-    status: fn(&K) -> Value,
-    count: Arc<std::sync::atomic::AtomicU64>,
-) where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+/// Counts into `count` every change of an object's status seen by a watch of `api`; an
+/// object first seen with a status counts once.
+async fn count_status_changes<K>(api: Api<K>, count: Arc<std::sync::atomic::AtomicU64>)
+where
+    K: Resource
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug
+        + Send
+        + 'static,
 {
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
@@ -633,7 +634,10 @@ async fn count_status_changes<K>(
     );
     while let Some(event) = events.next().await {
         let Ok(object) = event else { continue };
-        let now = status(&object);
+        let now = serde_json::to_value(&object)
+            .ok()
+            .and_then(|o| o.get("status").cloned())
+            .unwrap_or(Value::Null);
         let before = seen.insert(object.name_any(), now.clone());
         let empty = now.is_null() || now == json!({});
         if before.map_or(!empty, |b| b != now) {
