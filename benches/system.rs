@@ -38,6 +38,9 @@ const AGGREGATES: i64 = 1000;
 const ROWS_PER_TX: i64 = 100;
 /// Polling interval of every polling relay in the benchmark.
 const POLL_INTERVAL: &str = "100ms";
+/// Polling's batch loops per relay process unless a case says otherwise: the default of
+/// `spec.mode.polling.workers`.
+const POLLING_WORKERS: usize = 2;
 /// Messages in flight while measuring a broker's raw produce rate.
 const CEILING_WINDOW: usize = 10_000;
 
@@ -46,14 +49,24 @@ const CEILING_WINDOW: usize = 10_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
-    Polling { batch: i32 },
+    /// `workers`: batch loops per relay process (`spec.mode.polling.workers`).
+    Polling {
+        batch: i32,
+        workers: usize,
+    },
     LogTailing,
 }
 
 impl Mode {
     fn label(self) -> String {
         match self {
-            Mode::Polling { batch } => format!("polling (batch {batch})"),
+            Mode::Polling { batch, workers } if workers == POLLING_WORKERS => {
+                format!("polling (batch {batch})")
+            }
+            Mode::Polling { batch, workers } => format!(
+                "polling (batch {batch}, {workers} worker{})",
+                if workers == 1 { "" } else { "s" }
+            ),
             Mode::LogTailing => "log tailing".to_owned(),
         }
     }
@@ -271,7 +284,15 @@ impl Plan {
     }
 
     fn new(full: bool) -> Plan {
-        let polling = |batch| Mode::Polling { batch };
+        let polling = |batch| Mode::Polling {
+            batch,
+            workers: POLLING_WORKERS,
+        };
+        // Polling as it ran before workers: one batch loop per process.
+        let one_loop = Mode::Polling {
+            batch: 500,
+            workers: 1,
+        };
         let tc = |mode, target, partitions, replicas| ThroughputCase {
             mode,
             target,
@@ -350,6 +371,8 @@ impl Plan {
                 headline(polling(500), 2, 1024, true),
                 headline(polling(500), 2, 1024, false),
                 headline(polling(500), 1, 1024, true),
+                headline(one_loop, 1, 1024, true),
+                headline(one_loop, 2, 1024, true),
                 headline(Mode::LogTailing, 1, 256, true),
                 headline(Mode::LogTailing, 1, 16384, true),
                 headline(polling(500), 2, 256, true),
@@ -912,7 +935,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
             drop(guard);
             backlog as f64 / elapsed
         }
-        Mode::Polling { batch } => {
+        Mode::Polling { batch, workers } => {
             use outbox_operator::api::AfterPublish;
             use outbox_operator::postgres::{Columns, OutboxTable};
             prefill(&db.client, 1, backlog, case.payload, case.aggregates).await;
@@ -937,8 +960,10 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
             let limit = i64::try_from((2 * 1024 * 1024 / case.payload.max(1)).max(1))
                 .unwrap_or(batch)
                 .min(batch);
+            // As many sessions as the relays run batch loops, each on its share.
+            let sessions = case.replicas * workers;
             let mut workers = Vec::new();
-            for replica in 0..case.replicas {
+            for replica in 0..sessions {
                 let mut client = common::pg_connect(&db.url)
                     .await
                     .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
@@ -954,7 +979,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
                 .await
                 .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
                 let share: std::collections::BTreeSet<i64> = (0..i64::from(case.partitions))
-                    .filter(|p| *p as usize % case.replicas == replica)
+                    .filter(|p| *p as usize % sessions == replica)
                     .collect();
                 workers.push(async move {
                     loop {
@@ -1040,12 +1065,17 @@ async fn setup(mode: Mode, target: Target, partitions: i32, delete: bool) -> Set
         }
     };
     let batch_size = match mode {
-        Mode::Polling { batch } => batch,
+        Mode::Polling { batch, .. } => batch,
         Mode::LogTailing => 500,
+    };
+    let workers = match mode {
+        Mode::Polling { workers, .. } => i32::try_from(workers).unwrap_or(1),
+        Mode::LogTailing => 1,
     };
     let options = RelayOptions {
         partitions,
         batch_size,
+        workers,
         interval: POLL_INTERVAL,
         ..RelayOptions::default()
     };
@@ -2432,7 +2462,8 @@ impl Report {
             },
             "throughput": self.throughput.iter().map(|(c, r)| json!({
                 "mode": match c.mode { Mode::Polling { .. } => "polling", Mode::LogTailing => "logTailing" },
-                "batch_size": match c.mode { Mode::Polling { batch } => Some(batch), Mode::LogTailing => None },
+                "batch_size": match c.mode { Mode::Polling { batch, .. } => Some(batch), Mode::LogTailing => None },
+                "workers": match c.mode { Mode::Polling { workers, .. } => Some(workers), Mode::LogTailing => None },
                 "broker": c.target.label(),
                 "partitions": c.partitions,
                 "replicas": c.replicas,

@@ -691,6 +691,13 @@ pub struct PollingSpec {
     /// What to do with a row once the broker acknowledged it.
     #[serde(default)]
     pub after_publish: AfterPublish,
+    /// Batch loops each relay process runs at once, each on a database session of its
+    /// own that owns its share of the partitions, so one loop's select and commit
+    /// overlap another's publishing. Each is one more database connection; together
+    /// they hold the same 2 MiB of payloads a single loop would.
+    #[serde(default = "default_workers")]
+    #[schemars(range(min = 1, max = 16))]
+    pub workers: i32,
 }
 
 impl Default for PollingSpec {
@@ -699,6 +706,7 @@ impl Default for PollingSpec {
             interval: default_interval(),
             batch_size: default_batch_size(),
             after_publish: AfterPublish::default(),
+            workers: default_workers(),
         }
     }
 }
@@ -708,6 +716,9 @@ fn default_interval() -> String {
 }
 fn default_batch_size() -> i32 {
     500
+}
+fn default_workers() -> i32 {
+    2
 }
 
 /// What polling does with a published row.

@@ -20,6 +20,8 @@ pub struct Settings {
     pub interval: Duration,
     /// Rows per batch.
     pub batch_size: i64,
+    /// Polling's batch loops per process, each on its own session (1 for log tailing).
+    pub workers: usize,
     /// Age after which published rows are deleted.
     pub retention: Duration,
     /// Attempts before a row is exhausted.
@@ -108,13 +110,14 @@ impl Settings {
             (Err(a), Err(b)) => return Err(ConfigError::Many(vec![a, b])),
             (Err(e), _) | (_, Err(e)) => return Err(e),
         };
-        let (interval, batch_size) = match &valid.mode {
-            ValidMode::Polling(p) => (p.interval, p.batch_size),
-            ValidMode::LogTailing(_) => (Duration::from_millis(500), 500),
+        let (interval, batch_size, workers) = match &valid.mode {
+            ValidMode::Polling(p) => (p.interval, p.batch_size, p.workers),
+            ValidMode::LogTailing(_) => (Duration::from_millis(500), 500, 1),
         };
         Ok(Self {
             interval,
             batch_size,
+            workers,
             retention: valid.retention,
             max_attempts: valid.failure.max_attempts,
             dead_letter_table: valid
@@ -145,7 +148,7 @@ mod tests {
 spec:
   database: {postgres: {connectionSecretRef: {name: db}}}
   table: {name: \"bad-name\", headers: [\"id\"]}
-  mode: {polling: {interval: 5x, batchSize: 0}}
+  mode: {polling: {interval: 5x, batchSize: 0, workers: 17}}
   broker: {kafka: {bootstrapServers: k, topic: \"has space\", properties: {acks: \"1\"}}}
   ordering: {partitions: 0}
   retention: {publishedRows: 0s}
@@ -163,6 +166,7 @@ listen: nowhere
             "spec.table.headers[0]",
             "spec.mode.polling.interval",
             "spec.mode.polling.batchSize",
+            "spec.mode.polling.workers",
             "spec.broker.kafka.topic",
             "spec.broker.kafka.properties.acks",
             "spec.ordering.partitions",
@@ -191,6 +195,7 @@ listen: 127.0.0.1:0
         };
         let settings = Settings::with_env(&config, &env).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.batch_size, 500);
+        assert_eq!(settings.workers, 2);
         assert_eq!(settings.dead_letter_table, "outbox_dead_letter");
         let BrokerSettings::RabbitMq(r) = &settings.broker else {
             panic!("not rabbitmq");

@@ -40,6 +40,9 @@ pub enum RelayError {
     /// The database URL reaches a pooler that lends sessions per transaction.
     #[error("{0}")]
     PooledSessions(String),
+    /// A polling worker ended unexpectedly (it panicked).
+    #[error("{0}")]
+    Worker(String),
 }
 
 /// Runs the relay until SIGTERM or SIGINT; returns once the in-flight batch is finished

@@ -1,5 +1,17 @@
-//! The polling publisher: one database session per process that holds the partition
-//! locks and runs the batches, with retries, pauses for failing rows and retention.
+//! The polling publisher: `workers` batch loops per process, each on a database session
+//! of its own that holds its partition locks and runs its batches, with retries, pauses
+//! for failing rows and retention.
+//!
+//! # Workers
+//!
+//! A batch is strictly sequential (select, publish and wait for acknowledgements, mark
+//! or delete, commit), so one loop leaves the database idle while the broker works and
+//! the other way round: a single loop kept two cores 56% busy. Each worker is a member
+//! of its own (its own session, its own member slot and share of the partitions, as a
+//! replica is), so one worker's select and commit overlap another's publishing and
+//! order needs no new rule: a partition still has one owner at a time. The workers of
+//! a process share its broker client, its failure counts and pauses, and the 2 MiB
+//! bound on payloads in flight ([`MAX_BATCH_BYTES`]).
 //!
 //! # Why the batches run on the lock session
 //!
@@ -41,12 +53,13 @@
 //! in exchange the outbox table needs no extra column and no extra write per failure.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 use tokio_postgres::Client;
+use tracing::Instrument;
 
 use super::MAX_BATCH_BYTES;
 use super::RelayError;
@@ -114,18 +127,92 @@ enum Outcome {
     Unavailable,
 }
 
-/// The polling publisher of one process.
+/// The polling publisher of one process: its workers and its housekeeping.
 pub(super) struct Publisher {
     settings: Settings,
     broker: Arc<dyn Broker>,
     shape: Shape,
     health: Arc<Health>,
     stop: watch::Receiver<bool>,
-    class: i32,
+}
+
+/// Failed rows, counted per process whichever worker meets them.
+#[derive(Default)]
+struct Failures {
     attempts: HashMap<i64, u32>,
     paused: HashMap<i64, Pause>,
+}
+
+/// What the workers of one process share.
+struct Shared {
+    failures: Mutex<Failures>,
+    /// Each worker's readiness and owned partitions, for the process's figures.
+    workers: Mutex<Vec<WorkerState>>,
+}
+
+#[derive(Default, Clone)]
+struct WorkerState {
+    ready: bool,
+    owned: BTreeSet<i64>,
+}
+
+impl Shared {
+    fn new(workers: usize) -> Self {
+        Self {
+            failures: Mutex::default(),
+            workers: Mutex::new(vec![WorkerState::default(); workers]),
+        }
+    }
+
+    fn failures(&self) -> MutexGuard<'_, Failures> {
+        self.failures.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Updates worker `index`'s state and the process's figures: ready once every
+    /// worker is, and the partitions they own together.
+    fn set(&self, index: usize, health: &Health, change: impl FnOnce(&mut WorkerState)) {
+        let mut workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(state) = workers.get_mut(index) {
+            change(state);
+        }
+        let ready = workers.iter().all(|w| w.ready);
+        let owned: usize = workers.iter().map(|w| w.owned.len()).sum();
+        health.ready.store(ready, Ordering::Relaxed);
+        health
+            .metrics
+            .partitions_owned
+            .set(i64::try_from(owned).unwrap_or(0));
+    }
+
+    /// Partitions blocked by an exhausted row among those the process publishes (every
+    /// partition without per-aggregate order).
+    fn blocked(&self, per_aggregate: bool) -> usize {
+        let workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
+        self.failures()
+            .paused
+            .iter()
+            .filter(|(p, pause)| {
+                pause.exhausted && (!per_aggregate || workers.iter().any(|w| w.owned.contains(p)))
+            })
+            .count()
+    }
+}
+
+/// One batch loop of a process (see the module's notes, "Workers").
+struct Worker {
+    index: usize,
+    settings: Settings,
+    broker: Arc<dyn Broker>,
+    shape: Shape,
+    health: Arc<Health>,
+    stop: watch::Receiver<bool>,
+    class: i32,
+    shared: Arc<Shared>,
     /// When waiting for another partition count was last logged.
     layout_warned: Option<Instant>,
+    /// Payload bytes this worker's batch holds at most: its share of
+    /// [`MAX_BATCH_BYTES`].
+    budget: usize,
     /// Rows the next batch selects: `batchSize`, or fewer when rows are large (see
     /// [`next_limit`]).
     limit: i64,
@@ -166,15 +253,15 @@ impl Rounds {
     }
 }
 
-/// The next batch's row limit: as many rows as fit [`MAX_BATCH_BYTES`] at the last
-/// batch's average payload size, between 1 and `batch_size`. An empty batch says
-/// nothing about sizes and keeps `current`.
-fn next_limit(batch_size: i64, current: i64, rows: usize, bytes: usize) -> i64 {
+/// The next batch's row limit: as many rows as fit `budget` bytes at the last batch's
+/// average payload size, between 1 and `batch_size`. An empty batch says nothing about
+/// sizes and keeps `current`.
+fn next_limit(batch_size: i64, current: i64, rows: usize, bytes: usize, budget: usize) -> i64 {
     if rows == 0 {
         return current;
     }
     let average = (bytes / rows).max(1);
-    i64::try_from(MAX_BATCH_BYTES / average)
+    i64::try_from(budget / average)
         .unwrap_or(batch_size)
         .clamp(1, batch_size)
 }
@@ -187,22 +274,68 @@ impl Publisher {
         health: Arc<Health>,
         stop: watch::Receiver<bool>,
     ) -> Self {
-        let class = postgres::lock_class(&settings.valid.table.schema, &settings.valid.table.name);
-        let settings_batch_size = settings.batch_size;
         Self {
             settings,
             broker,
             shape,
             health,
             stop,
-            class,
-            attempts: HashMap::new(),
-            paused: HashMap::new(),
-            layout_warned: None,
-            limit: settings_batch_size,
         }
     }
 
+    /// Runs the workers and the housekeeping until shutdown, or until a worker cannot
+    /// go on (the others are then dropped, which rolls their batches back).
+    pub(super) async fn run(self) -> Result<(), RelayError> {
+        let class = postgres::lock_class(
+            &self.settings.valid.table.schema,
+            &self.settings.valid.table.name,
+        );
+        let housekeeping = tokio::spawn(housekeeping_loop(
+            self.settings.clone(),
+            class,
+            self.health.clone(),
+            self.stop.clone(),
+        ));
+        let count = self.settings.workers.max(1);
+        let shared = Arc::new(Shared::new(count));
+        let budget = MAX_BATCH_BYTES / count;
+        let mut workers = tokio::task::JoinSet::new();
+        for index in 0..count {
+            let worker = Worker {
+                index,
+                settings: self.settings.clone(),
+                broker: self.broker.clone(),
+                shape: self.shape.clone(),
+                health: self.health.clone(),
+                stop: self.stop.clone(),
+                class,
+                shared: shared.clone(),
+                layout_warned: None,
+                budget,
+                limit: self.settings.batch_size,
+            };
+            let span = tracing::info_span!("worker", worker = index);
+            workers.spawn(async move { worker.publish_loop().await }.instrument(span));
+        }
+        let mut result = Ok(());
+        while let Some(joined) = workers.join_next().await {
+            let ended = joined.unwrap_or_else(|err| {
+                Err(RelayError::Worker(format!(
+                    "a polling worker stopped: {err}"
+                )))
+            });
+            if ended.is_err() {
+                result = ended;
+                break;
+            }
+        }
+        workers.shutdown().await;
+        housekeeping.abort();
+        result
+    }
+}
+
+impl Worker {
     fn stopping(&self) -> bool {
         *self.stop.borrow()
     }
@@ -216,20 +349,13 @@ impl Publisher {
         self.settings.valid.per_aggregate
     }
 
-    /// Connects, runs sessions and reconnects with backoff until shutdown.
-    pub(super) async fn run(mut self) -> Result<(), RelayError> {
-        let housekeeping = tokio::spawn(housekeeping_loop(
-            self.settings.clone(),
-            self.class,
-            self.health.clone(),
-            self.stop.clone(),
-        ));
-        let result = self.publish_loop().await;
-        housekeeping.abort();
-        result
+    /// Updates this worker's readiness and owned partitions in the process's figures.
+    fn set_state(&self, change: impl FnOnce(&mut WorkerState)) {
+        self.shared.set(self.index, &self.health, change);
     }
 
-    async fn publish_loop(&mut self) -> Result<(), RelayError> {
+    /// Connects, runs sessions and reconnects with backoff until shutdown.
+    async fn publish_loop(mut self) -> Result<(), RelayError> {
         let mut backoff = Backoff::new();
         let env = self.settings.url_env.clone();
         while !self.stopping() {
@@ -245,8 +371,7 @@ impl Publisher {
                 }
             };
             let ended = self.session(&mut client, &mut backoff).await;
-            self.health.ready.store(false, Ordering::Relaxed);
-            self.health.metrics.partitions_owned.set(0);
+            self.set_state(|w| *w = WorkerState::default());
             match ended {
                 Ok(()) => {
                     // Locks go with the session anyway; releasing them explicitly hands
@@ -289,7 +414,7 @@ impl Publisher {
             // and no partition while it waits, so the leading relays keep every
             // partition of their count.
             postgres::hold_layout(client, self.class, table.partitions()).await?;
-            self.health.ready.store(true, Ordering::Relaxed);
+            self.set_state(|w| w.ready = true);
             while !self.leads(client, table.partitions()).await? {
                 if self.stopping() {
                     return Ok(());
@@ -298,7 +423,7 @@ impl Publisher {
             }
         }
         let member = self.join(client).await?;
-        self.health.ready.store(true, Ordering::Relaxed);
+        self.set_state(|w| w.ready = true);
         tracing::info!(member, "connected to PostgreSQL");
         let partitions = usize::try_from(table.partitions()).unwrap_or(1);
         let mut owned = BTreeSet::new();
@@ -327,20 +452,19 @@ impl Publisher {
             } else {
                 (0..i64::from(table.partitions())).collect()
             };
-            self.paused.retain(|_, p| p.until > now);
-            let blocked = self
-                .paused
-                .iter()
-                .filter(|(p, pause)| pause.exhausted && candidates.contains(p))
-                .count();
+            let active: BTreeSet<i64> = {
+                let mut failures = self.shared.failures();
+                failures.paused.retain(|_, p| p.until > now);
+                candidates
+                    .into_iter()
+                    .filter(|p| !failures.paused.contains_key(p))
+                    .collect()
+            };
+            let blocked = self.shared.blocked(self.per_aggregate());
             self.health
                 .metrics
                 .partitions_blocked
                 .set(i64::try_from(blocked).unwrap_or(0));
-            let active: BTreeSet<i64> = candidates
-                .into_iter()
-                .filter(|p| !self.paused.contains_key(p))
-                .collect();
             if active.is_empty() {
                 rounds.abandon();
                 self.nap(self.settings.interval.min(REBALANCE_EVERY)).await;
@@ -446,10 +570,8 @@ impl Publisher {
                 }
             }
         }
-        self.health
-            .metrics
-            .partitions_owned
-            .set(i64::try_from(owned.len()).unwrap_or(0));
+        let now_owned = owned.clone();
+        self.set_state(|w| w.owned = now_owned);
         Ok(())
     }
 
@@ -472,7 +594,13 @@ impl Publisher {
         let limit = self.limit;
         let rows = table.select_batch(&tx, active, limit).await?;
         let bytes = rows.iter().map(OutboxRow::payload_len).sum();
-        self.limit = next_limit(self.settings.batch_size, limit, rows.len(), bytes);
+        self.limit = next_limit(
+            self.settings.batch_size,
+            limit,
+            rows.len(),
+            bytes,
+            self.budget,
+        );
         let fence = asked + FENCE;
         let selected = rows.len();
         if rows.is_empty() {
@@ -522,11 +650,13 @@ impl Publisher {
         if !ids.is_empty() {
             m.last_success.set(now_unix);
         }
-        if !self.attempts.is_empty() {
+        let mut failures = self.shared.failures();
+        if !failures.attempts.is_empty() {
             for id in &ids {
-                self.attempts.remove(id);
+                failures.attempts.remove(id);
             }
         }
+        drop(failures);
         Ok(if unavailable {
             Outcome::Unavailable
         } else if i64::try_from(selected).unwrap_or(0) >= limit {
@@ -534,6 +664,11 @@ impl Publisher {
         } else {
             Outcome::Partial
         })
+    }
+
+    /// Pauses `partition` for every worker of the process.
+    fn pause(&self, partition: i64, pause: Pause) {
+        self.shared.failures().paused.insert(partition, pause);
     }
 
     /// Counts a failed row; pauses, blocks or dead-letters it. Returns true when the
@@ -558,9 +693,12 @@ impl Publisher {
         m.publish_errors
             .get_or_create(&ErrorLabels { kind: "row" })
             .inc();
-        let attempts = self.attempts.entry(row.id).or_insert(0);
-        *attempts += 1;
-        let attempts = *attempts;
+        let attempts = {
+            let mut failures = self.shared.failures();
+            let attempts = failures.attempts.entry(row.id).or_insert(0);
+            *attempts += 1;
+            *attempts
+        };
         if attempts < self.settings.max_attempts {
             let pause = Duration::from_millis(200)
                 .saturating_mul(1 << attempts.min(8))
@@ -572,7 +710,7 @@ impl Publisher {
                 error = %err,
                 "row refused by the broker; retrying its partition later"
             );
-            self.paused.insert(
+            self.pause(
                 row.partition,
                 Pause {
                     until: Instant::now() + pause,
@@ -588,7 +726,7 @@ impl Publisher {
                 // the batch published would be published again on each attempt.
                 match table.dead_letter_in_batch(tx, row.id, &err.message).await? {
                     Ok(_) => {
-                        self.attempts.remove(&row.id);
+                        self.shared.failures().attempts.remove(&row.id);
                         m.dead_lettered.inc();
                         tracing::error!(
                             row = row.id,
@@ -611,7 +749,7 @@ impl Publisher {
                             error = %dead,
                             "row exhausted its attempts and cannot be dead-lettered; its partition is blocked until it can"
                         );
-                        self.paused.insert(
+                        self.pause(
                             row.partition,
                             Pause {
                                 until: Instant::now() + BLOCKED_RETRY,
@@ -629,7 +767,7 @@ impl Publisher {
                     error = %err,
                     "row exhausted its attempts; its partition is blocked until it can be published"
                 );
-                self.paused.insert(
+                self.pause(
                     row.partition,
                     Pause {
                         until: Instant::now() + BLOCKED_RETRY,
@@ -794,16 +932,74 @@ mod tests {
     }
 
     #[test]
+    fn a_process_is_ready_once_every_worker_is_and_owns_what_they_own_together() {
+        let health = Health::new(super::super::metrics::Metrics::new("ns", "relay", false));
+        let shared = Shared::new(2);
+        shared.set(0, &health, |w| {
+            w.ready = true;
+            w.owned = BTreeSet::from([0, 1]);
+        });
+        assert!(!health.ready.load(Ordering::Relaxed), "one of two workers");
+        assert_eq!(health.metrics.partitions_owned.get(), 2);
+        shared.set(1, &health, |w| {
+            w.ready = true;
+            w.owned = BTreeSet::from([2, 3]);
+        });
+        assert!(health.ready.load(Ordering::Relaxed));
+        assert_eq!(health.metrics.partitions_owned.get(), 4);
+        // A worker's session ends: not ready, its partitions gone.
+        shared.set(1, &health, |w| *w = WorkerState::default());
+        assert!(!health.ready.load(Ordering::Relaxed));
+        assert_eq!(health.metrics.partitions_owned.get(), 2);
+    }
+
+    #[test]
+    fn a_blocked_partition_counts_once_for_the_process() {
+        let health = Health::new(super::super::metrics::Metrics::new("ns", "relay", false));
+        let shared = Shared::new(2);
+        shared.set(0, &health, |w| w.owned = BTreeSet::from([0, 1]));
+        shared.set(1, &health, |w| w.owned = BTreeSet::from([2, 3]));
+        let later = Instant::now() + Duration::from_secs(60);
+        let mut failures = shared.failures();
+        for (partition, exhausted) in [(1, true), (2, false), (3, true), (7, true)] {
+            failures.paused.insert(
+                partition,
+                Pause {
+                    until: later,
+                    exhausted,
+                },
+            );
+        }
+        drop(failures);
+        // Owned by a worker and exhausted: 1 and 3 (7 went to another process).
+        assert_eq!(shared.blocked(true), 2);
+        // Without per-aggregate order every worker polls every partition: each blocked
+        // partition once, not once per worker.
+        assert_eq!(shared.blocked(false), 3);
+    }
+
+    #[test]
     fn large_rows_make_smaller_batches_within_batch_size() {
         // 1 KiB rows: 2 MiB holds 2,048, so batchSize (500) stands.
-        assert_eq!(next_limit(500, 500, 500, 500 * 1024), 500);
+        assert_eq!(next_limit(500, 500, 500, 500 * 1024, MAX_BATCH_BYTES), 500);
         // 16 KiB rows: 128 fit.
-        assert_eq!(next_limit(500, 500, 500, 500 * 16 * 1024), 128);
+        assert_eq!(
+            next_limit(500, 500, 500, 500 * 16 * 1024, MAX_BATCH_BYTES),
+            128
+        );
         // Small again: back to batchSize at once.
-        assert_eq!(next_limit(500, 128, 128, 128 * 100), 500);
+        assert_eq!(next_limit(500, 128, 128, 128 * 100, MAX_BATCH_BYTES), 500);
         // A row larger than the bound: one at a time, never zero.
-        assert_eq!(next_limit(500, 500, 2, 2 * 4 * 1024 * 1024), 1);
+        assert_eq!(
+            next_limit(500, 500, 2, 2 * 4 * 1024 * 1024, MAX_BATCH_BYTES),
+            1
+        );
         // An empty batch keeps the limit.
-        assert_eq!(next_limit(500, 128, 0, 0), 128);
+        assert_eq!(next_limit(500, 128, 0, 0, MAX_BATCH_BYTES), 128);
+        // Two workers share the bound: 16 KiB rows, 64 each.
+        assert_eq!(
+            next_limit(500, 500, 500, 500 * 16 * 1024, MAX_BATCH_BYTES / 2),
+            64
+        );
     }
 }

@@ -195,6 +195,8 @@ pub struct Polling {
     pub batch_size: i64,
     /// Mark or delete.
     pub after_publish: AfterPublish,
+    /// Batch loops per relay process, each on its own session.
+    pub workers: usize,
 }
 
 /// Log-tailing settings, with the slot and publication names resolved.

@@ -218,10 +218,18 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                         "choose a batch size from 1 to 10000",
                     );
                 }
+                if !(1..=16).contains(&poll.workers) {
+                    p.push(
+                        "spec.mode.polling.workers",
+                        format!("{} is not between 1 and 16", poll.workers),
+                        "choose 1 to 16 workers",
+                    );
+                }
                 Some(ValidMode::Polling(Polling {
                     interval: interval.unwrap_or_default(),
                     batch_size: i64::from(poll.batch_size),
                     after_publish: poll.after_publish,
+                    workers: usize::try_from(poll.workers).unwrap_or(1).max(1),
                 }))
             }
             Some(Mode::LogTailing(l)) => {

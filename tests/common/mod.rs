@@ -816,6 +816,8 @@ pub struct RelayOptions {
     pub max_attempts: i32,
     pub on_exhausted: &'static str,
     pub retention: &'static str,
+    /// Polling's batch loops per process (`spec.mode.polling.workers`).
+    pub workers: i32,
 }
 
 impl Default for RelayOptions {
@@ -828,6 +830,7 @@ impl Default for RelayOptions {
             max_attempts: 10,
             on_exhausted: "block",
             retention: "24h",
+            workers: 2,
         }
     }
 }
@@ -858,13 +861,14 @@ pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String
         max_attempts,
         on_exhausted,
         retention,
+        workers,
     } = options;
     format!(
         "relay: {{namespace: test, name: relay}}
 spec:
   database: {{postgres: {{connectionSecretRef: {{name: db}}, sslMode: disable}}}}
   table: {{schema: public, name: outbox, headers: [traceparent]}}
-  mode: {{polling: {{interval: {interval}, batchSize: {batch_size}, afterPublish: mark}}}}
+  mode: {{polling: {{interval: {interval}, batchSize: {batch_size}, afterPublish: mark, workers: {workers}}}}}
   broker: {{{broker_yaml}}}
   ordering: {{mode: {ordering}, partitions: {partitions}}}
   retention: {{publishedRows: {retention}}}

@@ -124,6 +124,9 @@ struct Scenario {
     edit: fn(&mut Value),
     /// Relay processes the Deployment runs.
     processes: usize,
+    /// While polling, the sessions that own partitions: processes × the workers each
+    /// runs (`mode.polling.workers`, 2 unless set).
+    sessions: usize,
     /// Log tailing after the edit.
     log_tailing: bool,
     /// Log tailing from the start (false: the edit switches a polling relay to it).
@@ -293,16 +296,17 @@ async fn body(
             "{name}: publication {publication}"
         );
     } else {
-        // Partition ownership: both replicas hold partitions (advisory locks).
+        // Partition ownership: every worker of both replicas holds partitions
+        // (advisory locks).
         common::wait_for_some_or(
             &format!(
                 "{name}: {} relay sessions owning partitions",
-                scenario.processes
+                scenario.sessions
             ),
             WAIT,
             || runner.log_tails(30),
             || async {
-                (owners(db).await == i64::try_from(scenario.processes).unwrap_or(0)).then_some(())
+                (owners(db).await == i64::try_from(scenario.sessions).unwrap_or(0)).then_some(())
             },
         )
         .await;
@@ -660,8 +664,8 @@ async fn template_hashes(client: &Client, ns: &str, name: &str) -> BTreeMap<Stri
         .collect()
 }
 
-/// Sessions holding advisory locks in the test database: the relay processes that
-/// take part in partition ownership.
+/// Sessions holding advisory locks in the test database: the relay workers that take
+/// part in partition ownership.
 async fn owners(db: &common::TestDatabase) -> i64 {
     db.client
         .query_one(
@@ -707,6 +711,7 @@ async fn polling_kafka_relay_runs_end_to_end_through_the_operator() {
         manifest,
         edit: |m| m["spec"]["mode"]["polling"]["batchSize"] = json!(150),
         processes: 2,
+        sessions: 4,
         log_tailing: false,
         starts_tailing: false,
     };
@@ -738,6 +743,7 @@ async fn log_tailing_nats_relay_runs_end_to_end_through_the_operator() {
         manifest,
         edit: |m| m["spec"]["mode"]["logTailing"]["heartbeatInterval"] = json!("7s"),
         processes: 1,
+        sessions: 0,
         log_tailing: true,
         starts_tailing: true,
     };
@@ -777,6 +783,7 @@ async fn a_polling_relay_switched_to_log_tailing_loses_nothing() {
                 json!({"logTailing": {"heartbeatInterval": "5s", "deleteAfterPublish": true}});
         },
         processes: 1,
+        sessions: 2,
         log_tailing: true,
         starts_tailing: false,
     };

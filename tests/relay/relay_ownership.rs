@@ -185,3 +185,108 @@ async fn relays_with_another_partition_count_wait_for_the_old_ones() {
         report.order_violations
     );
 }
+
+/// Partition-lock holders in the test database: per session, how many partitions (keys
+/// below the member range) it holds, smallest first.
+async fn partitions_per_session(db: &common::TestDatabase) -> Vec<i64> {
+    db.client
+        .query(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 2 AND objid::int8 < 1024 \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             GROUP BY pid ORDER BY 1",
+            &[],
+        )
+        .await
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default()
+}
+
+/// A relay process's workers (`mode.polling.workers`) each run batches on a session of
+/// their own that owns a share of the partitions, as replicas do: one process with
+/// three workers over six partitions holds them in three sessions of two, reports all
+/// six as its own, publishes every row once in each aggregate's order, and releases
+/// every lock when it stops. With `workers: 1` (the single loop of earlier releases)
+/// all six sit in one session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relays_workers_split_its_partitions_between_their_sessions() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    let options = RelayOptions {
+        partitions: 6,
+        workers: 3,
+        batch_size: 20,
+        ..RelayOptions::default()
+    };
+    common::create_outbox_table(&db.client, options.partitions).await;
+    let topic = common::fresh_topic(3).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: rig.kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let yaml = common::relay_config_yaml(&broker, &options);
+    let mut committed: BTreeSet<i64> = insert_wave(&db, "before", 300).await.into_iter().collect();
+    let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
+    common::wait_for_relays(
+        "the relay's three workers to own two partitions each",
+        Duration::from_secs(30),
+        &[&relay],
+        || async {
+            relay.metric("outbox_relay_partitions_owned").await == Some(6.0)
+                && partitions_per_session(&db).await == vec![2, 2, 2]
+        },
+    )
+    .await;
+    // Rows written while every worker publishes.
+    committed.extend(insert_wave(&db, "during", 300).await);
+    common::wait_for_relays(
+        "the workers to publish every row",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    assert_eq!(
+        relay.metric("outbox_relay_published_total").await,
+        Some(600.0),
+        "{}",
+        relay.log_tail(20)
+    );
+    let status = relay.terminate(Duration::from_secs(30));
+    assert!(status.success(), "{}", relay.log_tail(20));
+    assert_eq!(
+        partitions_per_session(&db).await,
+        Vec::<i64>::new(),
+        "partition locks left after the relay stopped"
+    );
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let report = common::check_delivery(&received, &committed, &BTreeSet::new());
+    println!("three workers: {report:?}");
+    assert!(report.missing.is_empty(), "lost {:?}", report.missing);
+    assert!(report.orphans.is_empty(), "orphans {:?}", report.orphans);
+    assert_eq!(report.duplicates, 0, "a row published twice");
+    assert!(
+        report.order_violations.is_empty(),
+        "{:?}",
+        report.order_violations
+    );
+
+    // One worker: the single loop, all six partitions in one session.
+    let single = common::relay_config_yaml(
+        &broker,
+        &RelayOptions {
+            workers: 1,
+            ..options
+        },
+    );
+    let one = RelayProcess::start(&single, &db.url, &broker);
+    common::wait_for_relays(
+        "the single worker to own all six partitions",
+        Duration::from_secs(30),
+        &[&one],
+        || async { partitions_per_session(&db).await == vec![6] },
+    )
+    .await;
+}
