@@ -40,7 +40,7 @@ const ROWS_PER_TX: i64 = 100;
 const POLL_INTERVAL: &str = "100ms";
 /// Polling's batch loops per relay process unless a case says otherwise: the default of
 /// `spec.mode.polling.workers`.
-const POLLING_WORKERS: usize = 2;
+const POLLING_WORKERS: usize = 1;
 /// Messages in flight while measuring a broker's raw produce rate.
 const CEILING_WINDOW: usize = 10_000;
 
@@ -288,10 +288,10 @@ impl Plan {
             batch,
             workers: POLLING_WORKERS,
         };
-        // Polling as it ran before workers: one batch loop per process.
-        let one_loop = Mode::Polling {
+        // Two batch loops per relay process (`workers: 2`).
+        let two_loops = Mode::Polling {
             batch: 500,
-            workers: 1,
+            workers: 2,
         };
         let tc = |mode, target, partitions, replicas| ThroughputCase {
             mode,
@@ -336,7 +336,7 @@ impl Plan {
                     headline(Mode::LogTailing, 1, 1024, true),
                     headline(polling(500), 2, 256, true),
                     busy(Mode::LogTailing, 1, 10),
-                    tc(polling(500), Target::Kafka, 4, 2),
+                    tc(two_loops, Target::Kafka, 4, 2),
                     tc(Mode::LogTailing, Target::Nats, 4, 1),
                     tc(Mode::LogTailing, Target::RabbitMq, 4, 1),
                 ],
@@ -371,8 +371,8 @@ impl Plan {
                 headline(polling(500), 2, 1024, true),
                 headline(polling(500), 2, 1024, false),
                 headline(polling(500), 1, 1024, true),
-                headline(one_loop, 1, 1024, true),
-                headline(one_loop, 2, 1024, true),
+                headline(two_loops, 1, 1024, true),
+                headline(two_loops, 2, 1024, true),
                 headline(Mode::LogTailing, 1, 256, true),
                 headline(Mode::LogTailing, 1, 16384, true),
                 headline(polling(500), 2, 256, true),
@@ -446,8 +446,8 @@ async fn run(plan: Plan) {
     let only = std::env::var("OUTBOX_BENCH_ONLY").unwrap_or_default();
     let part = |name: &str| only.is_empty() || only.split(',').any(|p| p.trim() == name);
     let mut throughput = Vec::new();
-    // OUTBOX_BENCH_CASE=<text> runs only the throughput cases whose label contains it,
-    // and OUTBOX_BENCH_BACKLOG=<rows> drains a larger backlog (both for profiling).
+    // OUTBOX_BENCH_CASE=<text>[|<text>…] runs only the throughput cases whose label
+    // contains one of the texts, and OUTBOX_BENCH_BACKLOG=<rows> drains a larger backlog (both for profiling).
     let only_case = std::env::var("OUTBOX_BENCH_CASE").unwrap_or_default();
     let mut plan = plan;
     if let Some(rows) = std::env::var("OUTBOX_BENCH_BACKLOG")
@@ -507,7 +507,7 @@ async fn run(plan: Plan) {
         .throughput
         .iter()
         .filter(|_| part("throughput"))
-        .filter(|c| c.label().contains(&only_case))
+        .filter(|c| only_case.split('|').any(|text| c.label().contains(text)))
     {
         let database_per_s = database_alone(&plan, case).await;
         let mut result = relay_throughput(&plan, case).await;

@@ -694,8 +694,9 @@ pub struct PollingSpec {
     /// Batch loops each relay process runs at once, each on a database session of its
     /// own that owns its share of the partitions, so one loop's select and commit
     /// overlap another's publishing. Each is one more database connection; together
-    /// they hold the same 2 MiB of payloads a single loop would.
-    #[serde(default = "default_workers")]
+    /// they hold the same 2 MiB of payloads a single loop would. Worth 2 for a single
+    /// replica; with several, each worker sees fewer aggregates per batch.
+    #[serde(default = "default_workers", skip_serializing_if = "is_one")]
     #[schemars(range(min = 1, max = 16))]
     pub workers: i32,
 }
@@ -718,7 +719,13 @@ fn default_batch_size() -> i32 {
     500
 }
 fn default_workers() -> i32 {
-    2
+    1
+}
+/// The default worker count is left out of the relay's config, so a relay that does
+/// not set it renders as before workers existed (and does not roll on upgrade).
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_one(workers: &i32) -> bool {
+    *workers == 1
 }
 
 /// What polling does with a published row.

@@ -52,7 +52,7 @@ use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
 
 use super::probe::{Probe, TIMEOUT, templated};
 use super::tls::{self, TlsFiles};
-use super::{Broker, Delivered, Message, PublishError};
+use super::{Broker, Delivered, Message, PublishError, Step};
 use crate::api::{KafkaSpec, SaslMechanism};
 use crate::rules::{
     BrokerKind, Problems, check_secret_ref, check_template_into, is_fixed_kafka_property,
@@ -410,17 +410,22 @@ impl Broker for KafkaBroker {
         Box::pin(self.send_batching(message, message.partition))
     }
 
-    /// Sends through the producer that does not linger, to the partition the
-    /// predecessor went to: the two producers keep their own topic metadata, and
-    /// while a topic gains partitions one may know the new count before the other, so
-    /// the partitioner alone could put an aggregate's events on two partitions.
+    /// Sends to the partition the predecessor went to (the two producers keep their
+    /// own topic metadata, and while a topic gains partitions one may know the new
+    /// count before the other, so the partitioner alone could put an aggregate's
+    /// events on two partitions): through the producer that does not linger, unless
+    /// the step is crowded, when the batching producer packs it with the other chains'
+    /// steps of that moment (sent alone, each would be a produce request of its own).
     fn publish_next<'a>(
         &'a self,
         message: &'a Message,
-        after: Delivered,
+        step: Step,
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
-            let partition = message.partition.or(after.partition);
+            let partition = message.partition.or(step.after.partition);
+            if step.crowded {
+                return self.send_batching(message, partition).await;
+            }
             let eager = match self.eager.get() {
                 Ok(eager) => eager,
                 // Its settings are the batching producer's, so this should not happen;
@@ -718,7 +723,7 @@ mod tests {
                 let message = message(payload);
                 async move {
                     if next {
-                        broker.publish_next(&message, Delivered::default()).await
+                        broker.publish_next(&message, Step::default()).await
                     } else {
                         broker.publish(&message).await
                     }

@@ -160,6 +160,17 @@ pub struct Message {
     pub content_type: Option<String>,
 }
 
+/// How a chain's next message goes out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Where its predecessor was written.
+    pub after: Delivered,
+    /// Many chains of its batch are still sending, so other chains' next messages go
+    /// out at about the same time: batching them pays (see
+    /// [`crate::relay::chains::CROWD`]).
+    pub crowded: bool,
+}
+
 /// Where an acknowledged message was written, as far as the next message of its chain
 /// needs to know.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -264,16 +275,17 @@ pub trait Broker: Send + Sync {
     ) -> BoxFuture<'a, Result<Delivered, PublishError>>;
 
     /// Publishes the next message of a chain, whose predecessor was just acknowledged
-    /// as `after`, and waits for its acknowledgement. It is sent alone, so a broker
-    /// client that waits to batch messages (Kafka's `linger.ms`) should send it at
-    /// once: the wait would be paid once per event of a busy aggregate. It must land
-    /// where its predecessor did (Kafka: the same partition).
+    /// as `step.after`, and waits for its acknowledgement. It must land where its
+    /// predecessor did (Kafka: the same partition). Unless `step.crowded`, it travels
+    /// alone, so a broker client that waits to batch messages (Kafka's `linger.ms`)
+    /// should send it at once: the wait would be paid once per event of a busy
+    /// aggregate.
     fn publish_next<'a>(
         &'a self,
         message: &'a Message,
-        after: Delivered,
+        step: Step,
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
-        let _ = after;
+        let _ = step;
         self.publish(message)
     }
 

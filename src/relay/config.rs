@@ -195,7 +195,7 @@ listen: 127.0.0.1:0
         };
         let settings = Settings::with_env(&config, &env).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.batch_size, 500);
-        assert_eq!(settings.workers, 2);
+        assert_eq!(settings.workers, 1);
         assert_eq!(settings.dead_letter_table, "outbox_dead_letter");
         let BrokerSettings::RabbitMq(r) = &settings.broker else {
             panic!("not rabbitmq");

@@ -16,7 +16,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 
-use crate::broker::{Broker, BrokerKind, Delivered, Message, PublishError};
+use crate::broker::{Broker, BrokerKind, Delivered, Message, PublishError, Step};
 
 /// The exporter of a relay's spans; [`Traces::shutdown`] sends what is left.
 pub struct Traces {
@@ -101,7 +101,7 @@ impl TracedBroker {
     fn traced<'a>(
         &'a self,
         message: &'a Message,
-        after: Option<Delivered>,
+        after: Option<Step>,
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
         Box::pin(async move {
             let parent = parent_context(&message.headers);
@@ -131,7 +131,7 @@ impl TracedBroker {
                 None => sent.headers.push(("traceparent".to_owned(), traceparent)),
             }
             let result = match after {
-                Some(after) => self.inner.publish_next(&sent, after).await,
+                Some(step) => self.inner.publish_next(&sent, step).await,
                 None => self.inner.publish(&sent).await,
             };
             if let Err(err) = &result {
@@ -163,9 +163,9 @@ impl Broker for TracedBroker {
     fn publish_next<'a>(
         &'a self,
         message: &'a Message,
-        after: Delivered,
+        step: Step,
     ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
-        self.traced(message, Some(after))
+        self.traced(message, Some(step))
     }
 
     fn is_broken(&self) -> bool {
@@ -196,7 +196,7 @@ mod tests {
         };
         traced.publish(&message("1")).await.unwrap();
         traced
-            .publish_next(&message("2"), Delivered::default())
+            .publish_next(&message("2"), Step::default())
             .await
             .unwrap();
         assert_eq!(

@@ -830,7 +830,7 @@ impl Default for RelayOptions {
             max_attempts: 10,
             on_exhausted: "block",
             retention: "24h",
-            workers: 2,
+            workers: 1,
         }
     }
 }

@@ -125,7 +125,7 @@ struct Scenario {
     /// Relay processes the Deployment runs.
     processes: usize,
     /// While polling, the sessions that own partitions: processes × the workers each
-    /// runs (`mode.polling.workers`, 2 unless set).
+    /// runs (`mode.polling.workers`, 1 unless set).
     sessions: usize,
     /// Log tailing after the edit.
     log_tailing: bool,
@@ -699,7 +699,7 @@ async fn polling_kafka_relay_runs_end_to_end_through_the_operator() {
             "database": {"postgres": {
                 "connectionSecretRef": {"name": "orders-db", "key": "uri"},
                 "sslMode": "disable"}},
-            "mode": {"polling": {"interval": "100ms", "batchSize": 200, "afterPublish": "mark"}},
+            "mode": {"polling": {"interval": "100ms", "batchSize": 200, "afterPublish": "mark", "workers": 2}},
             "broker": {"kafka": {"bootstrapServers": rig.kafka_bootstrap(), "topic": topic}},
             "ordering": {"mode": "perAggregate", "partitions": 8},
             "replicas": 2,
@@ -783,7 +783,7 @@ async fn a_polling_relay_switched_to_log_tailing_loses_nothing() {
                 json!({"logTailing": {"heartbeatInterval": "5s", "deleteAfterPublish": true}});
         },
         processes: 1,
-        sessions: 2,
+        sessions: 1,
         log_tailing: true,
         starts_tailing: false,
     };

@@ -23,8 +23,10 @@ async fn insert_wave(db: &common::TestDatabase, wave: &str, rows: usize) -> Vec<
 async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
+    // Two workers each: four sessions of two partitions, a process's figure four.
     let options = RelayOptions {
         partitions: 8,
+        workers: 2,
         ..RelayOptions::default()
     };
     common::create_outbox_table(&db.client, options.partitions).await;

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use outbox_operator::broker::kafka::{KafkaBroker, KafkaSettings};
-use outbox_operator::broker::{Broker, BrokerKind, Shape};
+use outbox_operator::broker::{Broker, BrokerKind, Shape, Step};
 use outbox_operator::postgres::OutboxRow;
 
 const PARTITIONS: i32 = 12;
@@ -148,15 +148,22 @@ async fn keyed_records_land_where_the_java_client_puts_them() {
         .map(str::to_owned),
     );
     let mut id = 0;
-    for key in &keys {
-        // A chain of two: the second goes the way a chain's next message goes.
+    for (n, key) in keys.iter().enumerate() {
+        // A chain of two: the second goes the way a chain's next message goes, alone
+        // (the producer that does not linger) or crowded (the batching one).
         let mut previous = None;
         for _ in 0..2 {
             id += 1;
             let message = keyed_message(&topic, id, key);
             previous = Some(match previous {
                 None => broker.publish(&message).await.unwrap(),
-                Some(after) => broker.publish_next(&message, after).await.unwrap(),
+                Some(after) => {
+                    let step = Step {
+                        after,
+                        crowded: n % 2 == 0,
+                    };
+                    broker.publish_next(&message, step).await.unwrap()
+                }
             });
         }
     }
@@ -191,16 +198,22 @@ async fn a_chains_next_message_follows_its_predecessor_to_its_partition() {
     assert_eq!(first.partition, Some(natural));
     // As if the predecessor had been written elsewhere (a producer that saw another
     // partition count): the next message follows it there.
+    // Alone and crowded alike.
     let after = outbox_operator::broker::Delivered {
         partition: Some(elsewhere),
     };
-    let next = broker.publish_next(&message, after).await.unwrap();
-    assert_eq!(next.partition, Some(elsewhere));
-    let mut found = partitions_by_key(&topic, 2)
+    for crowded in [false, true] {
+        let next = broker
+            .publish_next(&message, Step { after, crowded })
+            .await
+            .unwrap();
+        assert_eq!(next.partition, Some(elsewhere), "crowded: {crowded}");
+    }
+    let mut found = partitions_by_key(&topic, 3)
         .remove(&key)
         .unwrap_or_default();
     found.sort_unstable();
-    let mut want = vec![natural, elsewhere];
+    let mut want = vec![natural, elsewhere, elsewhere];
     want.sort_unstable();
     assert_eq!(found, want, "where the two records of {key} landed");
 }
