@@ -697,7 +697,7 @@ pub struct PollingSpec {
     /// they hold the same 2 MiB of payloads a single loop would. Worth 2 for a single
     /// replica; with several, each worker sees fewer aggregates per batch.
     #[serde(default = "default_workers", skip_serializing_if = "is_one")]
-    #[schemars(range(min = 1, max = 16))]
+    #[schemars(range(min = 1, max = 16), extend("default" = 1))]
     pub workers: i32,
 }
 

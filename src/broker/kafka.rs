@@ -11,9 +11,13 @@
 //! events/s with `linger.ms=1`). `linger.ms=0` for everything removes the wait but
 //! sends the bursts in tiny requests (the polling benchmark lost a fifth of its rate
 //! and used 80% more CPU). So the bursts go through the batching producer and the
-//! chain steps through a second one with `linger.ms=0`.
+//! chain steps through a second one with `linger.ms=0`, unless the step is crowded:
+//! while many chains of a batch are still sending, their next messages come in bursts
+//! too (as their predecessors' acknowledgements arrive), and sent one by one each was
+//! a produce request of its own (chains of two doubled the CPU per event of relay and
+//! Kafka), so those go through the batching producer ([`crate::relay::chains::CROWD`]).
 //!
-//! The second producer is made on the first chain step, not with the relay: an
+//! The second producer is made on the first lone chain step, not with the relay: an
 //! idempotent producer connects at once for its producer id, and a relay whose chains
 //! are all one message long (`ordering.mode: none`, or every aggregate once per batch)
 //! would hold a second connection to every broker for nothing.
@@ -66,7 +70,8 @@ use crate::secrets::{
 pub struct KafkaBroker {
     /// A batch's burst of chain starts: `linger.ms` as configured.
     batching: Slot,
-    /// A chain's next message, sent alone: `linger.ms=0`; made on the first chain step.
+    /// A chain's next message while few chains send: `linger.ms=0`; made on the first
+    /// such step.
     eager: Slot,
 }
 

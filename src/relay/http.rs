@@ -28,24 +28,50 @@ pub struct Health {
     /// Log tailing: the publication no longer publishes the outbox table, so nothing
     /// past that point is confirmed (and the relay is not ready).
     pub uncovered: AtomicBool,
-    /// When the work loop last turned (Unix seconds).
-    pub last_turn: AtomicU64,
+    /// When each work loop last turned (Unix seconds): one, or one per polling
+    /// worker, so a worker stuck beside a turning one still fails liveness (its
+    /// session would hold its partitions unpublished for good).
+    turns: Vec<AtomicU64>,
 }
 
 impl Health {
-    /// New state: not ready, the loop counted as turning now.
+    /// New state of a relay with one work loop: not ready, the loop counted as turning
+    /// now.
     pub fn new(metrics: Metrics) -> Self {
+        Self::with_loops(metrics, 1)
+    }
+
+    /// New state of a relay with `loops` work loops (at least one).
+    pub fn with_loops(metrics: Metrics, loops: usize) -> Self {
+        let now = now_seconds();
         Self {
             metrics,
             ready: AtomicBool::new(false),
             uncovered: AtomicBool::new(false),
-            last_turn: AtomicU64::new(now_seconds()),
+            turns: (0..loops.max(1)).map(|_| AtomicU64::new(now)).collect(),
         }
     }
 
-    /// The work loop turned.
+    /// The (first) work loop turned.
     pub fn turned(&self) {
-        self.last_turn.store(now_seconds(), Ordering::Relaxed);
+        self.turned_by(0);
+    }
+
+    /// Work loop `index` turned.
+    pub fn turned_by(&self, index: usize) {
+        if let Some(turn) = self.turns.get(index) {
+            turn.store(now_seconds(), Ordering::Relaxed);
+        }
+    }
+
+    /// The loop that turned longest ago: its index and when (Unix seconds).
+    fn stalest(&self) -> (usize, u64) {
+        self.turns
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .enumerate()
+            .min_by_key(|(_, at)| *at)
+            .unwrap_or((0, now_seconds()))
     }
 }
 
@@ -55,10 +81,16 @@ impl crate::http::Probe for Health {
     }
 
     fn liveness(&self) -> Result<(), String> {
-        let idle = now_seconds().saturating_sub(self.last_turn.load(Ordering::Relaxed));
+        let (index, at) = self.stalest();
+        let idle = now_seconds().saturating_sub(at);
         if idle > STUCK_AFTER_SECONDS {
+            let which = if self.turns.len() > 1 {
+                format!("polling worker {index}'s loop")
+            } else {
+                "the relay's loop".to_owned()
+            };
             Err(format!(
-                "the relay's loop has not turned for {idle}s (limit {STUCK_AFTER_SECONDS}s): stuck"
+                "{which} has not turned for {idle}s (limit {STUCK_AFTER_SECONDS}s): stuck"
             ))
         } else {
             Ok(())
@@ -85,14 +117,23 @@ mod tests {
     fn liveness_fails_only_when_the_loop_stopped_turning() {
         let health = Health::new(Metrics::new("ns", "relay", false));
         assert!(health.liveness().is_ok());
-        health
-            .last_turn
-            .store(now_seconds() - STUCK_AFTER_SECONDS - 5, Ordering::Relaxed);
+        health.turns[0].store(now_seconds() - STUCK_AFTER_SECONDS - 5, Ordering::Relaxed);
         let why = health.liveness().unwrap_err();
         assert!(why.contains("stuck"), "{why}");
         health.turned();
         assert!(health.liveness().is_ok());
         // Not ready is not dead: readiness and liveness are separate.
         assert!(health.readiness().is_err());
+    }
+
+    #[test]
+    fn a_stuck_worker_fails_liveness_while_another_turns() {
+        let health = Health::with_loops(Metrics::new("ns", "relay", false), 2);
+        health.turns[1].store(now_seconds() - STUCK_AFTER_SECONDS - 5, Ordering::Relaxed);
+        health.turned_by(0);
+        let why = health.liveness().unwrap_err();
+        assert!(why.contains("worker 1") && why.contains("stuck"), "{why}");
+        health.turned_by(1);
+        assert!(health.liveness().is_ok());
     }
 }

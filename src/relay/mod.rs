@@ -52,11 +52,14 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     let config = RelayConfig::load(path)?;
     let settings = Settings::from_config(&config)?;
     let identity = config.relay.clone();
-    let health = Arc::new(http::Health::new(metrics::Metrics::new(
-        &identity.namespace,
-        &identity.name,
-        settings.log_tailing.is_some(),
-    )));
+    let health = Arc::new(http::Health::with_loops(
+        metrics::Metrics::new(
+            &identity.namespace,
+            &identity.name,
+            settings.log_tailing.is_some(),
+        ),
+        settings.workers,
+    ));
     let addr = crate::http::serve(settings.listen, health.clone(), std::future::pending())
         .await
         .map_err(|source| RelayError::Listen {
@@ -164,10 +167,20 @@ pub(crate) async fn nap(
     health: &http::Health,
     pause: std::time::Duration,
 ) {
+    nap_as(stop, health, 0, pause).await;
+}
+
+/// [`nap`] for work loop `index` (a polling worker).
+pub(crate) async fn nap_as(
+    stop: &watch::Receiver<bool>,
+    health: &http::Health,
+    index: usize,
+    pause: std::time::Duration,
+) {
     let mut stop = stop.clone();
     let until = tokio::time::Instant::now() + pause;
     loop {
-        health.turned();
+        health.turned_by(index);
         let now = tokio::time::Instant::now();
         if now >= until {
             return;

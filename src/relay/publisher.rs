@@ -187,6 +187,7 @@ impl Shared {
     /// Partitions blocked by an exhausted row among those the process publishes (every
     /// partition without per-aggregate order).
     fn blocked(&self, per_aggregate: bool) -> usize {
+        // Lock order: `workers`, then `failures` (nothing takes them the other way).
         let workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
         self.failures()
             .paused
@@ -342,7 +343,7 @@ impl Worker {
 
     /// Sleeps for `pause`, waking early on shutdown.
     async fn nap(&self, pause: Duration) {
-        crate::relay::nap(&self.stop, &self.health, pause).await;
+        crate::relay::nap_as(&self.stop, &self.health, self.index, pause).await;
     }
 
     fn per_aggregate(&self) -> bool {
@@ -359,7 +360,7 @@ impl Worker {
         let mut backoff = Backoff::new();
         let env = self.settings.url_env.clone();
         while !self.stopping() {
-            self.health.turned();
+            self.health.turned_by(self.index);
             let connected =
                 postgres::connect(&self.settings.database_url, &env, &self.settings.pg_tls).await;
             let mut client = match connected {
@@ -430,7 +431,7 @@ impl Worker {
         let mut next_rebalance = Instant::now();
         let mut rounds = Rounds::default();
         loop {
-            self.health.turned();
+            self.health.turned_by(self.index);
             if self.stopping() {
                 return Ok(());
             }
@@ -530,7 +531,7 @@ impl Worker {
             }
         }
         Err(SessionEnd::Fatal(RelayError::Broker(format!(
-            "more than {MAX_MEMBERS} relay processes share this table"
+            "more than {MAX_MEMBERS} relay sessions (replicas × workers) share this table"
         ))))
     }
 

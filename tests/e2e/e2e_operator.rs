@@ -664,12 +664,13 @@ async fn template_hashes(client: &Client, ns: &str, name: &str) -> BTreeMap<Stri
         .collect()
 }
 
-/// Sessions holding advisory locks in the test database: the relay workers that take
-/// part in partition ownership.
+/// Sessions holding partition locks in the test database: the relay workers that
+/// own partitions (not the housekeeping session, which holds the retention lock).
 async fn owners(db: &common::TestDatabase) -> i64 {
     db.client
         .query_one(
             "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' \
+             AND granted AND objsubid = 2 AND objid::int8 < 1024 \
              AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             &[],
         )

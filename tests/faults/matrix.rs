@@ -250,11 +250,12 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
     let relay_db_url = db_proxy
         .as_ref()
         .map_or(db_url.clone(), |p| through(&db_url, p));
-    // Two batch loops: every fault also meets a worker mid-batch while the other
-    // selects or commits.
+    // Polling to Kafka runs two batch loops, so each fault also meets one worker
+    // mid-batch while the other selects or commits; NATS and RabbitMQ keep the default
+    // single loop.
     let options = RelayOptions {
         max_attempts: 1000,
-        workers: 2,
+        workers: if broker == Broker::Kafka { 2 } else { 1 },
         ..RelayOptions::default()
     };
     let mut yaml = common::relay_config_yaml(&relay_broker, &options);

@@ -40,12 +40,13 @@ async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
     let mut a = RelayProcess::start(&yaml, &db.url, &broker);
     let b = RelayProcess::start(&yaml, &db.url, &broker);
     common::wait_for_relays(
-        "each relay to own 4 of 8 partitions",
+        "each relay to own 4 of 8 partitions, 2 in each worker's session",
         Duration::from_secs(30),
         &[&a, &b],
         || async {
             a.metric("outbox_relay_partitions_owned").await == Some(4.0)
                 && b.metric("outbox_relay_partitions_owned").await == Some(4.0)
+                && partitions_per_session(&db).await == vec![2, 2, 2, 2]
         },
     )
     .await;
@@ -54,10 +55,13 @@ async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
     let killed_at = Instant::now();
     committed.extend(insert_wave(&db, "after", 100).await);
     common::wait_for_relays(
-        "the survivor to own all 8 partitions",
+        "the survivor to own all 8 partitions, 4 in each worker's session",
         Duration::from_secs(15),
         &[&b],
-        || async { b.metric("outbox_relay_partitions_owned").await == Some(8.0) },
+        || async {
+            b.metric("outbox_relay_partitions_owned").await == Some(8.0)
+                && partitions_per_session(&db).await == vec![4, 4]
+        },
     )
     .await;
     let takeover = killed_at.elapsed();
