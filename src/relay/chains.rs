@@ -67,29 +67,18 @@ pub(super) async fn publish_chains(
     fence: Option<Instant>,
 ) -> Vec<ChainResult> {
     let sending = AtomicUsize::new(chains.len());
-    futures::future::join_all(
-        chains
-            .into_iter()
-            .map(|chain| publish_chain(broker, shape, chain, fence, &sending)),
-    )
+    let sending = &sending;
+    futures::future::join_all(chains.into_iter().map(|chain| async move {
+        let result = publish_chain(broker, shape, chain, fence, sending).await;
+        sending.fetch_sub(1, Ordering::Relaxed);
+        result
+    }))
     .await
 }
 
 /// Publishes a chain one message at a time, stopping at the first failure (or at the
 /// fence). `sending` counts the batch's chains not finished yet, this one included.
 async fn publish_chain(
-    broker: &dyn Broker,
-    shape: &Shape,
-    chain: Vec<OutboxRow>,
-    fence: Option<Instant>,
-    sending: &AtomicUsize,
-) -> ChainResult {
-    let result = send_chain(broker, shape, chain, fence, sending).await;
-    sending.fetch_sub(1, Ordering::Relaxed);
-    result
-}
-
-async fn send_chain(
     broker: &dyn Broker,
     shape: &Shape,
     chain: Vec<OutboxRow>,

@@ -19,23 +19,49 @@ async fn insert_wave(db: &common::TestDatabase, wave: &str, rows: usize) -> Vec<
     ids
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
+/// A fresh database with an outbox table of `options.partitions`, a fresh topic of 3
+/// partitions, the Kafka broker for it and a relay config of `options` for both.
+async fn kafka_setup(
+    options: &RelayOptions,
+) -> (common::TestDatabase, String, RelayBroker, String) {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
-    // Two workers each: four sessions of two partitions, a process's figure four.
-    let options = RelayOptions {
-        partitions: 8,
-        workers: 2,
-        ..RelayOptions::default()
-    };
     common::create_outbox_table(&db.client, options.partitions).await;
     let topic = common::fresh_topic(3).await;
     let broker = RelayBroker::Kafka {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: topic.clone(),
     };
-    let yaml = common::relay_config_yaml(&broker, &options);
+    let yaml = common::relay_config_yaml(&broker, options);
+    (db, topic, broker, yaml)
+}
+
+/// Reads `topic` and checks it against `committed`: nothing lost, nothing that was not
+/// committed, each aggregate in order. The report, for the figures.
+async fn assert_delivered(topic: String, committed: &BTreeSet<i64>) -> common::DeliveryReport {
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let report = common::check_delivery(&received, committed, &BTreeSet::new());
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
+    assert!(
+        report.order_violations.is_empty(),
+        "{:?}",
+        report.order_violations
+    );
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
+    // Two workers each: four sessions of two partitions, a process's figure four.
+    let options = RelayOptions {
+        partitions: 8,
+        workers: 2,
+        ..RelayOptions::default()
+    };
+    let (db, topic, broker, yaml) = kafka_setup(&options).await;
     let mut committed: BTreeSet<i64> = insert_wave(&db, "before", 100).await.into_iter().collect();
     let mut a = RelayProcess::start(&yaml, &db.url, &broker);
     let b = RelayProcess::start(&yaml, &db.url, &broker);
@@ -73,22 +99,12 @@ async fn partitions_are_shared_evenly_and_taken_over_after_sigkill() {
         || async { common::unpublished_rows(client).await == 0 },
     )
     .await;
-    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
-        .await
-        .unwrap();
-    let report = common::check_delivery(&received, &committed, &BTreeSet::new());
+    let report = assert_delivered(topic, &committed).await;
     println!(
         "takeover: all partitions owned {takeover:?} after SIGKILL; {} rows, {} messages, {} duplicates",
         committed.len(),
         report.received,
         report.duplicates
-    );
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
     );
 }
 
@@ -216,21 +232,13 @@ async fn partitions_per_session(db: &common::TestDatabase) -> Vec<i64> {
 /// all six sit in one session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relays_workers_split_its_partitions_between_their_sessions() {
-    let rig = common::Rig::load();
-    let db = common::fresh_database().await;
     let options = RelayOptions {
         partitions: 6,
         workers: 3,
         batch_size: 20,
         ..RelayOptions::default()
     };
-    common::create_outbox_table(&db.client, options.partitions).await;
-    let topic = common::fresh_topic(3).await;
-    let broker = RelayBroker::Kafka {
-        bootstrap: rig.kafka_bootstrap().to_owned(),
-        topic: topic.clone(),
-    };
-    let yaml = common::relay_config_yaml(&broker, &options);
+    let (db, topic, broker, yaml) = kafka_setup(&options).await;
     let mut committed: BTreeSet<i64> = insert_wave(&db, "before", 300).await.into_iter().collect();
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     common::wait_for_relays(
@@ -265,19 +273,9 @@ async fn a_relays_workers_split_its_partitions_between_their_sessions() {
         Vec::<i64>::new(),
         "partition locks left after the relay stopped"
     );
-    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
-        .await
-        .unwrap();
-    let report = common::check_delivery(&received, &committed, &BTreeSet::new());
+    let report = assert_delivered(topic, &committed).await;
     println!("three workers: {report:?}");
-    assert!(report.missing.is_empty(), "lost {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans {:?}", report.orphans);
     assert_eq!(report.duplicates, 0, "a row published twice");
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
-    );
 
     // One worker: the single loop, all six partitions in one session.
     let single = common::relay_config_yaml(
