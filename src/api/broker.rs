@@ -80,10 +80,15 @@ pub struct KafkaSpec {
     pub sasl: Option<SaslSpec>,
     /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`).
     /// Settings that would weaken delivery (`acks`, `enable.idempotence`) and security
-    /// settings (use `tls` and `sasl`) are rejected. `linger.ms` (default 1) applies to
-    /// the first event of each aggregate in a batch: an aggregate's next events, each
-    /// sent once the previous one is acknowledged, go at once through a second producer
-    /// with the same settings.
+    /// settings (use `tls` and `sasl`) are rejected. `message.timeout.ms` (or
+    /// `delivery.timeout.ms`; default 20000, 0 waits for ever) is how long the relay
+    /// waits for an event's acknowledgement before it replaces the producer and tries
+    /// again; librdkafka's own timeout stays off, its retries unlimited and
+    /// `enable.gapless.guarantee` on, whatever is set here, so that no event is ever
+    /// written behind one of its aggregate that was given up. `linger.ms` (default 1)
+    /// applies to a batch's first event of each aggregate and to an aggregate's other
+    /// events of the batch, sent together once the first is acknowledged; a single next
+    /// event goes at once through a second producer with the same settings.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'security.protocol', 'bootstrap.servers'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight.requests.per.connection, security.protocol, bootstrap.servers, sasl.* or ssl.*: delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
     pub properties: BTreeMap<String, String>,

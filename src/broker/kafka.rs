@@ -1,31 +1,62 @@
 //! Kafka publisher: two idempotent rdkafka `FutureProducer`s with `acks=all`, one that
 //! batches and one that sends at once.
 //!
+//! # A chain's rest goes out at once
+//!
+//! A batch's chains (one per aggregate, see `relay::chains`) start together: their first
+//! messages arrive in a burst, and `linger.ms` lets librdkafka pack the burst into a few
+//! produce requests. Once a chain's first message is acknowledged, and so its partition
+//! is known, the rest of the chain goes out at once through the same batching producer,
+//! to that partition: one round trip for the lot. (Until then each next message waited
+//! for its predecessor's acknowledgement: an aggregate with N events in a batch cost N
+//! round trips, and a relay on ten busy aggregates drained at 14,416 events/s where it
+//! now drains 95,522; see the README's Performance section.)
+//!
+//! Kafka writes a partition in the order an idempotent producer sent to it, so waiting
+//! is not what keeps order. What must never happen is a gap: a message written behind
+//! one of its chain that was given up, which the relay would then publish again after
+//! its successors. librdkafka makes gaps in two ways, and the relay closes both:
+//!
+//! - **It times messages out.** A message still queued when `message.timeout.ms`
+//!   expires is dropped and the ones behind it are renumbered and sent. So librdkafka's
+//!   timeout is off (`message.timeout.ms=0`, retries unlimited), and the relay keeps the
+//!   user's `message.timeout.ms` itself ([`deadline`]): a message not acknowledged by
+//!   then fails and its producer is *withdrawn*: purged (nothing it has not sent is
+//!   sent; of what it has sent the broker can only have written, per partition, the
+//!   oldest, in order) and retired (the next send makes a new one).
+//! - **It goes on after a refusal.** A record the broker refuses (a timestamp out of the
+//!   topic's bounds, say) fails, and librdkafka renumbers and sends the messages behind
+//!   it. With `enable.gapless.guarantee` it stops the producer instead (a fatal error;
+//!   the producer is retired). The relay also withdraws the producer itself when a
+//!   message of a chain's rest fails with messages queued behind it, and stops queueing
+//!   a rest at a message refused before it is queued (larger than `message.max.bytes`).
+//!   `tests/relay/relay_partitioning.rs` sends a rest whose fourth message the broker
+//!   refuses, each message in a request of its own: without both guards Kafka wrote the
+//!   fifth.
+//!
 //! # Why two producers
 //!
-//! A batch's chains start together: their first messages arrive in a burst, and
-//! `linger.ms` lets librdkafka pack the burst into a few produce requests. A chain's
-//! next message is sent only once its predecessor is acknowledged, alone: waiting
-//! `linger.ms` for company that will not come adds that wait to every step, and an
-//! aggregate with N events in a batch pays it N times (one hot aggregate drained at 738
-//! events/s with `linger.ms=1`). `linger.ms=0` for everything removes the wait but
-//! sends the bursts in tiny requests (the polling benchmark lost a fifth of its rate
-//! and used 80% more CPU). So the bursts go through the batching producer and the
-//! chain steps through a second one with `linger.ms=0`, unless the step is crowded:
-//! while many chains of a batch are still sending, their next messages come in bursts
-//! too (as their predecessors' acknowledgements arrive), and sent one by one each was
-//! a produce request of its own (chains of two doubled the CPU per event of relay and
-//! Kafka), so those go through the batching producer ([`crate::relay::chains::CROWD`]).
+//! A chain's lone next message (a rest of one) travels alone: waiting `linger.ms` for
+//! company that will not come adds that wait to every such step (one hot aggregate
+//! drained at 738 events/s with `linger.ms=1`, when each step waited for the last).
+//! `linger.ms=0` for everything removes the wait but sends the bursts in tiny requests
+//! (the polling benchmark lost a fifth of its rate and used 80% more CPU). So lone next
+//! messages go through a second producer with `linger.ms=0`, unless the step is
+//! crowded: while many chains of a batch are still sending, their next messages come in
+//! bursts too (as their predecessors' acknowledgements arrive), and sent one by one each
+//! was a produce request of its own (chains of two doubled the CPU per event of relay
+//! and Kafka), so those go through the batching producer
+//! ([`crate::relay::chains::CROWD`]).
 //!
 //! The second producer is made on the first lone chain step, not with the relay: an
 //! idempotent producer connects at once for its producer id, and a relay whose chains
 //! are all one message long (`ordering.mode: none`, or every aggregate once per batch)
 //! would hold a second connection to every broker for nothing.
 //!
-//! Order is unaffected: a chain's next message is produced only after the previous
-//! one is acknowledged (written with `acks=all`), whichever producer wrote it, and to
-//! the partition the previous one was written to (the producers' metadata may
-//! disagree for a while about a topic's partition count).
+//! Order holds across the two: a chain's next messages are produced only after its
+//! first one is acknowledged (written with `acks=all`), whichever producer wrote it, and
+//! to the partition the first one was written to (the producers' metadata may disagree
+//! for a while about a topic's partition count).
 //!
 //! # A producer whose message timed out is replaced
 //!
@@ -35,13 +66,12 @@
 //! forgets every broker a metadata response leaves out, and a single broker answers
 //! without itself while it shuts down. The producer then knows no broker at all and
 //! never asks again (confluentinc/librdkafka#5301, open): the relay would retry into it
-//! forever. So after a timeout the producer that timed out is retired, and the next
-//! send makes a fresh one from `bootstrap.servers`. Sends already under way finish on
-//! the old one, which is closed when the last of them is done. First deliveries keep
-//! their order by the same rule as above. One thing differs from a retry on the same
-//! producer: a broker that stalled with the timed-out message in its buffer and writes
-//! it late is not stopped by a newer epoch of the same producer id, so that late copy
-//! can land after the message's successors, as copies do after a relay restart.
+//! forever. Withdrawing the producer after a timeout (above) also cures that: the next
+//! send makes a fresh one from `bootstrap.servers`. Sends already under way on the old
+//! one fail with it, and it is closed when the last of them is done. One thing differs
+//! from a retry on the same producer: a broker that stalled with a timed-out message in
+//! its buffer and writes it late is not stopped by a newer producer id, so that late
+//! copy can land after the message's successors, as copies do after a relay restart.
 //! Consumers that drop ids they have seen (at-least-once, the row id as message id)
 //! see each aggregate in order either way.
 
@@ -52,7 +82,9 @@ use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseProducer, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{
+    BaseProducer, DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig,
+};
 
 use super::probe::{Probe, TIMEOUT, templated};
 use super::tls::{self, TlsFiles};
@@ -68,11 +100,15 @@ use crate::secrets::{
 /// Publishes to Kafka. The producers reconnect by themselves after an outage, and one
 /// whose message timed out is replaced (see the module's notes).
 pub struct KafkaBroker {
-    /// A batch's burst of chain starts: `linger.ms` as configured.
+    /// A batch's burst of chain starts, and the rest of a chain: `linger.ms` as
+    /// configured.
     batching: Slot,
-    /// A chain's next message while few chains send: `linger.ms=0`; made on the first
-    /// such step.
+    /// A chain's lone next message while few chains send: `linger.ms=0`; made on the
+    /// first such step.
     eager: Slot,
+    /// How long a message may wait for its acknowledgement (`message.timeout.ms`):
+    /// enforced here, not by librdkafka (see the module's notes); `None`: forever.
+    deadline: Option<Duration>,
 }
 
 impl KafkaBroker {
@@ -82,76 +118,225 @@ impl KafkaBroker {
         let broker = Self {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
+            deadline: deadline(&config.properties).map_err(PublishError::transient)?,
         };
         broker.batching.get()?;
         Ok(broker)
     }
 
-    /// [`Self::send`] through the batching producer, a failure classified against it.
+    /// [`Self::send`] through the batching producer.
     async fn send_batching(
         &self,
         message: &Message,
         partition: Option<i32>,
     ) -> Result<Delivered, PublishError> {
         let producer = self.batching.get()?;
-        self.send(&producer.client, message, partition)
+        self.send(&producer, message, partition)
             .await
-            .map_err(|err| failed(&self.batching, &producer, &err))
+            .map_err(|failure| self.failed(&self.batching, &producer, failure))
     }
 
     /// Produces `message` through `producer`, to `partition` when given (else where
     /// the partitioner puts its key), and waits for its acknowledgement.
     async fn send(
         &self,
-        producer: &FutureProducer<Context>,
+        producer: &KafkaProducer,
         message: &Message,
         partition: Option<i32>,
-    ) -> Result<Delivered, KafkaError> {
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
-        for (key, value) in &message.headers {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value.as_bytes()),
-            });
+    ) -> Result<Delivered, Failure> {
+        let future = enqueue(&producer.client, record(message, partition))
+            .await
+            .map_err(Failure::Kafka)?;
+        acknowledged(message, self.pending(future)).await
+    }
+
+    /// A message just queued, to be acknowledged within the deadline.
+    fn pending(&self, future: DeliveryFuture) -> Pending {
+        Pending {
+            deadline: self.deadline.map(|d| tokio::time::Instant::now() + d),
+            future,
         }
-        let mut record = FutureRecord::to(&message.destination).headers(headers);
-        // No payload: a tombstone (a record with a null value).
-        if let Some(payload) = &message.payload {
-            record = record.payload(&payload[..]);
+    }
+
+    /// Sends the rest of a chain through the batching producer, all at once, to
+    /// `partition` (see the module's notes on why nothing after a failure is written).
+    async fn send_rest(
+        &self,
+        messages: &[Message],
+        partition: Option<i32>,
+    ) -> Vec<Result<Delivered, PublishError>> {
+        let slot = &self.batching;
+        let producer = match slot.get() {
+            Ok(producer) => producer,
+            Err(err) => return vec![Err(err)],
+        };
+        let mut pending = Vec::with_capacity(messages.len());
+        let mut refused = None;
+        for message in messages {
+            let partition = message.partition.or(partition);
+            match enqueue(&producer.client, record(message, partition)).await {
+                Ok(future) => pending.push(self.pending(future)),
+                // Refused before it was queued (too large, say): the ones after it are
+                // not queued either.
+                Err(err) => {
+                    refused = Some(self.failed(slot, &producer, Failure::Kafka(err)));
+                    break;
+                }
+            }
         }
-        if let Some(key) = &message.key {
-            record = record.key(key.as_str());
+        let mut outcomes = Vec::with_capacity(messages.len());
+        for (message, delivery) in messages.iter().zip(pending) {
+            match acknowledged(message, delivery).await {
+                Ok(delivered) => outcomes.push(Ok(delivered)),
+                Err(failure) => {
+                    let err = self.failed(slot, &producer, failure);
+                    // Those queued after it must not be written before it is retried:
+                    // withdraw them with the producer (the next send makes a new one).
+                    if outcomes.len() + 1 < messages.len() {
+                        self.withdraw(slot, &producer);
+                    }
+                    outcomes.push(Err(err));
+                    return outcomes;
+                }
+            }
         }
-        if let Some(ms) = message.timestamp_ms {
-            record = record.timestamp(ms);
+        if let Some(refused) = refused {
+            outcomes.push(Err(refused));
         }
-        if let Some(partition) = partition {
-            record = record.partition(partition);
+        outcomes
+    }
+
+    /// What a failed send through `producer` of `slot` means for the relay. A message
+    /// not acknowledged in time withdraws its producer; one that can no longer send (a
+    /// fatal error) is retired. The next send makes a new one either way.
+    fn failed(&self, slot: &Slot, producer: &Arc<KafkaProducer>, failure: Failure) -> PublishError {
+        let err = match failure {
+            Failure::Kafka(err) => err,
+            Failure::TimedOut => {
+                if self.withdraw(slot, producer) {
+                    tracing::warn!(
+                        producer = slot.name,
+                        "a message timed out: the next one goes through a new Kafka producer"
+                    );
+                }
+                return PublishError::transient(match producer.last_error.get() {
+                    Some(cause) => format!(
+                        "Kafka: message timed out (not acknowledged within message.timeout.ms; last client error: {cause})"
+                    ),
+                    None => "Kafka: message timed out (not acknowledged within message.timeout.ms)"
+                        .to_owned(),
+                });
+            }
+            Failure::Closed => {
+                return PublishError::transient(
+                    "Kafka: the producer was closed before the message was acknowledged",
+                );
+            }
+        };
+        let failure = classify(&err, producer);
+        if producer.client.client().fatal_error().is_some() && slot.retire(producer) {
+            tracing::warn!(
+                producer = slot.name,
+                error = %failure.message,
+                "the Kafka producer stopped on a fatal error: the next message goes through a new one"
+            );
         }
-        // Waiting for queue space is bounded; the delivery itself is bounded by
-        // message.timeout.ms.
-        match producer.send(record, Duration::from_secs(10)).await {
-            Ok(delivery) => Ok(Delivered {
-                // Only a partition the partitioner chose carries over to the chain's
-                // next message; a placed one was this message's alone.
-                partition: message.partition.is_none().then_some(delivery.partition),
-            }),
-            Err((err, _)) => Err(err),
-        }
+        failure
+    }
+
+    /// Retires `producer` if it is still `slot`'s, and purges what it holds: nothing it
+    /// has not sent yet is sent (it fails as not acknowledged), and of what it has sent
+    /// the broker can only have written the oldest of each partition, in order
+    /// (idempotence), so no message is written behind one of its chain that was given
+    /// up. Returns whether it retired it.
+    fn withdraw(&self, slot: &Slot, producer: &Arc<KafkaProducer>) -> bool {
+        producer
+            .client
+            .purge(PurgeConfig::default().queue().inflight());
+        slot.retire(producer)
     }
 }
 
-/// Classifies a failed send through `used`, the producer `slot` gave; a message that
-/// timed out retires that producer.
-fn failed(slot: &Slot, used: &Arc<KafkaProducer>, err: &KafkaError) -> PublishError {
-    let failure = classify(err, used);
-    if err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) && slot.retire(used) {
-        tracing::warn!(
-            producer = slot.name,
-            "a message timed out: the next one goes through a new Kafka producer"
-        );
+/// Why a send failed, before it is classified.
+enum Failure {
+    /// librdkafka refused or failed the message.
+    Kafka(KafkaError),
+    /// Not acknowledged within the deadline.
+    TimedOut,
+    /// The producer was dropped with the message in it.
+    Closed,
+}
+
+/// Waits for a queued message's acknowledgement, at most until its deadline.
+async fn acknowledged(message: &Message, delivery: Pending) -> Result<Delivered, Failure> {
+    let outcome = match delivery.deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, delivery.future)
+            .await
+            .map_err(|_| Failure::TimedOut)?,
+        None => delivery.future.await,
+    };
+    match outcome {
+        Ok(Ok(delivery)) => Ok(Delivered {
+            // Only a partition the partitioner chose carries over to the chain's next
+            // message; a placed one was this message's alone.
+            partition: message.partition.is_none().then_some(delivery.partition),
+        }),
+        Ok(Err((err, _))) => Err(Failure::Kafka(err)),
+        Err(_) => Err(Failure::Closed),
     }
-    failure
+}
+
+/// A message in librdkafka's queue: its acknowledgement, and until when the relay waits
+/// for it.
+struct Pending {
+    deadline: Option<tokio::time::Instant>,
+    future: DeliveryFuture,
+}
+
+/// A record of `message`, to `partition` when given.
+fn record(message: &Message, partition: Option<i32>) -> FutureRecord<'_, str, [u8]> {
+    let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
+    for (key, value) in &message.headers {
+        headers = headers.insert(Header {
+            key,
+            value: Some(value.as_bytes()),
+        });
+    }
+    let mut record = FutureRecord::to(&message.destination).headers(headers);
+    // No payload: a tombstone (a record with a null value).
+    if let Some(payload) = &message.payload {
+        record = record.payload(&payload[..]);
+    }
+    if let Some(key) = &message.key {
+        record = record.key(key.as_str());
+    }
+    if let Some(ms) = message.timestamp_ms {
+        record = record.timestamp(ms);
+    }
+    if let Some(partition) = partition {
+        record = record.partition(partition);
+    }
+    record
+}
+
+/// Puts `record` in the producer's queue, waiting up to 10 s for room in it.
+async fn enqueue(
+    producer: &FutureProducer<Context>,
+    mut record: FutureRecord<'_, str, [u8]>,
+) -> Result<DeliveryFuture, KafkaError> {
+    let room_by = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match producer.send_result(record) {
+            Ok(future) => return Ok(future),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                if tokio::time::Instant::now() < room_by =>
+            {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err((err, _)) => return Err(err),
+        }
+    }
 }
 
 /// librdkafka reports why it cannot reach a broker (TLS, SASL, DNS) only through the
@@ -267,6 +452,11 @@ impl rdkafka::ClientContext for Context {
                     *last = Some(message.to_owned());
                 }
             }
+            // The relay sets it on purpose (see the module's notes); librdkafka warns
+            // on every producer it makes.
+            L::Warning if fac == "CONFWARN" && message.contains("enable.gapless.guarantee") => {
+                tracing::debug!(facility = fac, "Kafka client: {message}");
+            }
             L::Warning => tracing::warn!(facility = fac, "Kafka client: {message}"),
             L::Notice | L::Info => tracing::info!(facility = fac, "Kafka client: {message}"),
             L::Debug => tracing::debug!(facility = fac, "Kafka client: {message}"),
@@ -287,7 +477,6 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
     let mut client = ClientConfig::new();
     // Defaults a user may tune through `properties`.
     client
-        .set("message.timeout.ms", "20000")
         .set("socket.connection.setup.timeout.ms", "5000")
         .set("linger.ms", "1")
         // The Java client's partitioning (murmur2 of the key): an aggregate's events land
@@ -300,10 +489,20 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         // holds both (which one wins would depend on the order they are applied in).
         let key = match key.as_str() {
             "queue.buffering.max.ms" => "linger.ms",
+            "retries" => "message.send.max.retries",
+            "delivery.timeout.ms" => "message.timeout.ms",
             key => key,
         };
         client.set(key, value);
     }
+    // Fixed, after the user's properties, so that no message is ever written behind
+    // one of its chain that librdkafka gave up on (see the module's notes): librdkafka
+    // never times a message out (the relay does, see `deadline`), retries it for as
+    // long as it waits, and stops on any refusal that would leave a gap.
+    client
+        .set("message.timeout.ms", "0")
+        .set("message.send.max.retries", "2147483647")
+        .set("enable.gapless.guarantee", "true");
     // Fixed, after the user's properties: idempotence keeps each Kafka partition in
     // send order without duplicates from internal retries (it requires
     // max.in.flight <= 5), and acks=all means "acknowledged" survives a broker loss.
@@ -343,6 +542,27 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
             .set("sasl.password", password);
     }
     client
+}
+
+/// How long the relay waits for a message's acknowledgement before it gives the
+/// message and its producer up: `message.timeout.ms` (or its alias
+/// `delivery.timeout.ms`) from `properties`, 20 s by default; 0 waits for ever.
+pub(super) fn deadline(
+    properties: &std::collections::BTreeMap<String, String>,
+) -> Result<Option<Duration>, String> {
+    let Some((key, value)) = properties
+        .iter()
+        .rfind(|(key, _)| *key == "message.timeout.ms" || *key == "delivery.timeout.ms")
+    else {
+        return Ok(Some(Duration::from_secs(20)));
+    };
+    match value.trim().parse::<u32>() {
+        Ok(0) => Ok(None),
+        Ok(ms) if ms <= 2_147_483_647 => Ok(Some(Duration::from_millis(u64::from(ms)))),
+        _ => Err(format!(
+            "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
+        )),
+    }
 }
 
 /// A producer of `client`'s settings that keeps its last connection error.
@@ -394,15 +614,19 @@ fn classify(err: &KafkaError, producer: &KafkaProducer) -> PublishError {
         Some(cause) => format!("Kafka: {err} (last client error: {cause})"),
         None => format!("Kafka: {err}"),
     };
-    if let Some((code, reason)) = producer.client.client().fatal_error() {
-        // A fatal idempotence error poisons the producer; the relay sees `is_broken`,
-        // exits and is restarted with a new one (unless a timeout retired the producer
-        // first: then the next send makes a new one). Nothing was marked, so nothing is
-        // lost.
-        return PublishError::transient(format!("Kafka producer fatal error {code:?}: {reason}"));
-    }
-    match err.rdkafka_error_code() {
-        Some(code) if is_row_fault(code) => PublishError::row(text),
+    match (
+        err.rdkafka_error_code(),
+        producer.client.client().fatal_error(),
+    ) {
+        // The message the broker refused: with the gap-less guarantee its refusal also
+        // stops the producer (the messages queued behind it fail as fatal, below), but
+        // it is still this row's fault.
+        (Some(code), _) if is_row_fault(code) => PublishError::row(text),
+        // A fatal error stops the producer; it is retired and the next send makes a
+        // new one. Nothing was marked, so nothing is lost.
+        (_, Some((code, reason))) => {
+            PublishError::transient(format!("Kafka producer fatal error {code:?}: {reason}"))
+        }
         _ => PublishError::transient(text),
     }
 }
@@ -440,16 +664,35 @@ impl Broker for KafkaBroker {
                     return self.send_batching(message, partition).await;
                 }
             };
-            match self.send(&eager.client, message, partition).await {
+            match self.send(&eager, message, partition).await {
                 // This producer has not seen the partition yet (its metadata lags the
                 // other's); nothing was sent: the batching producer, which wrote the
                 // predecessor there, sends it.
-                Err(err)
+                Err(Failure::Kafka(err))
                     if err.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) =>
                 {
                     self.send_batching(message, partition).await
                 }
-                sent => sent.map_err(|err| failed(&self.eager, &eager, &err)),
+                sent => sent.map_err(|failure| self.failed(&self.eager, &eager, failure)),
+            }
+        })
+    }
+
+    /// After the chain's first message, the rest all at once through the batching
+    /// producer, to where the first one went: a round trip for the lot instead of one
+    /// per message (see the module's notes). A single next message goes as
+    /// [`Self::publish_next`] sends it.
+    fn publish_rest<'a>(
+        &'a self,
+        messages: &'a [Message],
+        after: Delivered,
+        crowded: bool,
+    ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
+        Box::pin(async move {
+            match messages {
+                [] => Vec::new(),
+                [message] => vec![self.publish_next(message, Step { after, crowded }).await],
+                _ => self.send_rest(messages, after.partition).await,
             }
         })
     }
@@ -475,6 +718,13 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
         );
     }
     check_template_into(p, BrokerKind::Kafka, "spec.broker.kafka.topic", &k.topic);
+    if let Err(why) = deadline(&k.properties) {
+        p.push(
+            "spec.broker.kafka.properties",
+            why,
+            "give a whole number of milliseconds (0: wait for ever)",
+        );
+    }
     for key in k.properties.keys() {
         if is_fixed_kafka_property(key) {
             p.push(
@@ -588,8 +838,11 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
     let wanted = topic.clone();
     let metadata = tokio::task::spawn_blocking(move || {
         let result = producer.client().fetch_metadata(wanted.as_deref(), TIMEOUT);
-        // A BaseProducer serves its error callbacks only when polled.
-        producer.poll(Duration::ZERO);
+        // A BaseProducer serves its error callbacks only when polled, one event per
+        // poll: serve every one waiting (the connection's error need not be first).
+        for _ in 0..64 {
+            producer.poll(Duration::ZERO);
+        }
         result.map_err(|err| (err, last_error.get()))
     })
     .await;
@@ -796,5 +1049,90 @@ mod tests {
         };
         assert_eq!(rest(&batching), rest(&eager));
         assert_eq!(eager.get("enable.idempotence"), Some("true"));
+    }
+
+    #[test]
+    fn librdkafka_never_gives_a_message_up_on_its_own_and_the_relay_waits_message_timeout_ms() {
+        // Whatever the user sets, librdkafka neither times out nor stops retrying a
+        // message, and stops on a refusal that would leave a gap.
+        let user = settings(&[
+            ("message.timeout.ms", "5000"),
+            ("retries", "3"),
+            ("enable.gapless.guarantee", "false"),
+        ]);
+        for config in [client_config(&user), eager_config(&user)] {
+            assert_eq!(config.get("message.timeout.ms"), Some("0"));
+            assert_eq!(config.get("message.send.max.retries"), Some("2147483647"));
+            assert_eq!(config.get("retries"), None);
+            assert_eq!(config.get("enable.gapless.guarantee"), Some("true"));
+        }
+        let alias = client_config(&settings(&[("delivery.timeout.ms", "7000")]));
+        assert_eq!(alias.get("message.timeout.ms"), Some("0"));
+        assert_eq!(alias.get("delivery.timeout.ms"), None);
+        // The relay's own deadline takes the user's value.
+        let of = |properties: &[(&str, &str)]| deadline(&settings(properties).properties);
+        assert_eq!(of(&[]), Ok(Some(Duration::from_secs(20))));
+        assert_eq!(
+            of(&[("message.timeout.ms", "5000")]),
+            Ok(Some(Duration::from_secs(5)))
+        );
+        assert_eq!(
+            of(&[("delivery.timeout.ms", "7000")]),
+            Ok(Some(Duration::from_secs(7)))
+        );
+        assert_eq!(of(&[("message.timeout.ms", "0")]), Ok(None));
+        for bad in ["soon", "-1", "2147483648"] {
+            let err = of(&[("message.timeout.ms", bad)]).expect_err(bad);
+            assert!(err.contains("message.timeout.ms"), "{err}");
+        }
+        // `check` says so before any relay starts.
+        let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
+            "bootstrapServers": "kafka:9092",
+            "topic": "outbox",
+            "properties": {"delivery.timeout.ms": "soon"}
+        }))
+        .unwrap();
+        let mut problems = Problems(Vec::new());
+        check(&spec, &mut problems);
+        assert_eq!(problems.0.len(), 1, "{problems:?}");
+        assert_eq!(problems.0[0].field, "spec.broker.kafka.properties");
+    }
+
+    #[tokio::test]
+    async fn a_chains_rest_stops_at_its_first_unacknowledged_message_and_withdraws_the_producer() {
+        let broker = KafkaBroker::new(&unreachable(&[
+            ("message.timeout.ms", "300"),
+            ("message.max.bytes", "1000"),
+        ]))
+        .expect("a producer");
+        let before = broker.batching.get().expect("made");
+        let rest: Vec<Message> = (0..5).map(|_| message(b"{}")).collect();
+        let outcomes = broker
+            .publish_rest(&rest, Delivered::default(), false)
+            .await;
+        assert_eq!(outcomes.len(), 1, "the rest ends with its first failure");
+        let err = outcomes[0].as_ref().expect_err("nothing listens on port 9");
+        assert!(
+            !err.row_fault && err.message.contains("timed out"),
+            "{err:?}"
+        );
+        let after = broker.batching.get().expect("made again");
+        assert!(!Arc::ptr_eq(&before, &after), "the producer was kept");
+        // A message too large for the producer ends the rest before it is queued, and
+        // nothing after it is queued either.
+        let rest = [message(b"{}"), message(&[b'x'; 2000]), message(b"{}")];
+        let outcomes = broker
+            .publish_rest(&rest, Delivered::default(), false)
+            .await;
+        assert_eq!(outcomes.len(), 1, "{outcomes:?}");
+        assert!(outcomes[0].as_ref().is_err());
+        // Its first message timed out (port 9); a rest of only refusals fails at once.
+        let rest = [message(&[b'x'; 2000]), message(b"{}")];
+        let outcomes = broker
+            .publish_rest(&rest, Delivered::default(), false)
+            .await;
+        assert_eq!(outcomes.len(), 1, "{outcomes:?}");
+        let err = outcomes[0].as_ref().expect_err("too large");
+        assert!(err.row_fault, "{err:?}");
     }
 }

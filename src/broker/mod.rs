@@ -289,6 +289,41 @@ pub trait Broker: Send + Sync {
         self.publish(message)
     }
 
+    /// Publishes the rest of a chain, whose first message was acknowledged as `after`,
+    /// and waits for the acknowledgements: every message where its predecessor landed,
+    /// in order. Returns one outcome per message it sent, in order, ending with the
+    /// first failure; the messages after a failure were not sent, and none of them is
+    /// ever written ahead of the failed one, so publishing the rest again from the
+    /// failure keeps the aggregate's order. `crowded` as in [`Step`].
+    ///
+    /// By default each message waits for its predecessor's acknowledgement (a round
+    /// trip per event). A broker whose client keeps a partition in send order and
+    /// writes no message after one it gave up on sends them all at once instead (Kafka,
+    /// see its module's notes).
+    fn publish_rest<'a>(
+        &'a self,
+        messages: &'a [Message],
+        after: Delivered,
+        crowded: bool,
+    ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
+        Box::pin(async move {
+            let mut outcomes = Vec::with_capacity(messages.len());
+            let mut after = after;
+            for message in messages {
+                let sent = self.publish_next(message, Step { after, crowded }).await;
+                let failed = sent.is_err();
+                if let Ok(delivered) = &sent {
+                    after = *delivered;
+                }
+                outcomes.push(sent);
+                if failed {
+                    break;
+                }
+            }
+            outcomes
+        })
+    }
+
     /// True when the client can never publish again and the process must restart.
     fn is_broken(&self) -> bool {
         false

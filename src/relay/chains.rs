@@ -1,15 +1,18 @@
 //! A batch split into chains, one per aggregate, each published in order: shared by the
 //! polling and the log-tailing publisher.
 //!
-//! Rows of one aggregate go out one after another, each waiting for its broker
-//! acknowledgement, so a retry can never overtake an earlier row; different aggregates
-//! run concurrently.
+//! A chain's first row goes out with the batch's; once it is acknowledged, the rest of
+//! the chain goes to the broker as [`Broker::publish_rest`] sends it: one after another,
+//! each waiting for its predecessor's acknowledgement (NATS, RabbitMQ), or all at once
+//! to the first one's partition by a client that never writes a message behind one it
+//! gave up (Kafka). Either way a failure ends the chain there, and nothing after it is
+//! written ahead of its retry. Different aggregates run concurrently.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use crate::broker::{Broker, Delivered, PublishError, Shape, Step};
+use crate::broker::{Broker, PublishError, Shape};
 use crate::postgres::OutboxRow;
 
 /// One chain's outcome.
@@ -76,8 +79,10 @@ pub(super) async fn publish_chains(
     .await
 }
 
-/// Publishes a chain one message at a time, stopping at the first failure (or at the
-/// fence). `sending` counts the batch's chains not finished yet, this one included.
+/// Publishes a chain: its first message with the batch's, then, once that one is
+/// acknowledged (and so where it landed is known), the rest together through
+/// [`Broker::publish_rest`], stopping at the first failure (or at the fence). `sending`
+/// counts the batch's chains not finished yet, this one included.
 async fn publish_chain(
     broker: &dyn Broker,
     shape: &Shape,
@@ -87,49 +92,95 @@ async fn publish_chain(
 ) -> ChainResult {
     let mut published = Vec::with_capacity(chain.len());
     let mut rows = chain.into_iter();
-    // The acknowledgement of the message before: the next one follows it.
-    let mut previous: Option<Delivered> = None;
-    while let Some(row) = rows.next() {
-        let sent = if fence.is_some_and(|f| Instant::now() >= f) {
-            Err(PublishError::transient(
-                "not sent: the database session that holds this partition was last seen alive too long ago (fence)",
-            ))
-        } else {
-            match shape.build(&row) {
-                // The chain's first message goes out with the whole batch's; the
-                // others one at a time, after their predecessor's acknowledgement,
-                // and to where it went.
-                Ok(message) => match previous {
-                    None => broker.publish(&message).await,
-                    Some(after) => {
-                        let step = Step {
-                            after,
-                            crowded: sending.load(Ordering::Relaxed) >= CROWD,
-                        };
-                        broker.publish_next(&message, step).await
-                    }
-                },
-                Err(err) => Err(err),
-            }
+    let Some(first) = rows.next() else {
+        return ChainResult {
+            published,
+            failed: None,
         };
-        match sent {
-            Ok(delivered) => {
-                previous = Some(delivered);
-                published.push((row.id, row.created_at));
-            }
+    };
+    let first_sent = match past(fence) {
+        Some(err) => Err(err),
+        None => match shape.build(&first) {
+            Ok(message) => broker.publish(&message).await,
+            Err(err) => Err(err),
+        },
+    };
+    let after = match first_sent {
+        Ok(delivered) => delivered,
+        Err(err) => return failed_from(published, first, rows, err),
+    };
+    published.push((first.id, first.created_at));
+    if let Some(err) = past(fence)
+        && let Some(row) = rows.next()
+    {
+        return failed_from(published, row, rows, err);
+    }
+    let rest: Vec<OutboxRow> = rows.collect();
+    // The messages up to the first row that cannot become one: those are sent, and
+    // that row fails after them (as if the broker had refused it).
+    let mut messages = Vec::with_capacity(rest.len());
+    let mut unbuildable = None;
+    for row in &rest {
+        match shape.build(row) {
+            Ok(message) => messages.push(message),
             Err(err) => {
-                let mut rest = vec![row];
-                rest.extend(rows);
-                return ChainResult {
-                    published,
-                    failed: Some((rest, err)),
-                };
+                unbuildable = Some(err);
+                break;
             }
         }
     }
+    let crowded = sending.load(Ordering::Relaxed) >= CROWD;
+    let outcomes = if messages.is_empty() {
+        Vec::new()
+    } else {
+        broker.publish_rest(&messages, after, crowded).await
+    };
+    let mut rest = rest.into_iter();
+    for outcome in outcomes {
+        let Some(row) = rest.next() else { break };
+        match outcome {
+            Ok(_) => published.push((row.id, row.created_at)),
+            Err(err) => return failed_from(published, row, rest, err),
+        }
+    }
+    match rest.next() {
+        None => ChainResult {
+            published,
+            failed: None,
+        },
+        Some(row) => {
+            let err = unbuildable.unwrap_or_else(|| {
+                PublishError::transient(
+                    "not sent: an earlier message of its aggregate was not acknowledged",
+                )
+            });
+            failed_from(published, row, rest, err)
+        }
+    }
+}
+
+/// The fence's error once it has passed.
+fn past(fence: Option<Instant>) -> Option<PublishError> {
+    fence.filter(|f| Instant::now() >= *f).map(|_| {
+        PublishError::transient(
+            "not sent: the database session that holds this partition was last seen alive too long ago (fence)",
+        )
+    })
+}
+
+/// A chain that stopped at `row` with `err`: `row` and the rows after it come back
+/// unsent.
+fn failed_from(
+    published: Vec<(i64, Option<f64>)>,
+    row: OutboxRow,
+    rows: impl Iterator<Item = OutboxRow>,
+    err: PublishError,
+) -> ChainResult {
+    let mut failed = vec![row];
+    failed.extend(rows);
     ChainResult {
         published,
-        failed: None,
+        failed: Some((failed, err)),
     }
 }
 
@@ -139,11 +190,13 @@ pub(crate) mod recording {
     use crate::broker::{Broker, Delivered, Message, PublishError, Step};
 
     /// Records what it is asked to publish, and whether as a chain's next message (and
-    /// then, in the second list, whether crowded); accepts everything.
+    /// then, in the second list, whether crowded), and in the third the length of each
+    /// rest of a chain it was given at once; accepts everything.
     #[derive(Default)]
     pub struct Recorder(
         pub std::sync::Mutex<Vec<(String, bool)>>,
         pub std::sync::Mutex<Vec<bool>>,
+        pub std::sync::Mutex<Vec<usize>>,
     );
 
     impl Recorder {
@@ -182,6 +235,25 @@ pub(crate) mod recording {
             Box::pin(async {
                 tokio::task::yield_now().await;
                 Ok(Delivered::default())
+            })
+        }
+
+        fn publish_rest<'a>(
+            &'a self,
+            messages: &'a [Message],
+            after: Delivered,
+            crowded: bool,
+        ) -> futures::future::BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
+            self.2
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(messages.len());
+            Box::pin(async move {
+                let mut outcomes = Vec::new();
+                for message in messages {
+                    outcomes.push(self.publish_next(message, Step { after, crowded }).await);
+                }
+                outcomes
             })
         }
     }
@@ -245,6 +317,70 @@ mod tests {
         let crowded = broker.1.lock().unwrap().clone();
         assert_eq!(crowded.len(), 12);
         assert!(crowded.iter().all(|c| !*c), "{crowded:?}");
+    }
+
+    #[tokio::test]
+    async fn a_chains_rest_goes_out_at_once_once_its_first_message_is_acknowledged() {
+        let broker = Recorder::default();
+        let rows = (1..=6)
+            .map(|i| row(i, if i == 3 { "b" } else { "a" }))
+            .collect();
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
+            chains(rows, true),
+            None,
+        )
+        .await;
+        assert!(results.iter().all(|r| r.failed.is_none()));
+        // "a": 1 alone, then 2, 4, 5, 6 together; "b": 3 alone.
+        assert_eq!(*broker.2.lock().unwrap(), vec![4]);
+        let published: Vec<Vec<i64>> = results
+            .iter()
+            .map(|r| r.published.iter().map(|(id, _)| *id).collect())
+            .collect();
+        assert_eq!(published, vec![vec![1, 2, 4, 5, 6], vec![3]]);
+    }
+
+    #[tokio::test]
+    async fn a_row_that_cannot_become_a_message_ends_its_chains_rest_and_nothing_after_it_is_sent()
+    {
+        let broker = Recorder::default();
+        let mut rows: Vec<OutboxRow> = (1..=5).map(|i| row(i, "a")).collect();
+        // Not a valid NATS subject token.
+        rows[2].aggregate_type = "bad type".into();
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "e.{aggregateType}"),
+            chains(rows, true),
+            None,
+        )
+        .await;
+        // 1 alone, then only 2: the rest stops before row 3.
+        assert_eq!(*broker.2.lock().unwrap(), vec![1]);
+        let sent: Vec<String> = broker
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert_eq!(sent, vec!["1", "2"]);
+        let result = &results[0];
+        assert_eq!(
+            result
+                .published
+                .iter()
+                .map(|(id, _)| *id)
+                .collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        let (failed, err) = result.failed.as_ref().unwrap();
+        assert_eq!(
+            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![3, 4, 5]
+        );
+        assert!(err.row_fault, "{err}");
     }
 
     #[tokio::test]

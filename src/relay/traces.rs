@@ -14,7 +14,7 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, Span as SdkSpan};
 
 use crate::broker::{Broker, BrokerKind, Delivered, Message, PublishError, Step};
 
@@ -96,45 +96,47 @@ pub fn parent_context(headers: &[(String, String)]) -> Context {
 }
 
 impl TracedBroker {
-    /// Publishes `message` in a producer span, through the inner broker's `publish`, or
-    /// its `publish_next` for a chain's next message.
-    fn traced<'a>(
-        &'a self,
-        message: &'a Message,
-        after: Option<Step>,
-    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
-        Box::pin(async move {
-            let parent = parent_context(&message.headers);
-            let mut span = self
-                .tracer
-                .span_builder(format!("send {}", message.destination))
-                .with_kind(SpanKind::Producer)
-                .with_attributes(vec![
-                    KeyValue::new("messaging.system", self.system),
-                    KeyValue::new("messaging.operation.type", "send"),
-                    KeyValue::new("messaging.destination.name", message.destination.clone()),
-                    KeyValue::new("messaging.message.id", message.id.clone()),
-                ])
-                .start_with_context(&self.tracer, &parent);
-            // The message carries the publish span on, as the messaging conventions
-            // say: a consumer's span becomes its child (tracestate travels as it was).
-            let context = span.span_context().clone();
-            let traceparent = format!(
-                "00-{}-{}-{:02x}",
-                context.trace_id(),
-                context.span_id(),
-                context.trace_flags().to_u8()
-            );
-            let mut sent = message.clone();
-            match sent.headers.iter_mut().find(|(k, _)| k == "traceparent") {
-                Some((_, v)) => *v = traceparent,
-                None => sent.headers.push(("traceparent".to_owned(), traceparent)),
-            }
-            let result = match after {
-                Some(step) => self.inner.publish_next(&sent, step).await,
-                None => self.inner.publish(&sent).await,
-            };
-            if let Err(err) = &result {
+    /// Starts `message`'s producer span, and returns it with the message to send: a
+    /// copy whose `traceparent` names the span.
+    fn start(&self, message: &Message) -> (SdkSpan, Message) {
+        let parent = parent_context(&message.headers);
+        let span = self
+            .tracer
+            .span_builder(format!("send {}", message.destination))
+            .with_kind(SpanKind::Producer)
+            .with_attributes(vec![
+                KeyValue::new("messaging.system", self.system),
+                KeyValue::new("messaging.operation.type", "send"),
+                KeyValue::new("messaging.destination.name", message.destination.clone()),
+                KeyValue::new("messaging.message.id", message.id.clone()),
+            ])
+            .start_with_context(&self.tracer, &parent);
+        // The message carries the publish span on, as the messaging conventions say: a
+        // consumer's span becomes its child (tracestate travels as it was).
+        let context = span.span_context().clone();
+        let traceparent = format!(
+            "00-{}-{}-{:02x}",
+            context.trace_id(),
+            context.span_id(),
+            context.trace_flags().to_u8()
+        );
+        let mut sent = message.clone();
+        match sent.headers.iter_mut().find(|(k, _)| k == "traceparent") {
+            Some((_, v)) => *v = traceparent,
+            None => sent.headers.push(("traceparent".to_owned(), traceparent)),
+        }
+        (span, sent)
+    }
+
+    /// Ends `message`'s span with its outcome (`None`: not sent).
+    fn finish(
+        mut span: SdkSpan,
+        message: &Message,
+        outcome: Option<&Result<Delivered, PublishError>>,
+    ) {
+        match outcome {
+            Some(Ok(_)) => {}
+            Some(Err(err)) => {
                 span.set_status(Status::error(err.message.clone()));
                 let context = span.span_context();
                 tracing::warn!(
@@ -146,7 +148,28 @@ impl TracedBroker {
                     "publish failed"
                 );
             }
-            span.end();
+            // Its failed predecessor was logged.
+            None => span.set_status(Status::error(
+                "not sent: an earlier message of its aggregate was not acknowledged",
+            )),
+        }
+        span.end();
+    }
+
+    /// Publishes `message` in a producer span, through the inner broker's `publish`, or
+    /// its `publish_next` for a chain's next message.
+    fn traced<'a>(
+        &'a self,
+        message: &'a Message,
+        after: Option<Step>,
+    ) -> BoxFuture<'a, Result<Delivered, PublishError>> {
+        Box::pin(async move {
+            let (span, sent) = self.start(message);
+            let result = match after {
+                Some(step) => self.inner.publish_next(&sent, step).await,
+                None => self.inner.publish(&sent).await,
+            };
+            Self::finish(span, message, Some(&result));
             result
         })
     }
@@ -168,6 +191,25 @@ impl Broker for TracedBroker {
         self.traced(message, Some(step))
     }
 
+    /// Each message in a span of its own, the rest sent together as the inner broker
+    /// sends it.
+    fn publish_rest<'a>(
+        &'a self,
+        messages: &'a [Message],
+        after: Delivered,
+        crowded: bool,
+    ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
+        Box::pin(async move {
+            let (spans, sent): (Vec<SdkSpan>, Vec<Message>) =
+                messages.iter().map(|m| self.start(m)).unzip();
+            let outcomes = self.inner.publish_rest(&sent, after, crowded).await;
+            for (i, (span, message)) in spans.into_iter().zip(messages).enumerate() {
+                Self::finish(span, message, outcomes.get(i));
+            }
+            outcomes
+        })
+    }
+
     fn is_broken(&self) -> bool {
         self.inner.is_broken()
     }
@@ -179,7 +221,7 @@ mod tests {
     use opentelemetry::trace::TraceContextExt;
 
     #[tokio::test]
-    async fn a_chains_next_message_keeps_its_way_through_the_span() {
+    async fn a_chains_next_messages_keep_their_way_through_the_span() {
         use opentelemetry::trace::TracerProvider as _;
         let inner = Arc::new(crate::relay::chains::recording::Recorder::default());
         let tracer = SdkTracerProvider::builder().build().tracer("test");
@@ -199,9 +241,21 @@ mod tests {
             .publish_next(&message("2"), Step::default())
             .await
             .unwrap();
+        // The rest of a chain reaches the inner broker together, as it was given.
+        let rest = [message("3"), message("4")];
+        let outcomes = traced
+            .publish_rest(&rest, Delivered::default(), false)
+            .await;
+        assert_eq!(outcomes.len(), 2);
+        assert_eq!(*inner.2.lock().unwrap(), vec![2]);
         assert_eq!(
             *inner.0.lock().unwrap(),
-            vec![("1".to_owned(), false), ("2".to_owned(), true)]
+            vec![
+                ("1".to_owned(), false),
+                ("2".to_owned(), true),
+                ("3".to_owned(), true),
+                ("4".to_owned(), true)
+            ]
         );
     }
 

@@ -71,8 +71,20 @@ fn hex(key: &str) -> String {
 
 /// Reads every record of `topic` and returns each key's partitions.
 fn partitions_by_key(topic: &str, expected: usize) -> BTreeMap<String, Vec<i32>> {
+    let mut found: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+    for (key, partition, _) in records(topic, expected, Duration::ZERO) {
+        found.entry(key).or_default().push(partition);
+    }
+    found
+}
+
+/// Reads `expected` records of `topic`, then goes on reading for `more` and fails if
+/// any other arrives: each record's key, partition and `id` header, every partition's
+/// in offset order.
+fn records(topic: &str, expected: usize, more: Duration) -> Vec<(String, i32, String)> {
     use rdkafka::Message;
     use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Headers;
     let consumer: BaseConsumer = common::kafka_config()
         .set("group.id", format!("verify-{}", common::unique_suffix()))
         .set("enable.auto.commit", "false")
@@ -85,33 +97,57 @@ fn partitions_by_key(topic: &str, expected: usize) -> BTreeMap<String, Vec<i32>>
             .unwrap();
     }
     consumer.assign(&assignment).unwrap();
-    let mut found: BTreeMap<String, Vec<i32>> = BTreeMap::new();
-    let mut count = 0;
+    let mut found = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while count < expected {
+    let mut settled = None;
+    loop {
+        if found.len() >= expected {
+            let until = *settled.get_or_insert_with(|| Instant::now() + more);
+            if Instant::now() >= until {
+                break;
+            }
+        }
         assert!(
             Instant::now() < deadline,
-            "only {count} of {expected} records arrived"
+            "only {} of {expected} records arrived",
+            found.len()
         );
         let Some(Ok(message)) = consumer.poll(Duration::from_millis(200)) else {
             continue;
         };
         let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
-        found.entry(key).or_default().push(message.partition());
-        count += 1;
+        let id = message
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "id"))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default();
+        found.push((key, message.partition(), id));
+        assert!(
+            found.len() <= expected,
+            "more records than the {expected} expected: {found:?}"
+        );
     }
     found
 }
 
 /// The relay's Kafka publisher for `topic`, with the relay's default settings.
 fn relay_broker(topic: &str) -> KafkaBroker {
+    relay_broker_with(topic, &[])
+}
+
+/// The relay's Kafka publisher for `topic`, with `properties`.
+fn relay_broker_with(topic: &str, properties: &[(&str, &str)]) -> KafkaBroker {
     KafkaBroker::new(&KafkaSettings {
         bootstrap_servers: common::Rig::load().kafka_bootstrap().to_owned(),
         topic: topic.to_owned(),
         tls: false,
         tls_files: Default::default(),
         sasl: None,
-        properties: Default::default(),
+        properties: properties
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
     })
     .unwrap()
 }
@@ -216,4 +252,108 @@ async fn a_chains_next_message_follows_its_predecessor_to_its_partition() {
     let mut want = vec![natural, elsewhere, elsewhere];
     want.sort_unstable();
     assert_eq!(found, want, "where the two records of {key} landed");
+}
+
+/// The rest of a chain goes out at once, once its first message is acknowledged: every
+/// message to the partition the first one was written to, in order.
+#[tokio::test]
+async fn a_chains_rest_goes_out_at_once_in_order_to_its_first_messages_partition() {
+    let topic = common::fresh_topic(PARTITIONS).await;
+    let broker = relay_broker(&topic);
+    let key = "order-11".to_owned();
+    let natural = java_partitions(std::slice::from_ref(&key), PARTITIONS)[&key];
+    let first = broker
+        .publish(&keyed_message(&topic, 1, &key))
+        .await
+        .unwrap();
+    assert_eq!(first.partition, Some(natural));
+    let rest: Vec<_> = (2..=300)
+        .map(|id| keyed_message(&topic, id, &key))
+        .collect();
+    let outcomes = broker.publish_rest(&rest, first, false).await;
+    assert_eq!(outcomes.len(), rest.len());
+    for outcome in &outcomes {
+        assert_eq!(outcome.as_ref().unwrap().partition, Some(natural));
+    }
+    // As if the first one had been written elsewhere (a producer that saw another
+    // partition count): the rest follows it there.
+    let elsewhere = (natural + 1) % PARTITIONS;
+    let rest: Vec<_> = (301..=310)
+        .map(|id| keyed_message(&topic, id, &key))
+        .collect();
+    let after = outbox_operator::broker::Delivered {
+        partition: Some(elsewhere),
+    };
+    let outcomes = broker.publish_rest(&rest, after, false).await;
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| o.as_ref().unwrap().partition == Some(elsewhere))
+    );
+
+    let found = records(&topic, 310, Duration::ZERO);
+    let on = |partition: i32| -> Vec<i64> {
+        found
+            .iter()
+            .filter(|(_, p, _)| *p == partition)
+            .map(|(_, _, id)| id.parse().unwrap())
+            .collect()
+    };
+    assert_eq!(on(natural), (1..=300).collect::<Vec<_>>());
+    assert_eq!(on(elsewhere), (301..=310).collect::<Vec<_>>());
+}
+
+/// A message of a chain's rest that the broker refuses stops the producer (the
+/// gap-less guarantee): none of the messages queued behind it is written, so the chain
+/// can be published again from the refused one and keep its order. Each message
+/// travels in a request of its own here (`batch.num.messages: 1`), so without the
+/// guarantee librdkafka would write the ones after the refused one.
+#[tokio::test]
+async fn nothing_queued_behind_a_refused_message_of_a_chains_rest_is_written() {
+    let topic = format!("test-{}", common::unique_suffix());
+    // The broker refuses records stamped more than an hour ahead.
+    common::create_topic(
+        common::Rig::load().kafka_bootstrap(),
+        &topic,
+        PARTITIONS,
+        &[("message.timestamp.after.max.ms", "3600000")],
+    )
+    .await;
+    let broker = relay_broker_with(&topic, &[("batch.num.messages", "1")]);
+    let key = "order-12".to_owned();
+    let first = broker
+        .publish(&keyed_message(&topic, 1, &key))
+        .await
+        .unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let rest: Vec<_> = (2..=40)
+        .map(|id| {
+            let mut message = keyed_message(&topic, id, &key);
+            if id == 5 {
+                message.timestamp_ms = Some(now_ms + 86_400_000);
+            }
+            message
+        })
+        .collect();
+    let outcomes = broker.publish_rest(&rest, first, false).await;
+    // 2, 3 and 4 written; 5 refused as the row's fault; nothing after it.
+    assert_eq!(outcomes.len(), 4, "{outcomes:?}");
+    assert!(outcomes[..3].iter().all(Result::is_ok), "{outcomes:?}");
+    let err = outcomes[3].as_ref().expect_err("refused");
+    assert!(err.row_fault, "{err:?}");
+    let found = records(&topic, 4, Duration::from_secs(3));
+    let ids: Vec<&str> = found.iter().map(|(_, _, id)| id.as_str()).collect();
+    assert_eq!(ids, ["1", "2", "3", "4"]);
+    // The relay goes on with a new producer: the chain again from the refused message,
+    // now acceptable.
+    let rest: Vec<_> = (5..=40).map(|id| keyed_message(&topic, id, &key)).collect();
+    let outcomes = broker.publish_rest(&rest, first, false).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert!(!broker.is_broken());
+    let found = records(&topic, 40, Duration::ZERO);
+    let ids: Vec<i64> = found.iter().map(|(_, _, id)| id.parse().unwrap()).collect();
+    assert_eq!(ids, (1..=40).collect::<Vec<_>>());
 }
