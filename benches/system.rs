@@ -101,7 +101,7 @@ struct ThroughputCase {
     /// `deleteAfterPublish`), else marked (polling) or left (log tailing).
     delete: bool,
     /// How many aggregates the rows cycle through: [`AGGREGATES`], or a few busy
-    /// ones, whose events in one batch go out one after another (per-aggregate order).
+    /// ones, whose events in one batch form long chains (per-aggregate order).
     aggregates: i64,
 }
 
@@ -315,7 +315,7 @@ impl Plan {
             aggregates: AGGREGATES,
         };
         // The headline workload with all events on a few busy aggregates: each batch
-        // holds a chain of events per aggregate, sent one after another.
+        // holds a long chain of events per aggregate.
         let busy = |mode, replicas, aggregates| ThroughputCase {
             aggregates,
             ..headline(mode, replicas, 1024, true)
@@ -2317,7 +2317,7 @@ impl Report {
         );
         line(String::new());
         line(format!(
-            "The first rows are the headline workload: 1,000 aggregates, keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. The rows with 10 or 1 aggregates put every event on a few busy aggregates: a batch then holds long chains, each sent one event after another (each waits for its predecessor's acknowledgement). Events/s: a backlog drained. Latency: commit → consumer receive, measured next with the same relays at 80% of that rate (at most 10,000/s), {WRITERS} connections committing every 10 ms; when the writers, relays and consumer together did not carry 95% of that rate (it leaves out the writers' and the consumer's share of the cores), once more at 80% of what they carried; the last column gives what the reported run carried and, when there was one, what the first try asked and carried. CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory."
+            "The first rows are the headline workload: 1,000 aggregates, keyed records to 4 Kafka partitions, acks=all idempotent producer, PostgreSQL and Kafka on this machine. The rows with 10 or 1 aggregates put every event on a few busy aggregates: a batch then holds long chains (to Kafka the rest of a chain goes out at once after its first event is acknowledged; to NATS and RabbitMQ each event waits for its predecessor's acknowledgement). Events/s: a backlog drained. Latency: commit → consumer receive, measured next with the same relays at 80% of that rate (at most 10,000/s), {WRITERS} connections committing every 10 ms; when the writers, relays and consumer together did not carry 95% of that rate (it leaves out the writers' and the consumer's share of the cores), once more at 80% of what they carried; the last column gives what the reported run carried and, when there was one, what the first try asked and carried. CPU is the relay processes' user + system time per 100,000 events; RSS their peak resident memory."
         ));
         line(String::new());
         line("| mode | broker | partitions | replicas | payload | aggregates | after publish | events/s | of broker ceiling | database alone, events/s | of database alone | latency at events/s | p50 ms | p99 ms | relay CPU s / 100k events | relay peak RSS MiB | latency run carried, events/s (first try: asked → carried) |".to_owned());

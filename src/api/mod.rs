@@ -101,7 +101,8 @@ pub struct TracingSpec {
     /// The collector's OTLP/HTTP base URL (`http://otel-collector.observability:4318`;
     /// plain HTTP): spans go to `<otlpEndpoint>/v1/traces` as OTLP JSON. Each span (kind producer,
     /// named `send <destination>`) lasts from sending to the broker's acknowledgement
-    /// and is a child of the message's `traceparent` header (a column placed as that
+    /// (an aggregate's later events of a batch, sent together, end together) and is a
+    /// child of the message's `traceparent` header (a column placed as that
     /// header, with `tracestate`), so a trace continues from the request that wrote the
     /// row to the consumer.
     #[schemars(length(min = 1, max = 512))]

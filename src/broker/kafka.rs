@@ -10,7 +10,7 @@
 //! to that partition: one round trip for the lot. (Until then each next message waited
 //! for its predecessor's acknowledgement: an aggregate with N events in a batch cost N
 //! round trips, and a relay on ten busy aggregates drained at 14,416 events/s where it
-//! now drains 95,522; see the README's Performance section.)
+//! now drains 96,733; see the README's Performance section.)
 //!
 //! Kafka writes a partition in the order an idempotent producer sent to it, so waiting
 //! is not what keeps order. What must never happen is a gap: a message written behind
@@ -75,6 +75,7 @@
 //! Consumers that drop ids they have seen (at-least-once, the row id as message id)
 //! see each aggregate in order either way.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -109,7 +110,14 @@ pub struct KafkaBroker {
     /// How long a message may wait for its acknowledgement (`message.timeout.ms`):
     /// enforced here, not by librdkafka (see the module's notes); `None`: forever.
     deadline: Option<Duration>,
+    /// Producers retired on a fatal error since the last acknowledgement.
+    fatal_in_a_row: AtomicU32,
 }
+
+/// Producers that stop on a fatal error, one after another with no acknowledgement
+/// between, before the relay gives up and restarts (a refused producer id, say, fails
+/// every producer the same way: a restart loop shows it where retries would not).
+const FATAL_IN_A_ROW: u32 = 3;
 
 impl KafkaBroker {
     /// Builds the batching producer now, so wrong settings fail the relay's start (the
@@ -119,6 +127,7 @@ impl KafkaBroker {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
             deadline: deadline(&config.properties).map_err(PublishError::transient)?,
+            fatal_in_a_row: AtomicU32::new(0),
         };
         broker.batching.get()?;
         Ok(broker)
@@ -144,10 +153,11 @@ impl KafkaBroker {
         message: &Message,
         partition: Option<i32>,
     ) -> Result<Delivered, Failure> {
-        let future = enqueue(&producer.client, record(message, partition))
-            .await
-            .map_err(Failure::Kafka)?;
-        acknowledged(message, self.pending(future)).await
+        let room_by = tokio::time::Instant::now() + ROOM_WAIT;
+        let future = enqueue(producer, record(message, partition), room_by).await?;
+        let delivered = acknowledged(message, self.pending(future)).await?;
+        self.fatal_in_a_row.store(0, Ordering::Relaxed);
+        Ok(delivered)
     }
 
     /// A message just queued, to be acknowledged within the deadline.
@@ -170,20 +180,24 @@ impl KafkaBroker {
             Ok(producer) => producer,
             Err(err) => return vec![Err(err)],
         };
+        // One wait for room for the whole rest, as for a single send: the polling
+        // relay's fence was checked before it.
+        let room_by = tokio::time::Instant::now() + ROOM_WAIT;
         let mut pending = Vec::with_capacity(messages.len());
         let mut refused = None;
         for message in messages {
             let partition = message.partition.or(partition);
-            match enqueue(&producer.client, record(message, partition)).await {
+            match enqueue(&producer, record(message, partition), room_by).await {
                 Ok(future) => pending.push(self.pending(future)),
-                // Refused before it was queued (too large, say): the ones after it are
-                // not queued either.
-                Err(err) => {
-                    refused = Some(self.failed(slot, &producer, Failure::Kafka(err)));
+                // Refused before it was queued (too large, say; or the producer was
+                // withdrawn meanwhile): the ones after it are not queued either.
+                Err(failure) => {
+                    refused = Some(self.failed(slot, &producer, failure));
                     break;
                 }
             }
         }
+        let queued = pending.len();
         let mut outcomes = Vec::with_capacity(messages.len());
         for (message, delivery) in messages.iter().zip(pending) {
             match acknowledged(message, delivery).await {
@@ -192,13 +206,16 @@ impl KafkaBroker {
                     let err = self.failed(slot, &producer, failure);
                     // Those queued after it must not be written before it is retried:
                     // withdraw them with the producer (the next send makes a new one).
-                    if outcomes.len() + 1 < messages.len() {
+                    if outcomes.len() + 1 < queued {
                         self.withdraw(slot, &producer);
                     }
                     outcomes.push(Err(err));
                     return outcomes;
                 }
             }
+        }
+        if !outcomes.is_empty() {
+            self.fatal_in_a_row.store(0, Ordering::Relaxed);
         }
         if let Some(refused) = refused {
             outcomes.push(Err(refused));
@@ -229,12 +246,18 @@ impl KafkaBroker {
             }
             Failure::Closed => {
                 return PublishError::transient(
-                    "Kafka: the producer was closed before the message was acknowledged",
+                    "Kafka: the producer was replaced before the message was acknowledged",
                 );
             }
         };
         let failure = classify(&err, producer);
-        if producer.client.client().fatal_error().is_some() && slot.retire(producer) {
+        let fatal = producer.client.client().fatal_error();
+        if fatal.is_some() && slot.retire(producer) {
+            // A record the broker refused stops the producer by the gap-less guarantee:
+            // the row's fault (counted against its attempts), not the client's.
+            if !matches!(fatal, Some((RDKafkaErrorCode::GaplessGuarantee, _))) {
+                self.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
+            }
             tracing::warn!(
                 producer = slot.name,
                 error = %failure.message,
@@ -244,26 +267,43 @@ impl KafkaBroker {
         failure
     }
 
-    /// Retires `producer` if it is still `slot`'s, and purges what it holds: nothing it
+    /// Withdraws `producer`: no message is queued on it any more, it is retired if it
+    /// is still `slot`'s (the next send makes a new one), and it is purged: nothing it
     /// has not sent yet is sent (it fails as not acknowledged), and of what it has sent
     /// the broker can only have written the oldest of each partition, in order
     /// (idempotence), so no message is written behind one of its chain that was given
     /// up. Returns whether it retired it.
     fn withdraw(&self, slot: &Slot, producer: &Arc<KafkaProducer>) -> bool {
-        producer
-            .client
-            .purge(PurgeConfig::default().queue().inflight());
-        slot.retire(producer)
+        *producer
+            .withdrawn
+            .0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = true;
+        let retired = slot.retire(producer);
+        // A purge waits for every broker thread of the producer to take it, which can
+        // take a while (one resolving a name, say): off the async threads.
+        let purged = producer.clone();
+        let purge = move || {
+            purged
+                .client
+                .purge(PurgeConfig::default().queue().inflight());
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(purge)),
+            Err(_) => purge(),
+        }
+        retired
     }
 }
 
 /// Why a send failed, before it is classified.
+#[derive(Debug)]
 enum Failure {
     /// librdkafka refused or failed the message.
     Kafka(KafkaError),
     /// Not acknowledged within the deadline.
     TimedOut,
-    /// The producer was dropped with the message in it.
+    /// The producer was withdrawn, or dropped with the message in it.
     Closed,
 }
 
@@ -319,14 +359,29 @@ fn record(message: &Message, partition: Option<i32>) -> FutureRecord<'_, str, [u
     record
 }
 
-/// Puts `record` in the producer's queue, waiting up to 10 s for room in it.
+/// How long a send, or a chain's whole rest, waits for room in the producer's queue.
+const ROOM_WAIT: Duration = Duration::from_secs(10);
+
+/// Puts `record` in `producer`'s queue, waiting until `room_by` for room in it; never
+/// on a withdrawn producer.
 async fn enqueue(
-    producer: &FutureProducer<Context>,
+    producer: &KafkaProducer,
     mut record: FutureRecord<'_, str, [u8]>,
-) -> Result<DeliveryFuture, KafkaError> {
-    let room_by = tokio::time::Instant::now() + Duration::from_secs(10);
+    room_by: tokio::time::Instant,
+) -> Result<DeliveryFuture, Failure> {
     loop {
-        match producer.send_result(record) {
+        let queued = {
+            let withdrawn = producer
+                .withdrawn
+                .0
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            if *withdrawn {
+                return Err(Failure::Closed);
+            }
+            producer.client.send_result(record)
+        };
+        match queued {
             Ok(future) => return Ok(future),
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                 if tokio::time::Instant::now() < room_by =>
@@ -334,7 +389,7 @@ async fn enqueue(
                 record = back;
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            Err((err, _)) => return Err(err),
+            Err((err, _)) => return Err(Failure::Kafka(err)),
         }
     }
 }
@@ -345,6 +400,20 @@ async fn enqueue(
 #[derive(Default)]
 pub struct Context {
     last_error: LastError,
+    /// Set once the producer is withdrawn: what it reports after that is expected.
+    withdrawn: Withdrawn,
+}
+
+/// Whether a producer was withdrawn (see [`KafkaBroker::withdraw`]): no message is
+/// queued on it after that. Queueing holds the read lock, withdrawing the write lock,
+/// so a purge never lands between a rest's check and its queueing.
+#[derive(Clone, Default)]
+struct Withdrawn(Arc<std::sync::RwLock<bool>>);
+
+impl Withdrawn {
+    fn is_set(&self) -> bool {
+        *self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// The last connection-level error librdkafka reported, shared with the producer's
@@ -363,6 +432,7 @@ impl LastError {
 struct KafkaProducer {
     client: FutureProducer<Context>,
     last_error: LastError,
+    withdrawn: Withdrawn,
 }
 
 /// One of the relay's two producers: made when first needed, and made again after
@@ -395,6 +465,7 @@ impl Slot {
     }
 
     /// The current producer, if one was made.
+    #[cfg(test)]
     fn existing(&self) -> Option<Arc<KafkaProducer>> {
         self.current
             .lock()
@@ -464,6 +535,12 @@ impl rdkafka::ClientContext for Context {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        if self.withdrawn.is_set() {
+            // Purging a withdrawn producer fails what it had in flight (with the
+            // gap-less guarantee, as a fatal error): the relay already said why.
+            tracing::debug!(error = %error, reason, "Kafka client error on a withdrawn producer");
+            return;
+        }
         tracing::warn!(error = %error, reason, "Kafka client error");
         if let Ok(mut last) = self.last_error.0.lock() {
             *last = Some(reason.to_owned());
@@ -546,7 +623,8 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
 
 /// How long the relay waits for a message's acknowledgement before it gives the
 /// message and its producer up: `message.timeout.ms` (or its alias
-/// `delivery.timeout.ms`) from `properties`, 20 s by default; 0 waits for ever.
+/// `delivery.timeout.ms`) from `properties`, 20 s by default; 0 waits for ever. Like
+/// librdkafka, which no longer sees it, it must be longer than `linger.ms`.
 pub(super) fn deadline(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Duration>, String> {
@@ -556,21 +634,36 @@ pub(super) fn deadline(
     else {
         return Ok(Some(Duration::from_secs(20)));
     };
-    match value.trim().parse::<u32>() {
-        Ok(0) => Ok(None),
-        Ok(ms) if ms <= 2_147_483_647 => Ok(Some(Duration::from_millis(u64::from(ms)))),
-        _ => Err(format!(
-            "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
-        )),
+    let ms = match value.trim().parse::<u32>() {
+        Ok(0) => return Ok(None),
+        Ok(ms) if ms <= 2_147_483_647 => ms,
+        _ => {
+            return Err(format!(
+                "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
+            ));
+        }
+    };
+    let linger = properties
+        .iter()
+        .rfind(|(key, _)| *key == "linger.ms" || *key == "queue.buffering.max.ms")
+        .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+        .unwrap_or(1.0);
+    if f64::from(ms) <= linger {
+        return Err(format!(
+            "Kafka property {key} = {ms} is not longer than linger.ms ({linger}): every message would time out"
+        ));
     }
+    Ok(Some(Duration::from_millis(u64::from(ms))))
 }
 
 /// A producer of `client`'s settings that keeps its last connection error.
 fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
     let last_error = LastError::default();
+    let withdrawn = Withdrawn::default();
     let producer = client
         .create_with_context(Context {
             last_error: last_error.clone(),
+            withdrawn: withdrawn.clone(),
         })
         .map_err(|err| {
             PublishError::transient(format!("cannot create the Kafka producer: {err}"))
@@ -578,6 +671,7 @@ fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
     Ok(KafkaProducer {
         client: producer,
         last_error,
+        withdrawn,
     })
 }
 
@@ -697,11 +791,11 @@ impl Broker for KafkaBroker {
         })
     }
 
+    /// A fatal error retires its producer and the next send makes a new one; only
+    /// when [`FATAL_IN_A_ROW`] producers stopped so, with no acknowledgement between,
+    /// is the client taken for broken.
     fn is_broken(&self) -> bool {
-        [&self.batching, &self.eager].iter().any(|slot| {
-            slot.existing()
-                .is_some_and(|p| p.client.client().fatal_error().is_some())
-        })
+        self.fatal_in_a_row.load(Ordering::Relaxed) >= FATAL_IN_A_ROW
     }
 }
 
@@ -1081,10 +1175,12 @@ mod tests {
             Ok(Some(Duration::from_secs(7)))
         );
         assert_eq!(of(&[("message.timeout.ms", "0")]), Ok(None));
-        for bad in ["soon", "-1", "2147483648"] {
+        for bad in ["soon", "-1", "2147483648", "1"] {
             let err = of(&[("message.timeout.ms", bad)]).expect_err(bad);
             assert!(err.contains("message.timeout.ms"), "{err}");
         }
+        let err = of(&[("delivery.timeout.ms", "50"), ("linger.ms", "50")]).expect_err("linger");
+        assert!(err.contains("linger.ms"), "{err}");
         // `check` says so before any relay starts.
         let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
             "bootstrapServers": "kafka:9092",
@@ -1096,6 +1192,27 @@ mod tests {
         check(&spec, &mut problems);
         assert_eq!(problems.0.len(), 1, "{problems:?}");
         assert_eq!(problems.0[0].field, "spec.broker.kafka.properties");
+    }
+
+    #[tokio::test]
+    async fn nothing_is_queued_on_a_withdrawn_producer() {
+        let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
+        let old = broker.batching.get().expect("made");
+        let room_by = tokio::time::Instant::now() + ROOM_WAIT;
+        let message = message(b"{}");
+        enqueue(&old, record(&message, Some(0)), room_by)
+            .await
+            .expect("queued");
+        assert!(broker.withdraw(&broker.batching, &old));
+        // A rest that took the producer before it was withdrawn queues no more on it.
+        let refused = enqueue(&old, record(&message, Some(0)), room_by).await;
+        assert!(matches!(refused, Err(Failure::Closed)));
+        // The next send goes through a new one.
+        let new = broker.batching.get().expect("made again");
+        assert!(!Arc::ptr_eq(&old, &new));
+        enqueue(&new, record(&message, Some(0)), room_by)
+            .await
+            .expect("queued on the new one");
     }
 
     #[tokio::test]
@@ -1118,15 +1235,8 @@ mod tests {
         );
         let after = broker.batching.get().expect("made again");
         assert!(!Arc::ptr_eq(&before, &after), "the producer was kept");
-        // A message too large for the producer ends the rest before it is queued, and
-        // nothing after it is queued either.
-        let rest = [message(b"{}"), message(&[b'x'; 2000]), message(b"{}")];
-        let outcomes = broker
-            .publish_rest(&rest, Delivered::default(), false)
-            .await;
-        assert_eq!(outcomes.len(), 1, "{outcomes:?}");
-        assert!(outcomes[0].as_ref().is_err());
-        // Its first message timed out (port 9); a rest of only refusals fails at once.
+        // A rest whose first message is too large for the producer fails at once
+        // (tests/relay/relay_partitioning.rs sends one refused in the middle to Kafka).
         let rest = [message(&[b'x'; 2000]), message(b"{}")];
         let outcomes = broker
             .publish_rest(&rest, Delivered::default(), false)

@@ -135,6 +135,9 @@ async fn publish_chain(
     } else {
         broker.publish_rest(&messages, after, crowded).await
     };
+    // The unbuildable row comes right after the messages; with fewer outcomes than
+    // messages the broker stopped before it.
+    let unbuildable = unbuildable.filter(|_| outcomes.len() == messages.len());
     let mut rest = rest.into_iter();
     for outcome in outcomes {
         let Some(row) = rest.next() else { break };
@@ -187,24 +190,47 @@ fn failed_from(
 /// A broker for unit tests that records what it is asked to publish.
 #[cfg(test)]
 pub(crate) mod recording {
+    use std::sync::{Mutex, PoisonError};
+    use std::time::Duration;
+
     use crate::broker::{Broker, Delivered, Message, PublishError, Step};
 
-    /// Records what it is asked to publish, and whether as a chain's next message (and
-    /// then, in the second list, whether crowded), and in the third the length of each
-    /// rest of a chain it was given at once; accepts everything.
+    /// Records what it is asked to publish; accepts everything but the ids in
+    /// `failing` (an outage, for those).
     #[derive(Default)]
-    pub struct Recorder(
-        pub std::sync::Mutex<Vec<(String, bool)>>,
-        pub std::sync::Mutex<Vec<bool>>,
-        pub std::sync::Mutex<Vec<usize>>,
-    );
+    pub struct Recorder {
+        /// Each message's id, and whether it came as a chain's next message.
+        pub sent: Mutex<Vec<(String, bool)>>,
+        /// Whether each next message was crowded.
+        pub crowded: Mutex<Vec<bool>>,
+        /// The length of each rest of a chain given at once.
+        pub rests: Mutex<Vec<usize>>,
+        /// Ids whose publishing fails.
+        pub failing: Mutex<Vec<String>>,
+        /// How long an acknowledgement takes (none: the other chains still send
+        /// meanwhile, the task yields).
+        pub ack_after: Duration,
+    }
 
     impl Recorder {
-        fn record(&self, message: &Message, next: bool) {
-            self.0
+        fn record(&self, message: &Message, next: bool) -> Result<Delivered, PublishError> {
+            self.sent
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .unwrap_or_else(PoisonError::into_inner)
                 .push((message.id.clone(), next));
+            let failing = self.failing.lock().unwrap_or_else(PoisonError::into_inner);
+            if failing.contains(&message.id) {
+                return Err(PublishError::transient(format!("{} failed", message.id)));
+            }
+            Ok(Delivered::default())
+        }
+
+        async fn acknowledge(&self) {
+            if self.ack_after.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(self.ack_after).await;
+            }
         }
     }
 
@@ -213,11 +239,10 @@ pub(crate) mod recording {
             &'a self,
             message: &'a Message,
         ) -> futures::future::BoxFuture<'a, Result<Delivered, PublishError>> {
-            self.record(message, false);
-            // An acknowledgement takes a while: the other chains send meanwhile.
-            Box::pin(async {
-                tokio::task::yield_now().await;
-                Ok(Delivered::default())
+            let outcome = self.record(message, false);
+            Box::pin(async move {
+                self.acknowledge().await;
+                outcome
             })
         }
 
@@ -226,32 +251,40 @@ pub(crate) mod recording {
             message: &'a Message,
             step: Step,
         ) -> futures::future::BoxFuture<'a, Result<Delivered, PublishError>> {
-            self.record(message, true);
-            self.1
+            let outcome = self.record(message, true);
+            self.crowded
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .unwrap_or_else(PoisonError::into_inner)
                 .push(step.crowded);
-            // An acknowledgement takes a while: the other chains send meanwhile.
-            Box::pin(async {
-                tokio::task::yield_now().await;
-                Ok(Delivered::default())
+            Box::pin(async move {
+                self.acknowledge().await;
+                outcome
             })
         }
 
+        /// All recorded as sent at once; the outcomes end at the first failure.
         fn publish_rest<'a>(
             &'a self,
             messages: &'a [Message],
             after: Delivered,
             crowded: bool,
         ) -> futures::future::BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
-            self.2
+            self.rests
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .unwrap_or_else(PoisonError::into_inner)
                 .push(messages.len());
+            let sent: Vec<_> = messages
+                .iter()
+                .map(|message| self.publish_next(message, Step { after, crowded }))
+                .collect();
             Box::pin(async move {
                 let mut outcomes = Vec::new();
-                for message in messages {
-                    outcomes.push(self.publish_next(message, Step { after, crowded }).await);
+                for outcome in futures::future::join_all(sent).await {
+                    let failed = outcome.is_err();
+                    outcomes.push(outcome);
+                    if failed {
+                        break;
+                    }
                 }
                 outcomes
             })
@@ -290,7 +323,7 @@ mod tests {
         )
         .await;
         assert!(results.iter().all(|r| r.failed.is_none()));
-        let mut sent = broker.0.lock().unwrap().clone();
+        let mut sent = broker.sent.lock().unwrap().clone();
         sent.sort();
         let sent: Vec<(&str, bool)> = sent.iter().map(|(id, n)| (id.as_str(), *n)).collect();
         assert_eq!(
@@ -307,14 +340,14 @@ mod tests {
         let many: Vec<OutboxRow> = (0..80).map(|i| row(i, &format!("a{}", i % 40))).collect();
         let broker = Recorder::default();
         publish_chains(&broker, &shape, chains(many, true), None).await;
-        let crowded = broker.1.lock().unwrap().clone();
+        let crowded = broker.crowded.lock().unwrap().clone();
         assert_eq!(crowded.len(), 40);
         assert!(crowded.iter().all(|c| *c), "{crowded:?}");
         // Three busy aggregates: each step alone.
         let few: Vec<OutboxRow> = (0..15).map(|i| row(i, &format!("b{}", i % 3))).collect();
         let broker = Recorder::default();
         publish_chains(&broker, &shape, chains(few, true), None).await;
-        let crowded = broker.1.lock().unwrap().clone();
+        let crowded = broker.crowded.lock().unwrap().clone();
         assert_eq!(crowded.len(), 12);
         assert!(crowded.iter().all(|c| !*c), "{crowded:?}");
     }
@@ -334,7 +367,7 @@ mod tests {
         .await;
         assert!(results.iter().all(|r| r.failed.is_none()));
         // "a": 1 alone, then 2, 4, 5, 6 together; "b": 3 alone.
-        assert_eq!(*broker.2.lock().unwrap(), vec![4]);
+        assert_eq!(*broker.rests.lock().unwrap(), vec![4]);
         let published: Vec<Vec<i64>> = results
             .iter()
             .map(|r| r.published.iter().map(|(id, _)| *id).collect())
@@ -357,9 +390,9 @@ mod tests {
         )
         .await;
         // 1 alone, then only 2: the rest stops before row 3.
-        assert_eq!(*broker.2.lock().unwrap(), vec![1]);
+        assert_eq!(*broker.rests.lock().unwrap(), vec![1]);
         let sent: Vec<String> = broker
-            .0
+            .sent
             .lock()
             .unwrap()
             .iter()
@@ -384,6 +417,77 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_failure_in_a_chains_rest_sends_that_row_and_the_rest_back_unpublished() {
+        let broker = Recorder::default();
+        broker.failing.lock().unwrap().push("4".into());
+        let rows = (1..=7).map(|i| row(i, "a")).collect();
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
+            chains(rows, true),
+            None,
+        )
+        .await;
+        let result = &results[0];
+        let ids = |rows: &[(i64, Option<f64>)]| rows.iter().map(|(id, _)| *id).collect::<Vec<_>>();
+        assert_eq!(ids(&result.published), vec![1, 2, 3]);
+        let (failed, err) = result.failed.as_ref().unwrap();
+        assert_eq!(
+            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![4, 5, 6, 7]
+        );
+        assert!(!err.row_fault && err.message.contains("4 failed"), "{err}");
+        // A chain whose first message fails sends nothing more.
+        let broker = Recorder::default();
+        broker.failing.lock().unwrap().push("1".into());
+        let rows = (1..=3).map(|i| row(i, "a")).collect();
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
+            chains(rows, true),
+            None,
+        )
+        .await;
+        assert!(results[0].published.is_empty());
+        assert_eq!(results[0].failed.as_ref().unwrap().0.len(), 3);
+        assert_eq!(broker.sent.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_chains_rest_is_not_sent_when_the_fence_passed_while_its_first_message_was_acknowledged()
+     {
+        let broker = Recorder {
+            ack_after: std::time::Duration::from_millis(100),
+            ..Recorder::default()
+        };
+        let rows = (1..=4).map(|i| row(i, "a")).collect();
+        let fence = Instant::now() + std::time::Duration::from_millis(30);
+        let results = publish_chains(
+            &broker,
+            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
+            chains(rows, true),
+            Some(fence),
+        )
+        .await;
+        assert_eq!(
+            results[0]
+                .published
+                .iter()
+                .map(|(id, _)| *id)
+                .collect::<Vec<_>>(),
+            vec![1]
+        );
+        let (failed, err) = results[0].failed.as_ref().unwrap();
+        assert_eq!(
+            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
+        assert!(err.message.contains("fence"), "{err}");
+        assert_eq!(broker.sent.lock().unwrap().len(), 1);
+        assert!(broker.rests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
     async fn nothing_is_sent_past_the_fence() {
         let broker = Recorder::default();
         let rows = vec![row(1, "a"), row(2, "a"), row(3, "b")];
@@ -396,7 +500,7 @@ mod tests {
         )
         .await;
         assert!(results.iter().all(|r| r.failed.is_none()));
-        assert_eq!(broker.0.lock().unwrap().len(), 3);
+        assert_eq!(broker.sent.lock().unwrap().len(), 3);
         // Past the fence: every chain comes back whole and unsent, as after an outage.
         let broker = Recorder::default();
         let passed = Instant::now() - std::time::Duration::from_millis(1);
@@ -407,7 +511,7 @@ mod tests {
             Some(passed),
         )
         .await;
-        assert!(broker.0.lock().unwrap().is_empty());
+        assert!(broker.sent.lock().unwrap().is_empty());
         let unsent: usize = results
             .iter()
             .map(|r| {

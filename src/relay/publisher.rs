@@ -34,14 +34,15 @@
 //!
 //! # Order inside a batch
 //!
-//! Rows of one aggregate form a chain that is published strictly one after the other:
-//! each publish waits for its acknowledgement before the next is sent, and a chain stops
-//! at its first failure, so a later event is never acknowledged while an earlier one is
-//! not. This holds for every broker alike (Kafka's idempotent producer would keep order
-//! per Kafka partition even when pipelined, but a rejected message in the middle would
-//! still let its successors through, and NATS/AMQP give no such guarantee). All chains
-//! of a batch are in flight at once, so a batch of many aggregates costs as many round
-//! trips as its longest chain has rows.
+//! Rows of one aggregate form a chain: its first row goes out with the batch, and once
+//! it is acknowledged the rest follows (`relay::chains`). To NATS and RabbitMQ each
+//! next row waits for the acknowledgement of the one before, since they could let a
+//! later message through after an earlier one failed. To Kafka the rest goes out at
+//! once: its idempotent producer keeps a partition in send order, and the relay never
+//! lets it write a message behind one it gave up (see `broker::kafka`). Either way a
+//! chain stops at its first failure and nothing after it is written ahead of its retry.
+//! All chains of a batch are in flight at once, so a batch costs one or two round
+//! trips to Kafka, and to the others as many as its longest chain has rows.
 //! In `ordering.mode: none` every row is its own chain.
 //!
 //! # Attempts

@@ -247,9 +247,9 @@ mod tests {
             .publish_rest(&rest, Delivered::default(), false)
             .await;
         assert_eq!(outcomes.len(), 2);
-        assert_eq!(*inner.2.lock().unwrap(), vec![2]);
+        assert_eq!(*inner.rests.lock().unwrap(), vec![2]);
         assert_eq!(
-            *inner.0.lock().unwrap(),
+            *inner.sent.lock().unwrap(),
             vec![
                 ("1".to_owned(), false),
                 ("2".to_owned(), true),

@@ -357,3 +357,28 @@ async fn nothing_queued_behind_a_refused_message_of_a_chains_rest_is_written() {
     let ids: Vec<i64> = found.iter().map(|(_, _, id)| id.parse().unwrap()).collect();
     assert_eq!(ids, (1..=40).collect::<Vec<_>>());
 }
+
+/// A message of a chain's rest that the producer refuses before queueing it (larger
+/// than `message.max.bytes`) ends the rest: the ones after it are not queued, so none
+/// is written ahead of it.
+#[tokio::test]
+async fn a_chains_rest_stops_queueing_at_a_message_the_producer_refuses() {
+    let topic = common::fresh_topic(PARTITIONS).await;
+    let broker = relay_broker_with(&topic, &[("message.max.bytes", "1000")]);
+    let key = "order-13".to_owned();
+    let first = broker
+        .publish(&keyed_message(&topic, 1, &key))
+        .await
+        .unwrap();
+    let mut rest: Vec<_> = (2..=6).map(|id| keyed_message(&topic, id, &key)).collect();
+    rest[2].payload = Some(bytes::Bytes::from(vec![b'x'; 2000]));
+    let outcomes = broker.publish_rest(&rest, first, false).await;
+    // 2 and 3 written; 4 refused as the row's fault; 5 and 6 never queued.
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    assert!(outcomes[..2].iter().all(Result::is_ok), "{outcomes:?}");
+    let err = outcomes[2].as_ref().expect_err("too large");
+    assert!(err.row_fault, "{err:?}");
+    let found = records(&topic, 3, Duration::from_secs(3));
+    let ids: Vec<&str> = found.iter().map(|(_, _, id)| id.as_str()).collect();
+    assert_eq!(ids, ["1", "2", "3"]);
+}
