@@ -21,9 +21,11 @@
 //!   expires is dropped and the ones behind it are renumbered and sent. So librdkafka's
 //!   timeout is off (`message.timeout.ms=0`, retries unlimited), and the relay keeps the
 //!   user's `message.timeout.ms` itself ([`deadline`]): a message not acknowledged by
-//!   then fails and its producer is *withdrawn*: purged (nothing it has not sent is
-//!   sent; of what it has sent the broker can only have written, per partition, the
-//!   oldest, in order) and retired (the next send makes a new one).
+//!   then fails and its producer is *withdrawn*: nothing more is queued on it, it is
+//!   retired (the next send makes a new one) and purged. librdkafka never gave the
+//!   message up, so nothing behind it in its partition can be written before it; what
+//!   the producer still sends before the purge runs are copies the next producer sends
+//!   again (repeats, in order).
 //! - **It goes on after a refusal.** A record the broker refuses (a timestamp out of the
 //!   topic's bounds, say) fails, and librdkafka renumbers and sends the messages behind
 //!   it. With `enable.gapless.guarantee` it stops the producer instead (a fatal error;
@@ -201,7 +203,10 @@ impl KafkaBroker {
         let mut outcomes = Vec::with_capacity(messages.len());
         for (message, delivery) in messages.iter().zip(pending) {
             match acknowledged(message, delivery).await {
-                Ok(delivered) => outcomes.push(Ok(delivered)),
+                Ok(delivered) => {
+                    self.fatal_in_a_row.store(0, Ordering::Relaxed);
+                    outcomes.push(Ok(delivered));
+                }
                 Err(failure) => {
                     let err = self.failed(slot, &producer, failure);
                     // Those queued after it must not be written before it is retried:
@@ -213,9 +218,6 @@ impl KafkaBroker {
                     return outcomes;
                 }
             }
-        }
-        if !outcomes.is_empty() {
-            self.fatal_in_a_row.store(0, Ordering::Relaxed);
         }
         if let Some(refused) = refused {
             outcomes.push(Err(refused));
@@ -268,18 +270,28 @@ impl KafkaBroker {
     }
 
     /// Withdraws `producer`: no message is queued on it any more, it is retired if it
-    /// is still `slot`'s (the next send makes a new one), and it is purged: nothing it
-    /// has not sent yet is sent (it fails as not acknowledged), and of what it has sent
-    /// the broker can only have written the oldest of each partition, in order
-    /// (idempotence), so no message is written behind one of its chain that was given
-    /// up. Returns whether it retired it.
+    /// is still `slot`'s (the next send makes a new one), and it is purged: what it has
+    /// not sent by then is dropped (it fails as not acknowledged), and of what it has
+    /// sent the broker can only have written the oldest of each partition, in order
+    /// (idempotence). It never gave the failed message up itself, so nothing of that
+    /// message's chain can be written behind it; what goes out before the purge runs
+    /// is a late copy of what the next producer sends again. Returns whether it
+    /// retired it.
     fn withdraw(&self, slot: &Slot, producer: &Arc<KafkaProducer>) -> bool {
-        *producer
-            .withdrawn
-            .0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner) = true;
+        let already = std::mem::replace(
+            &mut *producer
+                .withdrawn
+                .0
+                .write()
+                .unwrap_or_else(PoisonError::into_inner),
+            true,
+        );
         let retired = slot.retire(producer);
+        // Nothing is queued on it after the flag, so one purge covers every failure
+        // that withdraws it (hundreds of chains time out together in an outage).
+        if already {
+            return retired;
+        }
         // A purge waits for every broker thread of the producer to take it, which can
         // take a while (one resolving a name, say): off the async threads.
         let purged = producer.clone();
@@ -628,20 +640,20 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
 pub(super) fn deadline(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Duration>, String> {
-    let Some((key, value)) = properties
+    let set = properties
         .iter()
-        .rfind(|(key, _)| *key == "message.timeout.ms" || *key == "delivery.timeout.ms")
-    else {
-        return Ok(Some(Duration::from_secs(20)));
-    };
-    let ms = match value.trim().parse::<u32>() {
-        Ok(0) => return Ok(None),
-        Ok(ms) if ms <= 2_147_483_647 => ms,
-        _ => {
-            return Err(format!(
-                "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
-            ));
-        }
+        .rfind(|(key, _)| *key == "message.timeout.ms" || *key == "delivery.timeout.ms");
+    let (key, ms) = match set {
+        None => ("message.timeout.ms (by default)", 20_000),
+        Some((key, value)) => match value.trim().parse::<u32>() {
+            Ok(0) => return Ok(None),
+            Ok(ms) if ms <= 2_147_483_647 => (key.as_str(), ms),
+            _ => {
+                return Err(format!(
+                    "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
+                ));
+            }
+        },
     };
     let linger = properties
         .iter()
@@ -1181,6 +1193,9 @@ mod tests {
         }
         let err = of(&[("delivery.timeout.ms", "50"), ("linger.ms", "50")]).expect_err("linger");
         assert!(err.contains("linger.ms"), "{err}");
+        // The default too.
+        let err = of(&[("linger.ms", "30000")]).expect_err("linger over the default");
+        assert!(err.contains("20000"), "{err}");
         // `check` says so before any relay starts.
         let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
             "bootstrapServers": "kafka:9092",

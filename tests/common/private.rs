@@ -13,12 +13,25 @@ use std::time::{Duration, Instant};
 
 use super::Rig;
 
-/// A free TCP port on 127.0.0.1 (bound and released: good enough on a test machine).
+/// A free TCP port on 127.0.0.1 (bound and released), never one this process handed
+/// out before: the kernel can give the same port to two binds in a row once the first
+/// is released, and a private Kafka then got one port for both its listeners.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|err| panic!("no free port: {err}"))
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or_else(|err| panic!("no free port: {err}"));
+        if GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(port)
+        {
+            return port;
+        }
+    }
 }
 
 fn listening(port: u16) -> bool {

@@ -8,17 +8,12 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 #[tokio::test]
 async fn controller_serves_health_and_metrics_and_stops_on_sigterm() {
     let rig = common::Rig::load();
     let client = common::kube_client().await;
     let ns = common::fresh_namespace(&client).await;
-    let port = free_port();
+    let port = common::private::free_port();
     // Logs go to a file: a pipe nobody reads while waiting would fill and block the child.
     let log_dir = tempfile::tempdir().unwrap();
     let log_path = log_dir.path().join("controller.log");
