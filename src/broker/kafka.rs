@@ -238,13 +238,10 @@ impl KafkaBroker {
                         "a message timed out: the next one goes through a new Kafka producer"
                     );
                 }
-                return PublishError::transient(match producer.last_error.get() {
-                    Some(cause) => format!(
-                        "Kafka: message timed out (not acknowledged within message.timeout.ms; last client error: {cause})"
-                    ),
-                    None => "Kafka: message timed out (not acknowledged within message.timeout.ms)"
-                        .to_owned(),
-                });
+                return PublishError::transient(described(
+                    producer,
+                    "message timed out: not acknowledged within message.timeout.ms",
+                ));
             }
             Failure::Closed => {
                 return PublishError::transient(
@@ -715,11 +712,17 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
     )
 }
 
+/// What went wrong, with the last connection error `producer` reported (why it cannot
+/// reach a broker, when that is the cause).
+fn described(producer: &KafkaProducer, what: impl std::fmt::Display) -> String {
+    match producer.last_error.get() {
+        Some(cause) => format!("Kafka: {what} (last client error: {cause})"),
+        None => format!("Kafka: {what}"),
+    }
+}
+
 fn classify(err: &KafkaError, producer: &KafkaProducer) -> PublishError {
-    let text = match producer.last_error.get() {
-        Some(cause) => format!("Kafka: {err} (last client error: {cause})"),
-        None => format!("Kafka: {err}"),
-    };
+    let text = described(producer, err);
     match (
         err.rdkafka_error_code(),
         producer.client.client().fatal_error(),

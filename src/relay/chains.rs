@@ -311,17 +311,32 @@ mod tests {
         }
     }
 
+    /// Publishes `rows` as per-aggregate chains to `broker`, as a NATS relay would.
+    async fn publish(
+        broker: &Recorder,
+        rows: Vec<OutboxRow>,
+        fence: Option<Instant>,
+    ) -> Vec<ChainResult> {
+        let shape = Shape::new(crate::broker::BrokerKind::Nats, "s");
+        publish_chains(broker, &shape, chains(rows, true), fence).await
+    }
+
+    /// The ids a chain published.
+    fn published(result: &ChainResult) -> Vec<i64> {
+        result.published.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// The ids a chain sent back unpublished, and why.
+    fn failed(result: &ChainResult) -> (Vec<i64>, &PublishError) {
+        let (rows, err) = result.failed.as_ref().expect("a failure");
+        (rows.iter().map(|r| r.id).collect(), err)
+    }
+
     #[tokio::test]
     async fn a_chains_first_message_goes_with_the_batch_and_the_rest_as_next() {
         let broker = Recorder::default();
         let rows = vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")];
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            None,
-        )
-        .await;
+        let results = publish(&broker, rows, None).await;
         assert!(results.iter().all(|r| r.failed.is_none()));
         let mut sent = broker.sent.lock().unwrap().clone();
         sent.sort();
@@ -334,19 +349,18 @@ mod tests {
 
     #[tokio::test]
     async fn next_messages_are_crowded_while_many_chains_send_and_alone_when_few_do() {
-        let shape = Shape::new(crate::broker::BrokerKind::Nats, "s");
         // 40 aggregates with two events each: every second event has 39 other chains
         // sending beside it.
         let many: Vec<OutboxRow> = (0..80).map(|i| row(i, &format!("a{}", i % 40))).collect();
         let broker = Recorder::default();
-        publish_chains(&broker, &shape, chains(many, true), None).await;
+        publish(&broker, many, None).await;
         let crowded = broker.crowded.lock().unwrap().clone();
         assert_eq!(crowded.len(), 40);
         assert!(crowded.iter().all(|c| *c), "{crowded:?}");
         // Three busy aggregates: each step alone.
         let few: Vec<OutboxRow> = (0..15).map(|i| row(i, &format!("b{}", i % 3))).collect();
         let broker = Recorder::default();
-        publish_chains(&broker, &shape, chains(few, true), None).await;
+        publish(&broker, few, None).await;
         let crowded = broker.crowded.lock().unwrap().clone();
         assert_eq!(crowded.len(), 12);
         assert!(crowded.iter().all(|c| !*c), "{crowded:?}");
@@ -358,20 +372,11 @@ mod tests {
         let rows = (1..=6)
             .map(|i| row(i, if i == 3 { "b" } else { "a" }))
             .collect();
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            None,
-        )
-        .await;
+        let results = publish(&broker, rows, None).await;
         assert!(results.iter().all(|r| r.failed.is_none()));
         // "a": 1 alone, then 2, 4, 5, 6 together; "b": 3 alone.
         assert_eq!(*broker.rests.lock().unwrap(), vec![4]);
-        let published: Vec<Vec<i64>> = results
-            .iter()
-            .map(|r| r.published.iter().map(|(id, _)| *id).collect())
-            .collect();
+        let published: Vec<Vec<i64>> = results.iter().map(published).collect();
         assert_eq!(published, vec![vec![1, 2, 4, 5, 6], vec![3]]);
     }
 
@@ -399,20 +404,9 @@ mod tests {
             .map(|(id, _)| id.clone())
             .collect();
         assert_eq!(sent, vec!["1", "2"]);
-        let result = &results[0];
-        assert_eq!(
-            result
-                .published
-                .iter()
-                .map(|(id, _)| *id)
-                .collect::<Vec<_>>(),
-            vec![1, 2]
-        );
-        let (failed, err) = result.failed.as_ref().unwrap();
-        assert_eq!(
-            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
-            vec![3, 4, 5]
-        );
+        assert_eq!(published(&results[0]), vec![1, 2]);
+        let (unsent, err) = failed(&results[0]);
+        assert_eq!(unsent, vec![3, 4, 5]);
         assert!(err.row_fault, "{err}");
     }
 
@@ -421,35 +415,18 @@ mod tests {
         let broker = Recorder::default();
         broker.failing.lock().unwrap().push("4".into());
         let rows = (1..=7).map(|i| row(i, "a")).collect();
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            None,
-        )
-        .await;
-        let result = &results[0];
-        let ids = |rows: &[(i64, Option<f64>)]| rows.iter().map(|(id, _)| *id).collect::<Vec<_>>();
-        assert_eq!(ids(&result.published), vec![1, 2, 3]);
-        let (failed, err) = result.failed.as_ref().unwrap();
-        assert_eq!(
-            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
-            vec![4, 5, 6, 7]
-        );
+        let results = publish(&broker, rows, None).await;
+        assert_eq!(published(&results[0]), vec![1, 2, 3]);
+        let (unsent, err) = failed(&results[0]);
+        assert_eq!(unsent, vec![4, 5, 6, 7]);
         assert!(!err.row_fault && err.message.contains("4 failed"), "{err}");
         // A chain whose first message fails sends nothing more.
         let broker = Recorder::default();
         broker.failing.lock().unwrap().push("1".into());
         let rows = (1..=3).map(|i| row(i, "a")).collect();
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            None,
-        )
-        .await;
-        assert!(results[0].published.is_empty());
-        assert_eq!(results[0].failed.as_ref().unwrap().0.len(), 3);
+        let results = publish(&broker, rows, None).await;
+        assert!(published(&results[0]).is_empty());
+        assert_eq!(failed(&results[0]).0.len(), 3);
         assert_eq!(broker.sent.lock().unwrap().len(), 1);
     }
 
@@ -462,26 +439,10 @@ mod tests {
         };
         let rows = (1..=4).map(|i| row(i, "a")).collect();
         let fence = Instant::now() + std::time::Duration::from_millis(30);
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            Some(fence),
-        )
-        .await;
-        assert_eq!(
-            results[0]
-                .published
-                .iter()
-                .map(|(id, _)| *id)
-                .collect::<Vec<_>>(),
-            vec![1]
-        );
-        let (failed, err) = results[0].failed.as_ref().unwrap();
-        assert_eq!(
-            failed.iter().map(|r| r.id).collect::<Vec<_>>(),
-            vec![2, 3, 4]
-        );
+        let results = publish(&broker, rows, Some(fence)).await;
+        assert_eq!(published(&results[0]), vec![1]);
+        let (unsent, err) = failed(&results[0]);
+        assert_eq!(unsent, vec![2, 3, 4]);
         assert!(err.message.contains("fence"), "{err}");
         assert_eq!(broker.sent.lock().unwrap().len(), 1);
         assert!(broker.rests.lock().unwrap().is_empty());
@@ -492,30 +453,18 @@ mod tests {
         let broker = Recorder::default();
         let rows = vec![row(1, "a"), row(2, "a"), row(3, "b")];
         let open = Instant::now() + std::time::Duration::from_secs(60);
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows.clone(), true),
-            Some(open),
-        )
-        .await;
+        let results = publish(&broker, rows.clone(), Some(open)).await;
         assert!(results.iter().all(|r| r.failed.is_none()));
         assert_eq!(broker.sent.lock().unwrap().len(), 3);
         // Past the fence: every chain comes back whole and unsent, as after an outage.
         let broker = Recorder::default();
         let passed = Instant::now() - std::time::Duration::from_millis(1);
-        let results = publish_chains(
-            &broker,
-            &Shape::new(crate::broker::BrokerKind::Nats, "s"),
-            chains(rows, true),
-            Some(passed),
-        )
-        .await;
+        let results = publish(&broker, rows, Some(passed)).await;
         assert!(broker.sent.lock().unwrap().is_empty());
         let unsent: usize = results
             .iter()
             .map(|r| {
-                let (rest, err) = r.failed.as_ref().unwrap();
+                let (rest, err) = failed(r);
                 assert!(!err.row_fault && err.message.contains("fence"), "{err}");
                 rest.len()
             })

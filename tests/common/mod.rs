@@ -1423,6 +1423,21 @@ pub struct DeliveryReport {
     pub order_violations: Vec<String>,
 }
 
+impl DeliveryReport {
+    /// Asserts that no committed row is missing, no rolled-back row arrived, and every
+    /// aggregate's rows came in order.
+    #[track_caller]
+    pub fn assert_complete(&self) {
+        assert!(self.missing.is_empty(), "lost: {:?}", self.missing);
+        assert!(self.orphans.is_empty(), "orphans: {:?}", self.orphans);
+        assert!(
+            self.order_violations.is_empty(),
+            "order: {:?}",
+            self.order_violations
+        );
+    }
+}
+
 /// Compares what a consumer saw with the committed and aborted row ids. Order: for each
 /// aggregate, the first deliveries of its rows must come in ascending id order.
 pub fn check_delivery(

@@ -200,13 +200,7 @@ impl Setup {
         )
         .await;
         let report = common::check_delivery(&received, &ledger.committed, &ledger.aborted);
-        assert!(report.missing.is_empty(), "missing: {:?}", report.missing);
-        assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-        assert!(
-            report.order_violations.is_empty(),
-            "order: {:?}",
-            report.order_violations
-        );
+        report.assert_complete();
         operator::delete_relays(&self.client, &self.ns, WAIT).await;
         let mut controller = self.controller;
         let stopped = controller.stop(WAIT);

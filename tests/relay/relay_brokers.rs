@@ -56,13 +56,7 @@ fn assert_delivered(
 ) {
     let report = common::check_delivery(received, committed, aborted);
     println!("delivery: {report:?}");
-    assert!(report.missing.is_empty(), "lost rows: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
-    );
+    report.assert_complete();
     for message in received {
         assert_eq!(
             message.headers.get("type").map(String::as_str),

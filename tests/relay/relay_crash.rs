@@ -150,11 +150,5 @@ async fn relay_survives_sigkill_mid_batch_under_load() {
         !aborted.is_empty() && committed.len() > 500,
         "too little load"
     );
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
-    );
+    report.assert_complete();
 }

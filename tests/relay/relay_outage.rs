@@ -237,13 +237,7 @@ fn assert_complete(what: &str, received: &[common::Received], committed: &BTreeS
         report.orphans.len(),
         report.order_violations.len()
     );
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
-    );
+    report.assert_complete();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

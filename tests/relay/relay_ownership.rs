@@ -43,13 +43,7 @@ async fn assert_delivered(topic: String, committed: &BTreeSet<i64>) -> common::D
         .await
         .unwrap();
     let report = common::check_delivery(&received, committed, &BTreeSet::new());
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
-    assert!(report.orphans.is_empty(), "orphans: {:?}", report.orphans);
-    assert!(
-        report.order_violations.is_empty(),
-        "{:?}",
-        report.order_violations
-    );
+    report.assert_complete();
     report
 }
 

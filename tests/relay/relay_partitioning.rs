@@ -340,13 +340,7 @@ async fn nothing_queued_behind_a_refused_message_of_a_chains_rest_is_written() {
         .collect();
     let outcomes = broker.publish_rest(&rest, first, false).await;
     // 2, 3 and 4 written; 5 refused as the row's fault; nothing after it.
-    assert_eq!(outcomes.len(), 4, "{outcomes:?}");
-    assert!(outcomes[..3].iter().all(Result::is_ok), "{outcomes:?}");
-    let err = outcomes[3].as_ref().expect_err("refused");
-    assert!(err.row_fault, "{err:?}");
-    let found = records(&topic, 4, Duration::from_secs(3));
-    let ids: Vec<&str> = found.iter().map(|(_, _, id)| id.as_str()).collect();
-    assert_eq!(ids, ["1", "2", "3", "4"]);
+    assert_refused_after(&topic, &outcomes, 3);
     // The relay goes on with a new producer: the chain again from the refused message,
     // now acceptable.
     let rest: Vec<_> = (5..=40).map(|id| keyed_message(&topic, id, &key)).collect();
@@ -374,11 +368,29 @@ async fn a_chains_rest_stops_queueing_at_a_message_the_producer_refuses() {
     rest[2].payload = Some(bytes::Bytes::from(vec![b'x'; 2000]));
     let outcomes = broker.publish_rest(&rest, first, false).await;
     // 2 and 3 written; 4 refused as the row's fault; 5 and 6 never queued.
-    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
-    assert!(outcomes[..2].iter().all(Result::is_ok), "{outcomes:?}");
-    let err = outcomes[2].as_ref().expect_err("too large");
+    assert_refused_after(&topic, &outcomes, 2);
+}
+
+/// Asserts that a chain's rest (after its first message, id 1) was acknowledged for
+/// `acknowledged` messages and then refused as the row's fault, and that `topic`
+/// holds ids 1 to `acknowledged` + 1 in order and nothing else, 3 s on.
+fn assert_refused_after(
+    topic: &str,
+    outcomes: &[Result<
+        outbox_operator::broker::Delivered,
+        outbox_operator::broker::PublishError,
+    >],
+    acknowledged: usize,
+) {
+    assert_eq!(outcomes.len(), acknowledged + 1, "{outcomes:?}");
+    assert!(
+        outcomes[..acknowledged].iter().all(Result::is_ok),
+        "{outcomes:?}"
+    );
+    let err = outcomes[acknowledged].as_ref().expect_err("refused");
     assert!(err.row_fault, "{err:?}");
-    let found = records(&topic, 3, Duration::from_secs(3));
-    let ids: Vec<&str> = found.iter().map(|(_, _, id)| id.as_str()).collect();
-    assert_eq!(ids, ["1", "2", "3"]);
+    let found = records(topic, acknowledged + 1, Duration::from_secs(3));
+    let ids: Vec<String> = found.into_iter().map(|(_, _, id)| id).collect();
+    let expected: Vec<String> = (1..=acknowledged + 1).map(|id| id.to_string()).collect();
+    assert_eq!(ids, expected);
 }
