@@ -112,13 +112,13 @@ pub struct KafkaBroker {
     /// How long a message may wait for its acknowledgement (`message.timeout.ms`):
     /// enforced here, not by librdkafka (see the module's notes); `None`: forever.
     deadline: Option<Duration>,
-    /// Producers retired on a fatal error since the last acknowledgement.
-    fatal_in_a_row: AtomicU32,
 }
 
-/// Producers that stop on a fatal error, one after another with no acknowledgement
-/// between, before the relay gives up and restarts (a refused producer id, say, fails
-/// every producer the same way: a restart loop shows it where retries would not).
+/// Producers of one kind (batching, or chain steps) that stop on a fatal error, one
+/// after another with no acknowledgement between, before the relay gives up and
+/// restarts (a refused producer id, say, fails every producer the same way: a restart
+/// loop shows it where retries would not). Counted per kind: one cause stops both
+/// kinds' producers in the same round, which is one producer of each in a row, not two.
 const FATAL_IN_A_ROW: u32 = 3;
 
 impl KafkaBroker {
@@ -129,7 +129,6 @@ impl KafkaBroker {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
             deadline: deadline(&config.properties).map_err(PublishError::transient)?,
-            fatal_in_a_row: AtomicU32::new(0),
         };
         broker.batching.get()?;
         Ok(broker)
@@ -158,7 +157,7 @@ impl KafkaBroker {
         let room_by = tokio::time::Instant::now() + ROOM_WAIT;
         let future = enqueue(producer, record(message, partition), room_by).await?;
         let delivered = acknowledged(message, self.pending(future)).await?;
-        self.fatal_in_a_row.store(0, Ordering::Relaxed);
+        self.acknowledged();
         Ok(delivered)
     }
 
@@ -204,7 +203,7 @@ impl KafkaBroker {
         for (message, delivery) in messages.iter().zip(pending) {
             match acknowledged(message, delivery).await {
                 Ok(delivered) => {
-                    self.fatal_in_a_row.store(0, Ordering::Relaxed);
+                    self.acknowledged();
                     outcomes.push(Ok(delivered));
                 }
                 Err(failure) => {
@@ -223,6 +222,14 @@ impl KafkaBroker {
             outcomes.push(Err(refused));
         }
         outcomes
+    }
+
+    /// An acknowledgement: the cluster takes this client's writes, so no producer kind
+    /// is failing [`FATAL_IN_A_ROW`].
+    fn acknowledged(&self) {
+        for slot in [&self.batching, &self.eager] {
+            slot.fatal_in_a_row.store(0, Ordering::Relaxed);
+        }
     }
 
     /// What a failed send through `producer` of `slot` means for the relay. A message
@@ -255,7 +262,7 @@ impl KafkaBroker {
             // A record the broker refused stops the producer by the gap-less guarantee:
             // the row's fault (counted against its attempts), not the client's.
             if !matches!(fatal, Some((RDKafkaErrorCode::GaplessGuarantee, _))) {
-                self.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
+                slot.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
             }
             tracing::warn!(
                 producer = slot.name,
@@ -451,6 +458,9 @@ struct Slot {
     name: &'static str,
     config: ClientConfig,
     current: Mutex<Option<Arc<KafkaProducer>>>,
+    /// Producers of this slot retired on a fatal error since the last acknowledgement
+    /// (of either slot).
+    fatal_in_a_row: AtomicU32,
 }
 
 impl Slot {
@@ -459,6 +469,7 @@ impl Slot {
             name,
             config,
             current: Mutex::new(None),
+            fatal_in_a_row: AtomicU32::new(0),
         }
     }
 
@@ -807,10 +818,12 @@ impl Broker for KafkaBroker {
     }
 
     /// A fatal error retires its producer and the next send makes a new one; only
-    /// when [`FATAL_IN_A_ROW`] producers stopped so, with no acknowledgement between,
-    /// is the client taken for broken.
+    /// when [`FATAL_IN_A_ROW`] producers of one kind stopped so, with no
+    /// acknowledgement between, is the client taken for broken.
     fn is_broken(&self) -> bool {
-        self.fatal_in_a_row.load(Ordering::Relaxed) >= FATAL_IN_A_ROW
+        [&self.batching, &self.eager]
+            .iter()
+            .any(|slot| slot.fatal_in_a_row.load(Ordering::Relaxed) >= FATAL_IN_A_ROW)
     }
 }
 
@@ -1062,6 +1075,30 @@ mod tests {
         assert!(broker.eager.existing().is_none());
         broker.eager.get().expect("made");
         assert!(broker.eager.existing().is_some());
+    }
+
+    #[tokio::test]
+    async fn only_three_fatal_producers_of_one_kind_in_a_row_break_the_client() {
+        let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
+        let stop = |slot: &Slot| {
+            slot.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
+        };
+        // One cause stopping both kinds' producers, round after round: two rounds are
+        // two producers of each kind in a row, not four.
+        for _ in 0..2 {
+            stop(&broker.batching);
+            stop(&broker.eager);
+        }
+        assert!(!broker.is_broken());
+        stop(&broker.eager);
+        assert!(broker.is_broken(), "the third chain-step producer in a row");
+        // An acknowledgement through either kind clears both counts.
+        broker.acknowledged();
+        assert!(!broker.is_broken());
+        for _ in 0..FATAL_IN_A_ROW {
+            stop(&broker.batching);
+        }
+        assert!(broker.is_broken(), "three batching producers in a row");
     }
 
     fn message(payload: &'static [u8]) -> Message {
