@@ -117,8 +117,9 @@ pub struct KafkaBroker {
 /// Producers of one kind (batching, or chain steps) that stop on a fatal error, one
 /// after another with no acknowledgement between, before the relay gives up and
 /// restarts (a refused producer id, say, fails every producer the same way: a restart
-/// loop shows it where retries would not). Counted per kind: one cause stops both
-/// kinds' producers in the same round, which is one producer of each in a row, not two.
+/// loop shows it where retries would not). Counted per kind: a cause that stops both
+/// kinds' producers at once is one more in a row for each kind, not two. (With the
+/// kinds stopping in turn, up to five producers in all may stop before a restart.)
 const FATAL_IN_A_ROW: u32 = 3;
 
 impl KafkaBroker {
@@ -157,7 +158,7 @@ impl KafkaBroker {
         let room_by = tokio::time::Instant::now() + ROOM_WAIT;
         let future = enqueue(producer, record(message, partition), room_by).await?;
         let delivered = acknowledged(message, self.pending(future)).await?;
-        self.acknowledged();
+        self.clear_fatal_counts();
         Ok(delivered)
     }
 
@@ -203,7 +204,7 @@ impl KafkaBroker {
         for (message, delivery) in messages.iter().zip(pending) {
             match acknowledged(message, delivery).await {
                 Ok(delivered) => {
-                    self.acknowledged();
+                    self.clear_fatal_counts();
                     outcomes.push(Ok(delivered));
                 }
                 Err(failure) => {
@@ -224,9 +225,10 @@ impl KafkaBroker {
         outcomes
     }
 
-    /// An acknowledgement: the cluster takes this client's writes, so no producer kind
-    /// is failing [`FATAL_IN_A_ROW`].
-    fn acknowledged(&self) {
+    /// Clears both kinds' counts of producers stopped on a fatal error
+    /// ([`FATAL_IN_A_ROW`]): an acknowledgement shows the cluster takes this client's
+    /// writes.
+    fn clear_fatal_counts(&self) {
         for slot in [&self.batching, &self.eager] {
             slot.fatal_in_a_row.store(0, Ordering::Relaxed);
         }
@@ -258,12 +260,10 @@ impl KafkaBroker {
         };
         let failure = classify(&err, producer);
         let fatal = producer.client.client().fatal_error();
-        if fatal.is_some() && slot.retire(producer) {
-            // A record the broker refused stops the producer by the gap-less guarantee:
-            // the row's fault (counted against its attempts), not the client's.
-            if !matches!(fatal, Some((RDKafkaErrorCode::GaplessGuarantee, _))) {
-                slot.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some((code, _)) = fatal
+            && slot.retire(producer)
+        {
+            slot.stopped_fatally(code);
             tracing::warn!(
                 producer = slot.name,
                 error = %failure.message,
@@ -491,6 +491,15 @@ impl Slot {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Counts a producer of this slot retired on a fatal error `code`. A record the
+    /// broker refused stops the producer by the gap-less guarantee: that is the row's
+    /// fault (counted against its attempts), not the client's, and is not counted here.
+    fn stopped_fatally(&self, code: RDKafkaErrorCode) {
+        if code != RDKafkaErrorCode::GaplessGuarantee {
+            self.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Retires `used` if it is still the current producer (of the many sends that fail
@@ -1080,9 +1089,7 @@ mod tests {
     #[tokio::test]
     async fn only_three_fatal_producers_of_one_kind_in_a_row_break_the_client() {
         let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
-        let stop = |slot: &Slot| {
-            slot.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
-        };
+        let stop = |slot: &Slot| slot.stopped_fatally(RDKafkaErrorCode::Fatal);
         // One cause stopping both kinds' producers, round after round: two rounds are
         // two producers of each kind in a row, not four.
         for _ in 0..2 {
@@ -1090,14 +1097,23 @@ mod tests {
             stop(&broker.eager);
         }
         assert!(!broker.is_broken());
+        // A record the broker refused is the row's fault, not the client's.
+        broker
+            .eager
+            .stopped_fatally(RDKafkaErrorCode::GaplessGuarantee);
+        assert!(!broker.is_broken(), "a gap-less stop counted");
         stop(&broker.eager);
         assert!(broker.is_broken(), "the third chain-step producer in a row");
-        // An acknowledgement through either kind clears both counts.
-        broker.acknowledged();
+        // An acknowledgement clears both counts (batching stood at 2).
+        broker.clear_fatal_counts();
         assert!(!broker.is_broken());
-        for _ in 0..FATAL_IN_A_ROW {
-            stop(&broker.batching);
-        }
+        stop(&broker.batching);
+        assert!(
+            !broker.is_broken(),
+            "the acknowledgement left the batching count"
+        );
+        stop(&broker.batching);
+        stop(&broker.batching);
         assert!(broker.is_broken(), "three batching producers in a row");
     }
 
