@@ -483,6 +483,12 @@ fn broker(
                     notes.push(format!(
                         "{k}: fixed by the relay (acks=all, idempotence) or set through spec.broker.kafka.tls / sasl; dropped"
                     ));
+                } else if let Some(why) = crate::broker::kafka::refused_by_librdkafka(key, v) {
+                    // The Java client's settings that librdkafka does not share
+                    // (buffer.memory, max.block.ms, …) would keep the relay from starting.
+                    notes.push(format!(
+                        "{k}: librdkafka, the relay's Kafka client, does not take it ({why}); dropped"
+                    ));
                 } else {
                     properties.insert(key.to_owned(), v.clone());
                 }

@@ -657,9 +657,7 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
 pub(super) fn deadline(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Duration>, String> {
-    let set = properties
-        .iter()
-        .rfind(|(key, _)| *key == "message.timeout.ms" || *key == "delivery.timeout.ms");
+    let set = properties.iter().rfind(|(key, _)| is_relay_timeout(key));
     let (key, ms) = match set {
         None => ("message.timeout.ms (by default)", 20_000),
         Some((key, value)) => match value.trim().parse::<u32>() {
@@ -856,12 +854,18 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
             "give a whole number of milliseconds (0: wait for ever)",
         );
     }
-    for key in k.properties.keys() {
+    for (key, value) in &k.properties {
         if is_fixed_kafka_property(key) {
             p.push(
                 format!("spec.broker.kafka.properties.{key}"),
                 "is fixed by the relay (delivery guarantees) or set through tls and sasl",
                 "remove it; acks=all and idempotence are always on",
+            );
+        } else if let Some(why) = refused_by_librdkafka(key, value) {
+            p.push(
+                format!("spec.broker.kafka.properties.{key}"),
+                why,
+                "use a librdkafka producer property and a value it takes (librdkafka's CONFIGURATION.md lists them)",
             );
         }
     }
@@ -880,6 +884,28 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
         );
     }
     tls::check(k.tls.as_ref(), tls::KAFKA, p);
+}
+
+/// `message.timeout.ms` and its alias: the relay keeps that timeout itself and never
+/// hands the value to librdkafka; [`deadline`] checks it.
+fn is_relay_timeout(key: &str) -> bool {
+    key == "message.timeout.ms" || key == "delivery.timeout.ms"
+}
+
+/// Why librdkafka refuses the property `key` = `value`, if it does: an unknown name (a
+/// Java client's, say), a value not of its type or range, a codec this build lacks.
+/// Asked of librdkafka's own configuration parser, which makes no client: otherwise such
+/// a setting is found only when the relay starts, and its pod restarts over and over.
+/// The relay's own timeout ([`is_relay_timeout`]) is [`deadline`]'s to check.
+pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
+    if is_relay_timeout(key) {
+        return None;
+    }
+    match ClientConfig::new().set(key, value).create_native_config() {
+        Ok(_) => None,
+        Err(KafkaError::ClientConfig(_, why, _, _)) => Some(why),
+        Err(err) => Some(err.to_string()),
+    }
 }
 
 /// The Secret references of a Kafka spec: SASL credentials as variables, the TLS files
@@ -1084,6 +1110,59 @@ mod tests {
         assert!(broker.eager.existing().is_none());
         broker.eager.get().expect("made");
         assert!(broker.eager.existing().is_some());
+    }
+
+    #[test]
+    fn properties_librdkafka_refuses_are_spec_problems() {
+        let problems = |properties: serde_json::Value| {
+            let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
+                "bootstrapServers": "kafka:9092",
+                "topic": "orders",
+                "properties": properties,
+            }))
+            .expect("a Kafka spec");
+            let mut p = Problems(Vec::new());
+            check(&spec, &mut p);
+            p.0
+        };
+        let fine = problems(serde_json::json!({
+            "linger.ms": "5",
+            "compression.type": "lz4",
+            "batch.num.messages": "5000",
+            "message.timeout.ms": "30000",
+        }));
+        assert!(fine.is_empty(), "{fine:?}");
+        let refused = problems(serde_json::json!({
+            "linger.msec": "5",
+            "compression.type": "brotli",
+            "batch.num.messages": "lots",
+        }));
+        let fields: Vec<&str> = refused.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.broker.kafka.properties.batch.num.messages",
+                "spec.broker.kafka.properties.compression.type",
+                "spec.broker.kafka.properties.linger.msec",
+            ]
+        );
+        assert!(
+            refused[2]
+                .message
+                .contains("No such configuration property"),
+            "{:?}",
+            refused[2]
+        );
+        assert!(refused[1].message.contains("brotli"), "{:?}", refused[1]);
+        // The codecs this build has, as the field's reference says.
+        for codec in ["none", "gzip", "snappy", "lz4"] {
+            assert_eq!(
+                refused_by_librdkafka("compression.type", codec),
+                None,
+                "{codec}"
+            );
+        }
+        assert!(refused_by_librdkafka("compression.type", "zstd").is_some());
     }
 
     #[tokio::test]

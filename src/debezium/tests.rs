@@ -22,6 +22,7 @@ const CONNECT_JSON: &str = r#"{
     "value.converter": "org.apache.kafka.connect.json.JsonConverter",
     "producer.override.compression.type": "lz4",
     "producer.override.acks": "1",
+    "producer.override.buffer.memory": "67108864",
     "transforms": "unwrap, outbox",
     "transforms.unwrap.type": "io.debezium.transforms.ExtractNewRecordState",
     "transforms.outbox.type": "io.debezium.transforms.outbox.EventRouter",
@@ -102,6 +103,7 @@ fn a_connect_connector_becomes_the_same_relay_line_by_line() {
     for expected in [
         "transform unwrap",
         "producer.override.acks",
+        "producer.override.buffer.memory: librdkafka, the relay's Kafka client, does not take it",
         "value.converter org.apache.kafka.connect.json.JsonConverter",
         "snapshot.mode initial",
         "postgres://debezium:<password>@orders-db.shop.svc:5432/orders",
