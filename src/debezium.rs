@@ -487,7 +487,7 @@ fn broker(
                     // The Java client's settings that librdkafka does not share
                     // (buffer.memory, max.block.ms, …) would keep the relay from starting.
                     notes.push(format!(
-                        "{k}: librdkafka, the relay's Kafka client, does not take it ({why}); dropped"
+                        "{k}: librdkafka, the relay's Kafka client, refuses this name or value ({why}); dropped"
                     ));
                 } else {
                     properties.insert(key.to_owned(), v.clone());

@@ -79,10 +79,11 @@ pub struct KafkaSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sasl: Option<SaslSpec>,
     /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`
-    /// `lz4`, `snappy` or `gzip`). Settings that would weaken delivery (`acks`,
-    /// `enable.idempotence`) and security settings (use `tls` and `sasl`) are rejected,
-    /// and so is any name or value librdkafka does not take (a Java client's setting,
-    /// `zstd`, which this build lacks), before a relay starts. `message.timeout.ms` (or
+    /// `none`, `lz4`, `snappy` or `gzip`). Settings that would weaken delivery (`acks`,
+    /// `enable.idempotence`) and security settings (use `tls` and `sasl`) are rejected.
+    /// A name or value librdkafka does not take (a Java client's setting, `zstd`, which
+    /// this build lacks, `plugin.*`) makes the relay `Ready=False` with reason
+    /// `InvalidSpec` before its pods start. `message.timeout.ms` (or
     /// `delivery.timeout.ms`; default 20000, 0 waits for ever) is how long the relay
     /// waits for an event's acknowledgement before it replaces the producer and tries
     /// again; librdkafka's own timeout stays off, its retries unlimited and

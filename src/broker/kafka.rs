@@ -896,17 +896,32 @@ fn is_relay_timeout(key: &str) -> bool {
 /// Java client's, say), a value not of its type or range, a codec this build lacks.
 /// Asked of librdkafka's own configuration parser, which makes no client: otherwise such
 /// a setting is found only when the relay starts, and its pod restarts over and over.
-/// The relay's own timeout ([`is_relay_timeout`]) is [`deadline`]'s to check.
+/// The relay's own timeout ([`is_relay_timeout`]) is [`deadline`]'s to check, and the
+/// settings [`client_config`] overrides never reach librdkafka, so neither is asked about.
+/// `plugin.*` is refused without asking: setting it makes librdkafka load the libraries
+/// named, in whichever process checks the spec (the controller's, say).
 pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
-    if is_relay_timeout(key) {
+    if is_relay_timeout(key) || OVERRIDDEN_BY_RELAY.contains(&key) {
         return None;
     }
+    if key.starts_with("plugin.") {
+        return Some("librdkafka plugins are not supported: the relay's image has none".to_owned());
+    }
     match ClientConfig::new().set(key, value).create_native_config() {
-        Ok(_) => None,
-        Err(KafkaError::ClientConfig(_, why, _, _)) => Some(why),
+        // librdkafka ends some of its reasons with a line break.
+        Err(KafkaError::ClientConfig(_, why, _, _)) => Some(why.trim_end().to_owned()),
         Err(err) => Some(err.to_string()),
+        Ok(_) => None,
     }
 }
+
+/// Properties a user may set that [`client_config`] sets again after them, so that
+/// their values never reach librdkafka.
+const OVERRIDDEN_BY_RELAY: [&str; 3] = [
+    "retries",
+    "message.send.max.retries",
+    "enable.gapless.guarantee",
+];
 
 /// The Secret references of a Kafka spec: SASL credentials as variables, the TLS files
 /// mounted.
@@ -1130,8 +1145,25 @@ mod tests {
             "compression.type": "lz4",
             "batch.num.messages": "5000",
             "message.timeout.ms": "30000",
+            // Overridden by the relay, never handed to librdkafka.
+            "retries": "-1",
+            "enable.gapless.guarantee": "maybe",
         }));
         assert!(fine.is_empty(), "{fine:?}");
+        // The relay's timeout is deadline()'s to report, once.
+        let timeout = problems(serde_json::json!({"message.timeout.ms": "soon"}));
+        assert_eq!(timeout.len(), 1, "{timeout:?}");
+        assert_eq!(timeout[0].field, "spec.broker.kafka.properties");
+        // Never handed to librdkafka, which would load the library.
+        let plugin = problems(serde_json::json!({"plugin.library.paths": "/tmp/evil.so"}));
+        assert_eq!(plugin.len(), 1, "{plugin:?}");
+        assert!(plugin[0].message.contains("plugins"), "{plugin:?}");
+        // Out of range, without librdkafka's trailing line break.
+        let range =
+            problems(serde_json::json!({"linger.ms": "1000000", "message.timeout.ms": "0"}));
+        assert_eq!(range.len(), 1, "{range:?}");
+        assert!(range[0].message.contains("range"), "{range:?}");
+        assert_eq!(range[0].message.trim_end(), range[0].message);
         let refused = problems(serde_json::json!({
             "linger.msec": "5",
             "compression.type": "brotli",

@@ -103,7 +103,7 @@ fn a_connect_connector_becomes_the_same_relay_line_by_line() {
     for expected in [
         "transform unwrap",
         "producer.override.acks",
-        "producer.override.buffer.memory: librdkafka, the relay's Kafka client, does not take it",
+        "producer.override.buffer.memory: librdkafka, the relay's Kafka client, refuses this name or value",
         "value.converter org.apache.kafka.connect.json.JsonConverter",
         "snapshot.mode initial",
         "postgres://debezium:<password>@orders-db.shop.svc:5432/orders",
