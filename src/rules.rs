@@ -21,16 +21,25 @@ pub const MIN_HEARTBEAT: Duration = Duration::from_millis(100);
 /// Header names the relay sets itself; a header column may not take them.
 pub const RESERVED_HEADERS: [&str; 3] = ["id", "type", "aggregateType"];
 /// Librdkafka settings the relay fixes (delivery guarantees, connection security), so
-/// `broker.kafka.properties` may not set them. Prefixes end with a dot.
-pub const FIXED_KAFKA_PROPERTIES: [&str; 8] = [
+/// `broker.kafka.properties` may not set them, under any of librdkafka's names for them:
+/// an alias set beside the relay's own name would be a second key, and which of the two
+/// librdkafka applies last is not defined. `topic.` addresses any topic setting under a
+/// second name (`topic.acks`, `topic.message.timeout.ms`); the same settings without it
+/// stay open. `transactional.id` would make the idempotent producer a transactional one,
+/// which the relay never begins. Prefixes end with a dot.
+pub const FIXED_KAFKA_PROPERTIES: [&str; 12] = [
     "acks",
     "request.required.acks",
     "enable.idempotence",
     "max.in.flight.requests.per.connection",
+    "max.in.flight",
     "security.protocol",
     "bootstrap.servers",
+    "metadata.broker.list",
+    "transactional.id",
     "sasl.",
     "ssl.",
+    "topic.",
 ];
 
 /// One thing wrong with a spec.
@@ -277,6 +286,11 @@ mod tests {
             "ssl.ca.location",
             "sasl.mechanism",
             "bootstrap.servers",
+            "metadata.broker.list",
+            "max.in.flight",
+            "topic.acks",
+            "topic.message.timeout.ms",
+            "transactional.id",
         ] {
             assert!(is_fixed_kafka_property(fixed), "{fixed}");
         }

@@ -265,6 +265,18 @@ const CASES: &[Case] = &[
         expect: &["properties"],
     },
     Case {
+        what: "kafka timeout set again under its topic-level name",
+        edit: |s| s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "properties": {"topic.message.timeout.ms": "5000"}}}),
+        expect: &["properties"],
+    },
+    Case {
+        what: "kafka in-flight limit raised under its alias",
+        edit: |s| {
+            s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "properties": {"max.in.flight": "50"}}})
+        },
+        expect: &["properties"],
+    },
+    Case {
         what: "kafka topic with a space",
         edit: |s| {
             s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "topic": "outbox events"}})
