@@ -93,7 +93,7 @@ pub struct KafkaSpec {
     /// events of the batch, sent together once the first is acknowledged; a single next
     /// event goes at once through a second producer with the same settings.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'max.in.flight', 'security.protocol', 'bootstrap.servers', 'metadata.broker.list', 'transactional.id'] || k.startsWith('sasl.') || k.startsWith('ssl.') || k.startsWith('topic.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight(.requests.per.connection), security.protocol, bootstrap.servers, metadata.broker.list, transactional.id, sasl.*, ssl.* or topic.* (set a topic setting without the prefix): delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
+    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'security.protocol', 'bootstrap.servers'] || k.startsWith('sasl.') || k.startsWith('ssl.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight.requests.per.connection, security.protocol, bootstrap.servers, sasl.* or ssl.*: delivery guarantees are fixed, use bootstrapServers, tls and sasl"))]
     pub properties: BTreeMap<String, String>,
 }
 
