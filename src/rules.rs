@@ -299,6 +299,43 @@ mod tests {
         }
     }
 
+    /// The CRD's CEL rule refuses every fixed property at `kubectl apply`, as the spec
+    /// check does after it.
+    #[test]
+    fn the_crd_refuses_every_fixed_kafka_property() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(crate::api::OutboxRelay::crd()).expect("json");
+        let mut rules = Vec::new();
+        fn walk<'a>(value: &'a serde_json::Value, rules: &mut Vec<&'a str>) {
+            match value {
+                serde_json::Value::Object(map) => {
+                    if let Some(rule) = map.get("rule").and_then(|r| r.as_str()) {
+                        rules.push(rule);
+                    }
+                    map.values().for_each(|v| walk(v, rules));
+                }
+                serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, rules)),
+                _ => {}
+            }
+        }
+        walk(&crd, &mut rules);
+        let rule = rules
+            .iter()
+            .find(|rule| rule.contains("'request.required.acks'"))
+            .expect("the properties rule");
+        for fixed in FIXED_KAFKA_PROPERTIES {
+            let named = if fixed.ends_with('.') {
+                format!("k.startsWith('{fixed}')")
+            } else {
+                format!("'{fixed}'")
+            };
+            assert!(
+                rule.contains(&named),
+                "{fixed} is not in the CRD's rule: {rule}"
+            );
+        }
+    }
+
     #[test]
     fn templates_are_checked() {
         assert!(check_template(BrokerKind::Kafka, "outbox.event.{aggregateType}").is_ok());

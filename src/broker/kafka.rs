@@ -591,24 +591,11 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
         // librdkafka's own default (CRC32) would not.
         .set("partitioner", "murmur2_random");
     for (key, value) in &config.properties {
-        // librdkafka's own name for linger.ms: set under that name, so the config never
-        // holds both (which one wins would depend on the order they are applied in).
-        let key = match key.as_str() {
-            "queue.buffering.max.ms" => "linger.ms",
-            "retries" => "message.send.max.retries",
-            "delivery.timeout.ms" => "message.timeout.ms",
-            key => key,
-        };
+        client.set(canonical(key), value);
+    }
+    for (key, value) in GAPLESS {
         client.set(key, value);
     }
-    // Fixed, after the user's properties, so that no message is ever written behind
-    // one of its chain that librdkafka gave up on (see the module's notes): librdkafka
-    // never times a message out (the relay does, see `deadline`), retries it for as
-    // long as it waits, and stops on any refusal that would leave a gap.
-    client
-        .set("message.timeout.ms", "0")
-        .set("message.send.max.retries", "2147483647")
-        .set("enable.gapless.guarantee", "true");
     // Fixed, after the user's properties: idempotence keeps each Kafka partition in
     // send order without duplicates from internal retries (it requires
     // max.in.flight <= 5), and acks=all means "acknowledged" survives a broker loss.
@@ -672,7 +659,7 @@ pub(super) fn deadline(
     };
     let linger = properties
         .iter()
-        .rfind(|(key, _)| *key == "linger.ms" || *key == "queue.buffering.max.ms")
+        .rfind(|(key, _)| canonical(key) == "linger.ms")
         .and_then(|(_, v)| v.trim().parse::<f64>().ok())
         .unwrap_or(1.0);
     if f64::from(ms) <= linger {
@@ -889,7 +876,7 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
 /// `message.timeout.ms` and its alias: the relay keeps that timeout itself and never
 /// hands the value to librdkafka; [`deadline`] checks it.
 fn is_relay_timeout(key: &str) -> bool {
-    key == "message.timeout.ms" || key == "delivery.timeout.ms"
+    canonical(key) == "message.timeout.ms"
 }
 
 /// Why librdkafka refuses the property `key` = `value`, if it does: an unknown name (a
@@ -897,11 +884,11 @@ fn is_relay_timeout(key: &str) -> bool {
 /// Asked of librdkafka's own configuration parser, which makes no client: otherwise such
 /// a setting is found only when the relay starts, and its pod restarts over and over.
 /// The relay's own timeout ([`is_relay_timeout`]) is [`deadline`]'s to check, and the
-/// settings [`client_config`] overrides never reach librdkafka, so neither is asked about.
+/// [`GAPLESS`] settings never reach librdkafka, so neither is asked about.
 /// `plugin.*` is refused without asking: setting it makes librdkafka load the libraries
 /// named, in whichever process checks the spec (the controller's, say).
 pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
-    if is_relay_timeout(key) || OVERRIDDEN_BY_RELAY.contains(&key) {
+    if GAPLESS.iter().any(|(fixed, _)| *fixed == canonical(key)) {
         return None;
     }
     if key.starts_with("plugin.") {
@@ -915,13 +902,30 @@ pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
     }
 }
 
-/// Properties a user may set that [`client_config`] sets again after them, so that
-/// their values never reach librdkafka.
-const OVERRIDDEN_BY_RELAY: [&str; 3] = [
-    "retries",
-    "message.send.max.retries",
-    "enable.gapless.guarantee",
+/// Settings [`client_config`] sets after the user's properties, so that no message is
+/// ever written behind one of its chain that librdkafka gave up on (see the module's
+/// notes): librdkafka never times a message out (the relay does, see [`deadline`]),
+/// retries it for as long as it waits, and stops on any refusal that would leave a gap.
+/// A user may name them (under either name, see [`canonical`]), but their values never
+/// reach librdkafka.
+const GAPLESS: [(&str, &str); 3] = [
+    ("message.timeout.ms", "0"),
+    ("message.send.max.retries", "2147483647"),
+    ("enable.gapless.guarantee", "true"),
 ];
+
+/// librdkafka's first name for a setting it knows under two, for the ones the relay
+/// sets itself (`linger.ms` by default, the [`GAPLESS`] ones after the user's): set
+/// under that name, so the config never holds both (which one wins would depend on the
+/// order librdkafka applies them in).
+fn canonical(key: &str) -> &str {
+    match key {
+        "queue.buffering.max.ms" => "linger.ms",
+        "retries" => "message.send.max.retries",
+        "delivery.timeout.ms" => "message.timeout.ms",
+        key => key,
+    }
+}
 
 /// The Secret references of a Kafka spec: SASL credentials as variables, the TLS files
 /// mounted.
@@ -1127,19 +1131,21 @@ mod tests {
         assert!(broker.eager.existing().is_some());
     }
 
+    /// What [`check`] finds in a Kafka spec with these `properties`.
+    fn problems(properties: serde_json::Value) -> Vec<crate::rules::Problem> {
+        let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
+            "bootstrapServers": "kafka:9092",
+            "topic": "orders",
+            "properties": properties,
+        }))
+        .expect("a Kafka spec");
+        let mut p = Problems(Vec::new());
+        check(&spec, &mut p);
+        p.0
+    }
+
     #[test]
     fn properties_librdkafka_refuses_are_spec_problems() {
-        let problems = |properties: serde_json::Value| {
-            let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
-                "bootstrapServers": "kafka:9092",
-                "topic": "orders",
-                "properties": properties,
-            }))
-            .expect("a Kafka spec");
-            let mut p = Problems(Vec::new());
-            check(&spec, &mut p);
-            p.0
-        };
         let fine = problems(serde_json::json!({
             "linger.ms": "5",
             "compression.type": "lz4",
@@ -1364,16 +1370,9 @@ mod tests {
         let err = of(&[("linger.ms", "30000")]).expect_err("linger over the default");
         assert!(err.contains("20000"), "{err}");
         // `check` says so before any relay starts.
-        let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
-            "bootstrapServers": "kafka:9092",
-            "topic": "outbox",
-            "properties": {"delivery.timeout.ms": "soon"}
-        }))
-        .unwrap();
-        let mut problems = Problems(Vec::new());
-        check(&spec, &mut problems);
-        assert_eq!(problems.0.len(), 1, "{problems:?}");
-        assert_eq!(problems.0[0].field, "spec.broker.kafka.properties");
+        let found = problems(serde_json::json!({"delivery.timeout.ms": "soon"}));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].field, "spec.broker.kafka.properties");
     }
 
     #[tokio::test]

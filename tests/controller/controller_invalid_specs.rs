@@ -277,6 +277,20 @@ const CASES: &[Case] = &[
         expect: &["properties"],
     },
     Case {
+        what: "a librdkafka plugin",
+        edit: |s| s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "properties": {"plugin.library.paths": "/tmp/x.so"}}}),
+        expect: &["plugins are not supported"],
+    },
+    Case {
+        what: "more kafka properties than the schema allows",
+        edit: |s| {
+            let properties: serde_json::Map<String, Value> =
+                (0..129).map(|i| (format!("x.{i}"), json!("1"))).collect();
+            s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "properties": properties}})
+        },
+        expect: &["properties"],
+    },
+    Case {
         what: "kafka topic with a space",
         edit: |s| {
             s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "topic": "outbox events"}})
