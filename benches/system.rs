@@ -601,15 +601,105 @@ fn payload(seq: i64) -> String {
     payload_of(seq, 1024, AGGREGATES)
 }
 
-/// A JSON payload of about `size` bytes of aggregate `seq % aggregates`.
+/// A JSON payload of about `size` bytes of aggregate `seq % aggregates`: an order
+/// event with a customer and line items whose identifiers, quantities and prices vary
+/// from row to row, so that PostgreSQL's TOAST compression and a producer's
+/// `compression.type` see what real events give them (a run of one letter would
+/// compress a hundredfold). [`prefill`] writes the same shape server-side.
 fn payload_of(seq: i64, size: usize, aggregates: i64) -> String {
-    let mut p = format!(
-        r#"{{"aggregate": "agg-{}", "seq": {seq}, "data": ""#,
-        seq % aggregates
-    );
-    p.push_str(&"x".repeat(size.saturating_sub(p.len() + 2).max(1)));
-    p.push_str(r#""}"#);
+    let (items, pad) = payload_layout(size);
+    let mut hex = Hex(seq as u64);
+    // Bytes pushed one piece at a time, no formatting: the latency probe's writers make
+    // thousands a second on the cores they share with the relay and the servers.
+    let mut p: Vec<u8> = Vec::with_capacity(size + 64);
+    p.extend_from_slice(br#"{"seq": "#);
+    p.extend_from_slice(seq.to_string().as_bytes());
+    p.extend_from_slice(br#", "items": ["#);
+    for i in 0..items {
+        if i > 0 {
+            p.extend_from_slice(b", ");
+        }
+        p.extend_from_slice(br#"{"sku": "SKU-"#);
+        hex.push(&mut p, 10);
+        p.extend_from_slice(br#"", "title": ""#);
+        hex.push(&mut p, 8);
+        p.push(b' ');
+        hex.push(&mut p, 8);
+        p.extend_from_slice(br#"", "quantity": "#);
+        let v = hex.next();
+        p.push(b'1' + (v % 9) as u8);
+        p.extend_from_slice(br#", "unitPrice": ""#);
+        push_digits(&mut p, 10 + (v >> 8) % 90, 2);
+        p.push(b'.');
+        push_digits(&mut p, (v >> 16) % 100, 2);
+        p.extend_from_slice(br#""}"#);
+    }
+    p.extend_from_slice(br#"], "total": ""#);
+    let v = hex.next();
+    push_digits(&mut p, 1000 + v % 9000, 4);
+    p.push(b'.');
+    push_digits(&mut p, (v >> 16) % 100, 2);
+    p.extend_from_slice(br#"", "status": "PLACED", "currency": "EUR", "customer": {"id": "cus-"#);
+    hex.push(&mut p, 8);
+    p.extend_from_slice(br#"", "email": ""#);
+    hex.push(&mut p, 8);
+    p.extend_from_slice(br#"@example.com"}, "aggregate": "agg-"#);
+    p.extend_from_slice((seq % aggregates).to_string().as_bytes());
+    p.extend_from_slice(br#"", "reference": ""#);
+    hex.push(&mut p, pad);
+    p.extend_from_slice(br#""}"#);
+    let p = String::from_utf8(p).expect("ASCII");
+    debug_assert!(p.len().abs_diff(size) <= 8, "{} bytes, not {size}", p.len());
     p
+}
+
+/// `value`'s last `digits` decimal digits.
+fn push_digits(out: &mut Vec<u8>, value: u64, digits: u32) {
+    for place in (0..digits).rev() {
+        out.push(b'0' + (value / 10u64.pow(place) % 10) as u8);
+    }
+}
+
+/// How many line items and how many characters of `reference` make a payload of about
+/// `size` bytes (for a six-digit `seq` and a three-digit aggregate; others differ by a
+/// few bytes).
+fn payload_layout(size: usize) -> (usize, usize) {
+    // The payload without items and with an empty `reference`, and one item with its
+    // separator (the first has none).
+    const BASE: usize = 197;
+    const ITEM: usize = 94;
+    let without_pad = |items: usize| BASE + items * ITEM - if items > 0 { 2 } else { 0 };
+    let mut items = 0;
+    while without_pad(items + 1) < size {
+        items += 1;
+    }
+    (items, size.saturating_sub(without_pad(items)).max(1))
+}
+
+/// Pseudo-random hexadecimal digits (splitmix64), reproducible from the row's `seq`.
+struct Hex(u64);
+
+impl Hex {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Pushes `digits` hexadecimal digits.
+    fn push(&mut self, out: &mut Vec<u8>, digits: usize) {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut left = digits;
+        while left > 0 {
+            let v = self.next();
+            for nibble in 0..left.min(16) {
+                out.push(DIGITS[((v >> (4 * nibble)) & 15) as usize]);
+            }
+            left = left.saturating_sub(16);
+        }
+    }
 }
 
 fn row(id: i64) -> OutboxRow {
@@ -639,14 +729,34 @@ async fn prefill(
     payload: usize,
     aggregates: i64,
 ) {
-    // The JSON around `data` takes about 49 bytes.
-    let data = payload.saturating_sub(49).max(1);
+    // The shape of `payload_of`, from PostgreSQL's functions: `md5` of the row and the
+    // item number for identifiers, `hashint8` for quantities and prices. `reference`
+    // tops the payload up to its size from four digests (128 digits, more than an item).
+    let (items, pad) = payload_layout(payload);
     let statement = client
         .prepare(&format!(
             "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload, traceparent) \
              SELECT 'order', 'agg-' || (i % {aggregates}), 'Happened', \
-                    jsonb_build_object('aggregate', 'agg-' || (i % {aggregates}), 'seq', i, \
-                                       'data', repeat('x', {data})), \
+                    jsonb_build_object( \
+                      'seq', i, \
+                      'items', (SELECT coalesce(jsonb_agg(jsonb_build_object( \
+                                  'sku', 'SKU-' || left(md5(i || '.' || j), 10), \
+                                  'title', substr(md5(j || '/' || i), 1, 8) || ' ' \
+                                           || substr(md5(j || '/' || i), 9, 8), \
+                                  'quantity', 1 + abs(hashint8(i * 1024 + j)::int8) % 9, \
+                                  'unitPrice', (10 + abs(hashint8(i * 2048 + j)::int8) % 90) || '.' \
+                                           || lpad((abs(hashint8(i * 4096 + j)::int8) % 100)::text, 2, '0') \
+                                ) ORDER BY j), '[]'::jsonb) \
+                                FROM generate_series(1, {items}) AS j), \
+                      'total', (1000 + abs(hashint8(i)::int8) % 9000) || '.' \
+                               || lpad((abs(hashint8(-i)::int8) % 100)::text, 2, '0'), \
+                      'status', 'PLACED', \
+                      'currency', 'EUR', \
+                      'customer', jsonb_build_object('id', 'cus-' || left(md5('c' || i), 8), \
+                                                     'email', left(md5('e' || i), 8) || '@example.com'), \
+                      'aggregate', 'agg-' || (i % {aggregates}), \
+                      'reference', left(md5('r1' || i) || md5('r2' || i) || md5('r3' || i) \
+                                        || md5('r4' || i), {pad})), \
                     '00-trace-01' \
              FROM generate_series($1::int8, $2::int8) AS i"
         ))
@@ -661,6 +771,20 @@ async fn prefill(
             .unwrap_or_else(|err| panic!("PostgreSQL: pre-fill insert failed: {err}"));
         next = last + 1;
     }
+    // The table's rows are as large as the case says (jsonb's text, as the relay reads it).
+    let average: f64 = client
+        .query_one(
+            "SELECT avg(length(payload::text))::float8 \
+             FROM (SELECT payload FROM public.outbox ORDER BY id DESC LIMIT 100) AS last",
+            &[],
+        )
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: measuring the pre-fill failed: {err}"))
+        .get(0);
+    assert!(
+        (average - payload as f64).abs() <= 8.0 + payload as f64 * 0.01,
+        "pre-filled payloads average {average} bytes, not {payload}"
+    );
 }
 
 /// Inserts the given 1 KiB payloads in one transaction (one statement) and returns the
