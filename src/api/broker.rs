@@ -82,8 +82,10 @@ pub struct KafkaSpec {
     /// `none`, `lz4`, `snappy` or `gzip`). Settings that would weaken delivery (`acks`,
     /// `enable.idempotence`) and security settings (use `tls` and `sasl`) are rejected.
     /// A name or value librdkafka does not take (a Java client's setting, `zstd`, which
-    /// this build lacks, `plugin.*`) makes the relay `Ready=False` with reason
-    /// `InvalidSpec` before its pods start. `message.timeout.ms` (or
+    /// this build lacks, `plugin.*`, `test.*`), or not beside the relay's idempotent
+    /// producer (`queuing.strategy: lifo`), and `partitioner: random` with per-aggregate
+    /// order, make the relay `Ready=False` with reason `InvalidSpec` before its pods
+    /// start. `message.timeout.ms` (or
     /// `delivery.timeout.ms`; default 20000, 0 waits for ever) is how long the relay
     /// waits for an event's acknowledgement before it replaces the producer and tries
     /// again; librdkafka's own timeout stays off, its retries unlimited and

@@ -856,6 +856,13 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
             );
         }
     }
+    for (key, why) in refused_together(&k.properties) {
+        p.push(
+            format!("spec.broker.kafka.properties.{key}"),
+            why,
+            "remove it or give a value the relay's idempotent producer takes",
+        );
+    }
     if let Some(sasl) = &k.sasl {
         check_secret_ref(
             p,
@@ -886,7 +893,8 @@ fn is_relay_timeout(key: &str) -> bool {
 /// The relay's own timeout ([`is_relay_timeout`]) is [`deadline`]'s to check, and the
 /// [`GAPLESS`] settings never reach librdkafka, so neither is asked about.
 /// `plugin.*` is refused without asking: setting it makes librdkafka load the libraries
-/// named, in whichever process checks the spec (the controller's, say).
+/// named, in whichever process checks the spec (the controller's, say). So are its test
+/// settings (`test.*`), which librdkafka takes.
 pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
     if GAPLESS.iter().any(|(fixed, _)| *fixed == canonical(key)) {
         return None;
@@ -894,12 +902,84 @@ pub(crate) fn refused_by_librdkafka(key: &str, value: &str) -> Option<String> {
     if key.starts_with("plugin.") {
         return Some("librdkafka plugins are not supported: the relay's image has none".to_owned());
     }
+    if key.starts_with("test.") || key.starts_with("ut_") {
+        // librdkafka takes `test.mock.num.brokers` (a hidden setting): the producer
+        // would then write to a mock cluster inside the relay, which acknowledges every
+        // event, and the rows would be marked or deleted with nothing published.
+        return Some(
+            "librdkafka's test settings are not supported: a mock cluster would acknowledge events no broker received".to_owned(),
+        );
+    }
     match ClientConfig::new().set(key, value).create_native_config() {
         // librdkafka ends some of its reasons with a line break.
         Err(KafkaError::ClientConfig(_, why, _, _)) => Some(why.trim_end().to_owned()),
         Err(err) => Some(err.to_string()),
         Ok(_) => None,
     }
+}
+
+/// Properties librdkafka takes one by one (so [`refused_by_librdkafka`] lets them
+/// pass) but refuses when it creates a producer with the relay's settings
+/// (idempotence) or with one another, and so would be found only when the relay
+/// starts, its pod restarting over and over; and `delivery.report.only.error`, which
+/// would stall it. These are the checks of librdkafka's
+/// `rd_kafka_conf_finalize` and `rd_kafka_topic_conf_finalize` (2.12) that such a
+/// producer can meet; asking librdkafka itself would mean creating a client, with its
+/// threads, in whichever process checks the spec. Values librdkafka does not take at
+/// all are left to [`refused_by_librdkafka`].
+fn refused_together(
+    properties: &std::collections::BTreeMap<String, String>,
+) -> Vec<(String, String)> {
+    let mut refused = Vec::new();
+    // librdkafka reads integers with strtol: leading blanks are skipped.
+    let int = |key: &str| {
+        properties
+            .get(key)
+            .and_then(|v| v.trim_start().parse::<i64>().ok())
+    };
+    if properties
+        .get("queuing.strategy")
+        .is_some_and(|v| v.eq_ignore_ascii_case("lifo"))
+    {
+        refused.push((
+            "queuing.strategy".to_owned(),
+            "must be fifo: the relay's producer is idempotent, and librdkafka refuses lifo with enable.idempotence".to_owned(),
+        ));
+    }
+    // Not a librdkafka refusal, but a stall: the relay completes an event on its
+    // delivery report, so without reports for successes every event would time out.
+    if properties
+        .get("delivery.report.only.error")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("t") || v == "1")
+    {
+        refused.push((
+            "delivery.report.only.error".to_owned(),
+            "must be false: the relay learns that an event was written from its delivery report, and without one it would send the event again and again".to_owned(),
+        ));
+    }
+    if int("queue.buffering.backpressure.threshold").is_some_and(|t| t > 1) {
+        refused.push((
+            "queue.buffering.backpressure.threshold".to_owned(),
+            "must be 1: the relay's producer is idempotent, and librdkafka refuses more with enable.idempotence".to_owned(),
+        ));
+    }
+    // librdkafka's defaults: 100 and 10000.
+    let (min, max) = (
+        int("reconnect.backoff.ms").unwrap_or(100),
+        int("reconnect.backoff.max.ms").unwrap_or(10_000),
+    );
+    if max < min {
+        let key = if properties.contains_key("reconnect.backoff.max.ms") {
+            "reconnect.backoff.max.ms"
+        } else {
+            "reconnect.backoff.ms"
+        };
+        refused.push((
+            key.to_owned(),
+            format!("reconnect.backoff.max.ms ({max}) must not be less than reconnect.backoff.ms ({min})"),
+        ));
+    }
+    refused
 }
 
 /// Settings [`client_config`] sets after the user's properties, so that no message is
@@ -914,10 +994,10 @@ const GAPLESS: [(&str, &str); 3] = [
     ("enable.gapless.guarantee", "true"),
 ];
 
-/// librdkafka's first name for a setting it knows under two, for the ones the relay
-/// sets itself (`linger.ms` by default, the [`GAPLESS`] ones after the user's): set
-/// under that name, so the config never holds both (which one wins would depend on the
-/// order librdkafka applies them in).
+/// The one name the relay uses for a setting librdkafka knows under two, for the
+/// settings the relay sets itself (`linger.ms` by default, the [`GAPLESS`] ones after
+/// the user's): a user's value is set under that name, so the config never holds both
+/// (which one wins would depend on the order librdkafka applies them in).
 fn canonical(key: &str) -> &str {
     match key {
         "queue.buffering.max.ms" => "linger.ms",
@@ -1164,6 +1244,16 @@ mod tests {
         let plugin = problems(serde_json::json!({"plugin.library.paths": "/tmp/evil.so"}));
         assert_eq!(plugin.len(), 1, "{plugin:?}");
         assert!(plugin[0].message.contains("plugins"), "{plugin:?}");
+        // librdkafka takes its mock cluster's setting; the relay does not.
+        assert!(
+            ClientConfig::new()
+                .set("test.mock.num.brokers", "3")
+                .create_native_config()
+                .is_ok()
+        );
+        let mock = problems(serde_json::json!({"test.mock.num.brokers": "3"}));
+        assert_eq!(mock.len(), 1, "{mock:?}");
+        assert!(mock[0].message.contains("mock cluster"), "{mock:?}");
         // Out of range, without librdkafka's trailing line break.
         let range =
             problems(serde_json::json!({"linger.ms": "1000000", "message.timeout.ms": "0"}));
@@ -1369,6 +1459,33 @@ mod tests {
         // The default too.
         let err = of(&[("linger.ms", "30000")]).expect_err("linger over the default");
         assert!(err.contains("20000"), "{err}");
+        // Settings librdkafka takes alone but refuses with idempotence or together.
+        let together = problems(serde_json::json!({
+            "queuing.strategy": "LIFO",
+            "delivery.report.only.error": "T",
+            "queue.buffering.backpressure.threshold": " 2",
+            "reconnect.backoff.ms": "20000",
+        }));
+        let fields: Vec<&str> = together.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.broker.kafka.properties.queuing.strategy",
+                "spec.broker.kafka.properties.delivery.report.only.error",
+                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
+                "spec.broker.kafka.properties.reconnect.backoff.ms",
+            ],
+            "{together:?}"
+        );
+        assert!(together[3].message.contains("10000"), "{together:?}");
+        let fine = problems(serde_json::json!({
+            "delivery.report.only.error": "false",
+            "queuing.strategy": "fifo",
+            "queue.buffering.backpressure.threshold": "1",
+            "reconnect.backoff.ms": "500",
+            "reconnect.backoff.max.ms": "500",
+        }));
+        assert!(fine.is_empty(), "{fine:?}");
         // `check` says so before any relay starts.
         let found = problems(serde_json::json!({"delivery.timeout.ms": "soon"}));
         assert_eq!(found.len(), 1, "{found:?}");

@@ -217,6 +217,11 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "kafka: a partitioner that ignores the key, with per-aggregate order",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {kafka: {bootstrapServers: \"k:9092\", properties: {partitioner: random}}}",
+        &["spec.broker.kafka.properties.partitioner"],
+    ),
+    (
         "nats: bad url and subject",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"http://n:4222\", subject: \"outbox.>\"}}",
         &["spec.broker.nats.url", "spec.broker.nats.subject"],
@@ -250,6 +255,19 @@ fn every_problem_of_an_invalid_spec_is_named() {
             assert!(!p.fix.is_empty(), "{what}: {p} has no fix");
         }
     }
+}
+
+#[test]
+fn any_partitioner_does_without_per_aggregate_order() {
+    let kafka = "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {}}\n  broker: {kafka: {bootstrapServers: \"k:9092\", properties: {partitioner: PARTITIONER}}}";
+    let unordered = format!("{kafka}\n  ordering: {{mode: none}}");
+    assert!(parse(&with_spec(&unordered.replace("PARTITIONER", "random"))).is_ok());
+    assert!(
+        parse(&with_spec(
+            &kafka.replace("PARTITIONER", "consistent_random")
+        ))
+        .is_ok()
+    );
 }
 
 #[test]
