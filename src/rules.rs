@@ -27,7 +27,7 @@ pub const RESERVED_HEADERS: [&str; 3] = ["id", "type", "aggregateType"];
 /// second name (`topic.acks`, `topic.message.timeout.ms`); the same settings without it
 /// stay open. `transactional.id` would make the idempotent producer a transactional one,
 /// which the relay never begins. Prefixes end with a dot.
-pub const FIXED_KAFKA_PROPERTIES: [&str; 12] = [
+pub const FIXED_KAFKA_PROPERTIES: [&str; 14] = [
     "acks",
     "request.required.acks",
     "enable.idempotence",
@@ -37,6 +37,8 @@ pub const FIXED_KAFKA_PROPERTIES: [&str; 12] = [
     "bootstrap.servers",
     "metadata.broker.list",
     "transactional.id",
+    "enable.ssl.certificate.verification",
+    "enable.sasl.oauthbearer.unsecure.jwt",
     "sasl.",
     "ssl.",
     "topic.",
@@ -291,6 +293,7 @@ mod tests {
             "topic.acks",
             "topic.message.timeout.ms",
             "transactional.id",
+            "enable.ssl.certificate.verification",
         ] {
             assert!(is_fixed_kafka_property(fixed), "{fixed}");
         }

@@ -82,10 +82,12 @@ pub struct KafkaSpec {
     /// `none`, `lz4`, `snappy` or `gzip`). Settings that would weaken delivery (`acks`,
     /// `enable.idempotence`) and security settings (use `tls` and `sasl`) are rejected.
     /// A name or value librdkafka does not take (a Java client's setting, `zstd`, which
-    /// this build lacks, `plugin.*`, `test.*`), or not beside the relay's idempotent
-    /// producer (`queuing.strategy: lifo`), and `partitioner: random` with per-aggregate
-    /// order, make the relay `Ready=False` with reason `InvalidSpec` before its pods
-    /// start. `message.timeout.ms` (or
+    /// this build lacks) or not beside the relay's producer (`queuing.strategy: lifo`),
+    /// one that would break the relay's promises (`plugin.*`, `test.*`,
+    /// `delivery.report.only.error`, `internal.termination.signal`) and, with
+    /// per-aggregate order, a `partitioner` that scatters keys (`random`,
+    /// `consistent_random`) make the relay `Ready=False` with reason `InvalidSpec` before
+    /// its pods start. `message.timeout.ms` (or
     /// `delivery.timeout.ms`; default 20000, 0 waits for ever) is how long the relay
     /// waits for an event's acknowledgement before it replaces the producer and tries
     /// again; librdkafka's own timeout stays off, its retries unlimited and
@@ -96,7 +98,7 @@ pub struct KafkaSpec {
     /// event goes at once through a second producer with the same settings. At most 128 settings.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("maxProperties" = 128))]
-    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'max.in.flight', 'security.protocol', 'bootstrap.servers', 'metadata.broker.list', 'transactional.id'] || k.startsWith('sasl.') || k.startsWith('ssl.') || k.startsWith('topic.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight, security.protocol, bootstrap.servers, transactional.id, sasl.*, ssl.* or topic.* (under any of their names): delivery guarantees are fixed, use bootstrapServers, tls and sasl, and set topic settings without the topic. prefix"))]
+    #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'max.in.flight', 'security.protocol', 'bootstrap.servers', 'metadata.broker.list', 'transactional.id', 'enable.ssl.certificate.verification', 'enable.sasl.oauthbearer.unsecure.jwt'] || k.startsWith('sasl.') || k.startsWith('ssl.') || k.startsWith('topic.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight, security.protocol, bootstrap.servers, transactional.id, certificate verification, sasl.*, ssl.* or topic.* (under any of their names): delivery guarantees are fixed, use bootstrapServers, tls and sasl, and set topic settings without the topic. prefix"))]
     pub properties: BTreeMap<String, String>,
 }
 

@@ -841,6 +841,8 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
             "give a whole number of milliseconds (0: wait for ever)",
         );
     }
+    // What librdkafka takes one by one, for the rules between settings.
+    let mut accepted = std::collections::BTreeMap::new();
     for (key, value) in &k.properties {
         if is_fixed_kafka_property(key) {
             p.push(
@@ -854,9 +856,11 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
                 why,
                 "use a librdkafka producer property and a value it takes (librdkafka's CONFIGURATION.md lists them)",
             );
+        } else {
+            accepted.insert(key.clone(), value.clone());
         }
     }
-    for (key, why) in refused_together(&k.properties) {
+    for (key, why) in refused_together(&accepted) {
         p.push(
             format!("spec.broker.kafka.properties.{key}"),
             why,
@@ -931,37 +935,39 @@ fn refused_together(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Vec<(String, String)> {
     let mut refused = Vec::new();
-    // librdkafka reads integers with strtol: leading blanks are skipped.
-    let int = |key: &str| {
-        properties
-            .get(key)
-            .and_then(|v| v.trim_start().parse::<i64>().ok())
+    let mut refuse = |key: &str, why: String| refused.push((key.to_owned(), why));
+    let int = |key: &str| properties.get(key).and_then(|v| c_int(v));
+    let text = |key: &str| properties.get(key).map(|v| c_trim_start(v));
+    let truthy = |key: &str| {
+        // librdkafka's booleans: true, t (any case) or 1, as written.
+        properties.get(key).is_some_and(|v| {
+            v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("t") || v == "1"
+        })
     };
-    if properties
-        .get("queuing.strategy")
-        .is_some_and(|v| v.eq_ignore_ascii_case("lifo"))
-    {
-        refused.push((
-            "queuing.strategy".to_owned(),
+    let falsy = |key: &str| {
+        properties.get(key).is_some_and(|v| {
+            v.eq_ignore_ascii_case("false") || v.eq_ignore_ascii_case("f") || v == "0"
+        })
+    };
+    if text("queuing.strategy").is_some_and(|v| v.eq_ignore_ascii_case("lifo")) {
+        refuse(
+            "queuing.strategy",
             "must be fifo: the relay's producer is idempotent, and librdkafka refuses lifo with enable.idempotence".to_owned(),
-        ));
+        );
     }
     // Not a librdkafka refusal, but a stall: the relay completes an event on its
     // delivery report, so without reports for successes every event would time out.
-    if properties
-        .get("delivery.report.only.error")
-        .is_some_and(|v| v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("t") || v == "1")
-    {
-        refused.push((
-            "delivery.report.only.error".to_owned(),
-            "must be false: the relay learns that an event was written from its delivery report, and without one it would send the event again and again".to_owned(),
-        ));
+    if truthy("delivery.report.only.error") {
+        refuse(
+            "delivery.report.only.error",
+            "must be false: the relay learns that an event was written from its delivery report; without one each event would time out and be written again, without end (or, with message.timeout.ms 0, waited for without end)".to_owned(),
+        );
     }
     if int("queue.buffering.backpressure.threshold").is_some_and(|t| t > 1) {
-        refused.push((
-            "queue.buffering.backpressure.threshold".to_owned(),
+        refuse(
+            "queue.buffering.backpressure.threshold",
             "must be 1: the relay's producer is idempotent, and librdkafka refuses more with enable.idempotence".to_owned(),
-        ));
+        );
     }
     // librdkafka's defaults: 100 and 10000.
     let (min, max) = (
@@ -974,12 +980,99 @@ fn refused_together(
         } else {
             "reconnect.backoff.ms"
         };
-        refused.push((
-            key.to_owned(),
-            format!("reconnect.backoff.max.ms ({max}) must not be less than reconnect.backoff.ms ({min})"),
-        ));
+        refuse(
+            key,
+            format!(
+                "reconnect.backoff.max.ms ({max}) must not be less than reconnect.backoff.ms ({min}): librdkafka refuses it"
+            ),
+        );
+    }
+    // A consumer's setting, but librdkafka checks its value in a producer too, and any
+    // value but its default can fail the producer's creation.
+    if properties.contains_key("partition.assignment.strategy") {
+        refuse(
+            "partition.assignment.strategy",
+            "is a consumer setting the relay's producer has no use for (librdkafka may refuse to create the producer over it)".to_owned(),
+        );
+    }
+    // librdkafka installs a handler for this signal whenever it creates a producer
+    // (replacing the relay's for SIGTERM, so a pod would stop without draining) and
+    // sends it to its threads when it destroys one.
+    if int("internal.termination.signal").is_some_and(|signal| signal != 0) {
+        refuse(
+            "internal.termination.signal",
+            "must be 0: librdkafka would take the signal over from the relay (SIGTERM: pods would stop without draining) and raise it whenever the relay replaces a producer".to_owned(),
+        );
+    }
+    // Without the broker's API versions the idempotent producer fails at run time
+    // with brokers older than 0.10's protocol.
+    if falsy("api.version.request") {
+        refuse(
+            "api.version.request",
+            "must be true: the relay's idempotent producer needs the broker's API versions"
+                .to_owned(),
+        );
     }
     refused
+}
+
+/// Whether `properties` choose a partitioner that does not keep a key on one partition:
+/// `random` ignores keys, `consistent_random` scatters empty ones (an empty aggregate
+/// id). Per-aggregate order needs every event of an aggregate on one partition.
+pub fn partitioner_scatters_keys(
+    properties: &std::collections::BTreeMap<String, String>,
+) -> Option<&'static str> {
+    match properties.get("partitioner").map(|v| c_trim_start(v)) {
+        Some("random") => Some("random ignores the key"),
+        Some("consistent_random") => {
+            Some("consistent_random sends an empty key (an empty aggregate id) to any partition")
+        }
+        _ => None,
+    }
+}
+
+/// `value` without its leading blanks, as C's `isspace` counts them (librdkafka skips
+/// them in numbers, enumerations and strings).
+fn c_trim_start(value: &str) -> &str {
+    value.trim_start_matches([' ', '\t', '\n', '\x0b', '\x0c', '\r'])
+}
+
+/// An integer property as librdkafka reads it: C's `strtol(value, &end, 0)` (leading
+/// blanks, a sign, `0x` for hexadecimal and `0` for octal, then as many digits as
+/// there are, whatever follows) cast to `int`; `None` when no digit begins it, which
+/// librdkafka refuses (and [`refused_by_librdkafka`] reports).
+fn c_int(value: &str) -> Option<i64> {
+    let rest = c_trim_start(value);
+    let (negative, rest) = match rest.as_bytes().first() {
+        Some(b'-') => (true, &rest[1..]),
+        Some(b'+') => (false, &rest[1..]),
+        _ => (false, rest),
+    };
+    let (radix, digits) = if let Some(hex) = rest
+        .strip_prefix("0x")
+        .or_else(|| rest.strip_prefix("0X"))
+        .filter(|h| h.starts_with(|c: char| c.is_ascii_hexdigit()))
+    {
+        (16, hex)
+    } else if rest.starts_with('0') {
+        (8, rest)
+    } else {
+        (10, rest)
+    };
+    let run = digits
+        .find(|c: char| !c.is_digit(radix))
+        .unwrap_or(digits.len());
+    if run == 0 {
+        return None;
+    }
+    // strtol saturates at the long's bounds; the cast to int keeps the low 32 bits.
+    let magnitude = i64::from_str_radix(&digits[..run], radix).unwrap_or(i64::MAX);
+    let long = if negative {
+        magnitude.saturating_neg()
+    } else {
+        magnitude
+    };
+    Some(i64::from(long as i32))
 }
 
 /// Settings [`client_config`] sets after the user's properties, so that no message is
@@ -1209,6 +1302,27 @@ mod tests {
         assert!(broker.eager.existing().is_none());
         broker.eager.get().expect("made");
         assert!(broker.eager.existing().is_some());
+    }
+
+    #[test]
+    fn integers_are_read_as_librdkafka_reads_them() {
+        for (value, read) in [
+            ("42", Some(42)),
+            ("  +7", Some(7)),
+            ("-3", Some(-3)),
+            ("0200", Some(128)),
+            ("0x1F", Some(31)),
+            ("0x", Some(0)),
+            ("09", Some(0)),
+            ("2.5", Some(2)),
+            ("5ms", Some(5)),
+            ("4294967297", Some(1)),
+            ("", None),
+            ("ms", None),
+            ("-", None),
+        ] {
+            assert_eq!(c_int(value), read, "{value:?}");
+        }
     }
 
     /// What [`check`] finds in a Kafka spec with these `properties`.
@@ -1478,7 +1592,34 @@ mod tests {
             "{together:?}"
         );
         assert!(together[3].message.contains("10000"), "{together:?}");
+        // As librdkafka reads them: leading blanks, octal, trailing text.
+        let read = problems(serde_json::json!({
+            "queuing.strategy": " lifo",
+            "queue.buffering.backpressure.threshold": "2ms",
+            "reconnect.backoff.ms": "0200",
+            "reconnect.backoff.max.ms": "150",
+            "partition.assignment.strategy": "range",
+            "internal.termination.signal": "15",
+            "api.version.request": "false",
+        }));
+        let fields: Vec<&str> = read.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.broker.kafka.properties.queuing.strategy",
+                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
+                "spec.broker.kafka.properties.partition.assignment.strategy",
+                "spec.broker.kafka.properties.internal.termination.signal",
+                "spec.broker.kafka.properties.api.version.request",
+            ],
+            "{read:?}"
+        );
+        // A value librdkafka refuses alone is reported once, by its own reason.
+        let once = problems(serde_json::json!({"reconnect.backoff.max.ms": "-1"}));
+        assert_eq!(once.len(), 1, "{once:?}");
         let fine = problems(serde_json::json!({
+            "internal.termination.signal": "0",
+            "api.version.request": "true",
             "delivery.report.only.error": "false",
             "queuing.strategy": "fifo",
             "queue.buffering.backpressure.threshold": "1",

@@ -352,12 +352,12 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         Some(Broker::Kafka(k)) => {
             crate::broker::kafka::check(k, &mut p);
             if spec.ordering.mode == OrderingMode::PerAggregate
-                && k.properties.get("partitioner").map(String::as_str) == Some("random")
+                && let Some(why) = crate::broker::kafka::partitioner_scatters_keys(&k.properties)
             {
                 p.push(
                     "spec.broker.kafka.properties.partitioner",
-                    "random ignores the key: an aggregate's events would land on any partition, and per-aggregate order would not hold",
-                    "remove it (the default, murmur2_random, hashes the key as the Java client does) or use another key-hashing partitioner",
+                    format!("{why}: an aggregate's events would land on more than one partition, and per-aggregate order would not hold"),
+                    "remove it (the default, murmur2_random, hashes the key as the Java client does; consistent is CRC32 with empty keys on one partition)",
                 );
             }
             Some(ValidBroker::Kafka(k.clone()))

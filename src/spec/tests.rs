@@ -264,9 +264,18 @@ fn any_partitioner_does_without_per_aggregate_order() {
     assert!(parse(&with_spec(&unordered.replace("PARTITIONER", "random"))).is_ok());
     assert!(
         parse(&with_spec(
-            &kafka.replace("PARTITIONER", "consistent_random")
+            &unordered.replace("PARTITIONER", "consistent_random")
         ))
         .is_ok()
+    );
+    // With per-aggregate order: keys that stay on one partition, and librdkafka's reading
+    // (leading blanks skipped).
+    assert!(parse(&with_spec(&kafka.replace("PARTITIONER", "consistent"))).is_ok());
+    assert!(
+        parse(&with_spec(
+            &kafka.replace("PARTITIONER", "\" consistent_random\"")
+        ))
+        .is_err()
     );
 }
 
