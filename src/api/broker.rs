@@ -95,7 +95,8 @@ pub struct KafkaSpec {
     /// written behind one of its aggregate that was given up. `linger.ms` (default 1)
     /// applies to a batch's first event of each aggregate and to an aggregate's other
     /// events of the batch, sent together once the first is acknowledged; a single next
-    /// event goes at once through a second producer with the same settings. At most 128 settings.
+    /// event goes at once through a second producer with the same settings. At most 128
+    /// settings.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("maxProperties" = 128))]
     #[x_kube(validation = Rule::new("!self.exists(k, k in ['acks', 'request.required.acks', 'enable.idempotence', 'max.in.flight.requests.per.connection', 'max.in.flight', 'security.protocol', 'bootstrap.servers', 'metadata.broker.list', 'transactional.id', 'enable.ssl.certificate.verification', 'enable.sasl.oauthbearer.unsecure.jwt'] || k.startsWith('sasl.') || k.startsWith('ssl.') || k.startsWith('topic.'))").message("spec.broker.kafka.properties may not set acks, enable.idempotence, max.in.flight, security.protocol, bootstrap.servers, transactional.id, certificate verification, sasl.*, ssl.* or topic.* (under any of their names): delivery guarantees are fixed, use bootstrapServers, tls and sasl, and set topic settings without the topic. prefix"))]

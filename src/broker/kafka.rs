@@ -938,17 +938,7 @@ fn refused_together(
     let mut refuse = |key: &str, why: String| refused.push((key.to_owned(), why));
     let int = |key: &str| properties.get(key).and_then(|v| c_int(v));
     let text = |key: &str| properties.get(key).map(|v| c_trim_start(v));
-    let truthy = |key: &str| {
-        // librdkafka's booleans: true, t (any case) or 1, as written.
-        properties.get(key).is_some_and(|v| {
-            v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("t") || v == "1"
-        })
-    };
-    let falsy = |key: &str| {
-        properties.get(key).is_some_and(|v| {
-            v.eq_ignore_ascii_case("false") || v.eq_ignore_ascii_case("f") || v == "0"
-        })
-    };
+    let boolean = |key: &str| properties.get(key).and_then(|v| c_bool(v));
     if text("queuing.strategy").is_some_and(|v| v.eq_ignore_ascii_case("lifo")) {
         refuse(
             "queuing.strategy",
@@ -957,7 +947,7 @@ fn refused_together(
     }
     // Not a librdkafka refusal, but a stall: the relay completes an event on its
     // delivery report, so without reports for successes every event would time out.
-    if truthy("delivery.report.only.error") {
+    if boolean("delivery.report.only.error") == Some(true) {
         refuse(
             "delivery.report.only.error",
             "must be false: the relay learns that an event was written from its delivery report; without one each event would time out and be written again, without end (or, with message.timeout.ms 0, waited for without end)".to_owned(),
@@ -1006,7 +996,7 @@ fn refused_together(
     }
     // Without the broker's API versions the idempotent producer fails at run time
     // with brokers older than 0.10's protocol.
-    if falsy("api.version.request") {
+    if boolean("api.version.request") == Some(false) {
         refuse(
             "api.version.request",
             "must be true: the relay's idempotent producer needs the broker's API versions"
@@ -1035,6 +1025,20 @@ pub fn partitioner_scatters_keys(
 /// them in numbers, enumerations and strings).
 fn c_trim_start(value: &str) -> &str {
     value.trim_start_matches([' ', '\t', '\n', '\x0b', '\x0c', '\r'])
+}
+
+/// A boolean property as librdkafka reads it: `true` or `t` (any case) or `1`, and
+/// `false` or `f` or `0`, as written; `None` for anything else, which librdkafka
+/// refuses (and [`refused_by_librdkafka`] reports).
+fn c_bool(value: &str) -> Option<bool> {
+    if value.eq_ignore_ascii_case("true") || value.eq_ignore_ascii_case("t") || value == "1" {
+        Some(true)
+    } else if value.eq_ignore_ascii_case("false") || value.eq_ignore_ascii_case("f") || value == "0"
+    {
+        Some(false)
+    } else {
+        None
+    }
 }
 
 /// An integer property as librdkafka reads it: C's `strtol(value, &end, 0)` (leading
@@ -1325,6 +1329,27 @@ mod tests {
         }
     }
 
+    #[test]
+    fn booleans_are_read_as_librdkafka_reads_them() {
+        for (value, read) in [
+            ("true", Some(true)),
+            ("T", Some(true)),
+            ("1", Some(true)),
+            ("False", Some(false)),
+            ("f", Some(false)),
+            ("0", Some(false)),
+            (" true", None),
+            ("yes", None),
+        ] {
+            assert_eq!(c_bool(value), read, "{value:?}");
+        }
+    }
+
+    /// The fields `problems` name, in order.
+    fn fields(problems: &[crate::rules::Problem]) -> Vec<&str> {
+        problems.iter().map(|p| p.field.as_str()).collect()
+    }
+
     /// What [`check`] finds in a Kafka spec with these `properties`.
     fn problems(properties: serde_json::Value) -> Vec<crate::rules::Problem> {
         let spec: KafkaSpec = serde_json::from_value(serde_json::json!({
@@ -1336,6 +1361,62 @@ mod tests {
         let mut p = Problems(Vec::new());
         check(&spec, &mut p);
         p.0
+    }
+
+    #[test]
+    fn settings_librdkafka_refuses_together_are_spec_problems() {
+        // Settings librdkafka takes alone but refuses with idempotence or together.
+        let together = problems(serde_json::json!({
+            "queuing.strategy": "LIFO",
+            "delivery.report.only.error": "T",
+            "queue.buffering.backpressure.threshold": " 2",
+            "reconnect.backoff.ms": "20000",
+        }));
+        assert_eq!(
+            fields(&together),
+            [
+                "spec.broker.kafka.properties.queuing.strategy",
+                "spec.broker.kafka.properties.delivery.report.only.error",
+                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
+                "spec.broker.kafka.properties.reconnect.backoff.ms",
+            ],
+            "{together:?}"
+        );
+        assert!(together[3].message.contains("10000"), "{together:?}");
+        // As librdkafka reads them: leading blanks, octal, trailing text.
+        let read = problems(serde_json::json!({
+            "queuing.strategy": " lifo",
+            "queue.buffering.backpressure.threshold": "2ms",
+            "reconnect.backoff.ms": "0200",
+            "reconnect.backoff.max.ms": "150",
+            "partition.assignment.strategy": "range",
+            "internal.termination.signal": "15",
+            "api.version.request": "false",
+        }));
+        assert_eq!(
+            fields(&read),
+            [
+                "spec.broker.kafka.properties.queuing.strategy",
+                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
+                "spec.broker.kafka.properties.partition.assignment.strategy",
+                "spec.broker.kafka.properties.internal.termination.signal",
+                "spec.broker.kafka.properties.api.version.request",
+            ],
+            "{read:?}"
+        );
+        // A value librdkafka refuses alone is reported once, by its own reason.
+        let once = problems(serde_json::json!({"reconnect.backoff.max.ms": "-1"}));
+        assert_eq!(once.len(), 1, "{once:?}");
+        let fine = problems(serde_json::json!({
+            "internal.termination.signal": "0",
+            "api.version.request": "true",
+            "delivery.report.only.error": "false",
+            "queuing.strategy": "fifo",
+            "queue.buffering.backpressure.threshold": "1",
+            "reconnect.backoff.ms": "500",
+            "reconnect.backoff.max.ms": "500",
+        }));
+        assert!(fine.is_empty(), "{fine:?}");
     }
 
     #[test]
@@ -1379,9 +1460,8 @@ mod tests {
             "compression.type": "brotli",
             "batch.num.messages": "lots",
         }));
-        let fields: Vec<&str> = refused.iter().map(|p| p.field.as_str()).collect();
         assert_eq!(
-            fields,
+            fields(&refused),
             [
                 "spec.broker.kafka.properties.batch.num.messages",
                 "spec.broker.kafka.properties.compression.type",
@@ -1573,60 +1653,6 @@ mod tests {
         // The default too.
         let err = of(&[("linger.ms", "30000")]).expect_err("linger over the default");
         assert!(err.contains("20000"), "{err}");
-        // Settings librdkafka takes alone but refuses with idempotence or together.
-        let together = problems(serde_json::json!({
-            "queuing.strategy": "LIFO",
-            "delivery.report.only.error": "T",
-            "queue.buffering.backpressure.threshold": " 2",
-            "reconnect.backoff.ms": "20000",
-        }));
-        let fields: Vec<&str> = together.iter().map(|p| p.field.as_str()).collect();
-        assert_eq!(
-            fields,
-            [
-                "spec.broker.kafka.properties.queuing.strategy",
-                "spec.broker.kafka.properties.delivery.report.only.error",
-                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
-                "spec.broker.kafka.properties.reconnect.backoff.ms",
-            ],
-            "{together:?}"
-        );
-        assert!(together[3].message.contains("10000"), "{together:?}");
-        // As librdkafka reads them: leading blanks, octal, trailing text.
-        let read = problems(serde_json::json!({
-            "queuing.strategy": " lifo",
-            "queue.buffering.backpressure.threshold": "2ms",
-            "reconnect.backoff.ms": "0200",
-            "reconnect.backoff.max.ms": "150",
-            "partition.assignment.strategy": "range",
-            "internal.termination.signal": "15",
-            "api.version.request": "false",
-        }));
-        let fields: Vec<&str> = read.iter().map(|p| p.field.as_str()).collect();
-        assert_eq!(
-            fields,
-            [
-                "spec.broker.kafka.properties.queuing.strategy",
-                "spec.broker.kafka.properties.queue.buffering.backpressure.threshold",
-                "spec.broker.kafka.properties.partition.assignment.strategy",
-                "spec.broker.kafka.properties.internal.termination.signal",
-                "spec.broker.kafka.properties.api.version.request",
-            ],
-            "{read:?}"
-        );
-        // A value librdkafka refuses alone is reported once, by its own reason.
-        let once = problems(serde_json::json!({"reconnect.backoff.max.ms": "-1"}));
-        assert_eq!(once.len(), 1, "{once:?}");
-        let fine = problems(serde_json::json!({
-            "internal.termination.signal": "0",
-            "api.version.request": "true",
-            "delivery.report.only.error": "false",
-            "queuing.strategy": "fifo",
-            "queue.buffering.backpressure.threshold": "1",
-            "reconnect.backoff.ms": "500",
-            "reconnect.backoff.max.ms": "500",
-        }));
-        assert!(fine.is_empty(), "{fine:?}");
         // `check` says so before any relay starts.
         let found = problems(serde_json::json!({"delivery.timeout.ms": "soon"}));
         assert_eq!(found.len(), 1, "{found:?}");
