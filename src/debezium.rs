@@ -392,12 +392,75 @@ pub fn translate(
     };
     let mut relay = OutboxRelay::new(&name, spec);
     relay.metadata.namespace = options.namespace.clone();
+    drop_refused_properties(&mut relay, producer_prefix(config), &mut notes);
     crate::spec::parse(&relay).map_err(|problems| {
         TranslateError(format!(
             "the translated OutboxRelay is not valid: {problems}"
         ))
     })?;
     Ok(Translation { relay, notes })
+}
+
+/// Drops, each with a note, the Kafka properties the relay's spec check refuses in the
+/// translated relay: settings librdkafka takes one by one but not beside the relay's
+/// idempotent producer or one another, a partitioner that would scatter an aggregate's
+/// events, a timeout the relay cannot keep. A translation is a relay that starts, and
+/// its notes say what was left behind. Repeats until none is refused, since dropping
+/// one property can change the rules between the others (each round drops at least
+/// one, so it ends).
+fn drop_refused_properties(relay: &mut OutboxRelay, prefix: &str, notes: &mut Vec<String>) {
+    const PROPERTIES: &str = "spec.broker.kafka.properties";
+    loop {
+        let Err(problems) = crate::spec::parse(relay) else {
+            return;
+        };
+        let Some(kafka) = relay.spec.broker.kafka.as_mut() else {
+            return;
+        };
+        let mut dropped = false;
+        for problem in problems.0 {
+            // The timeout's problem names the map, not a key.
+            let keys: Vec<String> = match problem.field.strip_prefix(PROPERTIES) {
+                Some("") => kafka
+                    .properties
+                    .keys()
+                    .filter(|key| crate::broker::kafka::is_relay_timeout(key))
+                    .cloned()
+                    .collect(),
+                Some(rest) => rest
+                    .strip_prefix('.')
+                    .map(str::to_owned)
+                    .into_iter()
+                    .collect(),
+                None => continue,
+            };
+            for key in keys {
+                if kafka.properties.remove(&key).is_some() {
+                    notes.push(format!(
+                        "{prefix}{key}: the relay refuses it ({}); dropped",
+                        problem.message
+                    ));
+                    dropped = true;
+                }
+            }
+        }
+        if !dropped {
+            return;
+        }
+    }
+}
+
+/// Where a connector file keeps its Kafka producer's settings: Debezium Server's sink
+/// or Kafka Connect's per-connector overrides.
+fn producer_prefix(config: &BTreeMap<String, String>) -> &'static str {
+    if config
+        .get("debezium.sink.type")
+        .is_some_and(|v| !v.is_empty())
+    {
+        "debezium.sink.kafka.producer."
+    } else {
+        "producer.override."
+    }
 }
 
 /// A spec with every field at its default, for the fields a connector does not set.
@@ -450,11 +513,7 @@ fn broker(
     let get = |k: &str| config.get(k).map(String::as_str).filter(|v| !v.is_empty());
     match get("debezium.sink.type") {
         None | Some("kafka") => {
-            let producer_prefix = if get("debezium.sink.type").is_some() {
-                "debezium.sink.kafka.producer."
-            } else {
-                "producer.override."
-            };
+            let producer_prefix = producer_prefix(config);
             let bootstrap = options
                 .bootstrap_servers
                 .clone()

@@ -886,7 +886,7 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
 
 /// `message.timeout.ms` and its alias: the relay keeps that timeout itself and never
 /// hands the value to librdkafka; [`deadline`] checks it.
-fn is_relay_timeout(key: &str) -> bool {
+pub(crate) fn is_relay_timeout(key: &str) -> bool {
     canonical(key) == "message.timeout.ms"
 }
 

@@ -195,3 +195,38 @@ fn connector_names_become_dns_labels() {
     assert_eq!(dns_label("42-connector"), "outbox-42-connector");
     assert!(dns_label(&"x".repeat(80)).len() <= 50);
 }
+
+/// Producer settings librdkafka takes one by one, but the relay's spec check refuses
+/// (beside its idempotent producer, beside one another, or against per-aggregate order)
+/// are dropped with a note, so the translation is a relay that starts; what it takes
+/// stays.
+#[test]
+fn settings_the_relay_refuses_are_dropped_with_a_note() {
+    let with = CONNECT_JSON.replace(
+        "\"producer.override.acks\": \"1\",",
+        r#""producer.override.acks": "1",
+    "producer.override.queuing.strategy": "lifo",
+    "producer.override.partitioner": "random",
+    "producer.override.reconnect.backoff.max.ms": "50",
+    "producer.override.linger.ms": "20",
+    "producer.override.delivery.timeout.ms": "10",
+    "producer.override.batch.num.messages": "5000","#,
+    );
+    let t = translated(&with, &kafka(Some("k:9092"))).unwrap();
+    let k = t.relay.spec.broker.kafka.as_ref().unwrap();
+    let kept: Vec<&str> = k.properties.keys().map(String::as_str).collect();
+    assert_eq!(
+        kept,
+        ["batch.num.messages", "compression.type", "linger.ms"]
+    );
+    let notes = t.notes.join("\n");
+    for expected in [
+        "producer.override.queuing.strategy: the relay refuses it (must be fifo",
+        "producer.override.partitioner: the relay refuses it (",
+        "producer.override.reconnect.backoff.max.ms: the relay refuses it (reconnect.backoff.max.ms (50)",
+        "producer.override.delivery.timeout.ms: the relay refuses it (Kafka property delivery.timeout.ms = 10 is not longer than linger.ms",
+    ] {
+        assert!(notes.contains(expected), "no note on {expected}:\n{notes}");
+    }
+    assert!(crate::spec::parse(&t.relay).is_ok());
+}
