@@ -49,7 +49,7 @@ crds: ## regenerate crds/ and the chart's copy from the Rust types (commit the r
 	$(CARGO) run --quiet --locked -- crd > crds/outboxrelay.yaml
 	cp crds/outboxrelay.yaml $(CHART)/crds/outboxrelay.yaml
 
-bench: provision ## benchmark on a fresh rig: relay throughput and latency, operator scale (~25 min); results in $(CACHE)/bench/
+bench: provision ## benchmark on a fresh rig: relay throughput and latency, operator scale (~24 min); results in $(CACHE)/bench/
 	@mkdir -p $(CACHE)/bench && rm -f $(CACHE)/bench/results.md $(CACHE)/bench/results.json
 	set -o pipefail; OUTBOX_BENCH_DIR=$(CACHE)/bench OUTBOX_RIG_NODE=0 tests/rig/with-rig.sh \
 	  $(CARGO) bench --locked --benches 2>&1 | tee $(CACHE)/bench/bench.log

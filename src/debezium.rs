@@ -421,12 +421,7 @@ fn drop_refused_properties(relay: &mut OutboxRelay, prefix: &str, notes: &mut Ve
         for problem in problems.0 {
             // The timeout's problem names the map, not a key.
             let keys: Vec<String> = match problem.field.strip_prefix(PROPERTIES) {
-                Some("") => kafka
-                    .properties
-                    .keys()
-                    .filter(|key| crate::broker::kafka::is_relay_timeout(key))
-                    .cloned()
-                    .collect(),
+                Some("") => crate::broker::kafka::deadline_culprits(&kafka.properties),
                 Some(rest) => rest
                     .strip_prefix('.')
                     .map(str::to_owned)

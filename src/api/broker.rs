@@ -79,10 +79,11 @@ pub struct KafkaSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sasl: Option<SaslSpec>,
     /// Extra librdkafka producer settings (for example `linger.ms`, `compression.type`
-    /// `none`, `lz4`, `snappy` or `gzip`). Settings that would weaken delivery (`acks`,
-    /// `enable.idempotence`) and security settings (use `tls` and `sasl`) are rejected.
-    /// A name or value librdkafka does not take (a Java client's setting, `zstd`, which
-    /// this build lacks) or not beside the relay's producer (`queuing.strategy: lifo`),
+    /// `none`, `gzip`, `snappy`, `lz4` or `zstd`, the last for brokers and consumers of
+    /// Kafka 2.1 or later). Settings that would weaken delivery
+    /// (`acks`, `enable.idempotence`) and security settings (use `tls` and `sasl`) are
+    /// rejected. A name or value librdkafka does not take (a Java client's setting,
+    /// `compression.type: brotli`) or not beside the relay's producer (`queuing.strategy: lifo`),
     /// one that would break the relay's promises (`plugin.*`, `test.*`,
     /// `delivery.report.only.error`, `internal.termination.signal`) and, with
     /// per-aggregate order, a `partitioner` that scatters keys (`random`,

@@ -228,5 +228,62 @@ fn settings_the_relay_refuses_are_dropped_with_a_note() {
     ] {
         assert!(notes.contains(expected), "no note on {expected}:\n{notes}");
     }
-    assert!(crate::spec::parse(&t.relay).is_ok());
+}
+
+/// A `linger.ms` the relay's default timeout cannot outlast (a Java producer waits six
+/// times as long by default) is dropped, in Debezium Server's file too; beside a timeout
+/// shorter than both, the timeout goes first, then, as the default still falls short,
+/// the linger: the check runs again after each round of drops.
+#[test]
+fn a_linger_longer_than_the_timeout_is_dropped_after_the_timeout() {
+    let server = |extra: &str| {
+        format!(
+            "debezium.sink.type=kafka
+debezium.sink.kafka.producer.bootstrap.servers=broker-1:9092
+{extra}
+debezium.source.connector.class=io.debezium.connector.postgresql.PostgresConnector
+debezium.source.database.hostname=db
+debezium.source.database.dbname=app
+debezium.source.table.include.list=public.outbox
+debezium.transforms=outbox
+debezium.transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
+"
+        )
+    };
+    let kept = |t: &Translation| -> Vec<String> {
+        let k = t.relay.spec.broker.kafka.as_ref().unwrap();
+        k.properties.keys().cloned().collect()
+    };
+    let t = translated(
+        &server("debezium.sink.kafka.producer.queue.buffering.max.ms=30000\ndebezium.sink.kafka.producer.batch.size=65536"),
+        &kafka(None),
+    )
+    .unwrap();
+    assert_eq!(kept(&t), ["batch.size"]);
+    let notes = t.notes.join("\n");
+    assert!(
+        notes.contains("debezium.sink.kafka.producer.queue.buffering.max.ms: the relay refuses it (Kafka property message.timeout.ms (by default) = 20000 is not longer than linger.ms (30000)"),
+        "{notes}"
+    );
+    let t = translated(
+        &server("debezium.sink.kafka.producer.linger.ms=30000\ndebezium.sink.kafka.producer.delivery.timeout.ms=10"),
+        &kafka(None),
+    )
+    .unwrap();
+    assert!(kept(&t).is_empty(), "{:?}", kept(&t));
+    let notes = t.notes.join("\n");
+    let timeout = notes
+        .find("producer.delivery.timeout.ms: the relay refuses it (Kafka property delivery.timeout.ms = 10")
+        .unwrap_or_else(|| panic!("no note on the timeout:\n{notes}"));
+    let linger = notes
+        .find("producer.linger.ms: the relay refuses it (Kafka property message.timeout.ms (by default) = 20000")
+        .unwrap_or_else(|| panic!("no note on the linger:\n{notes}"));
+    assert!(timeout < linger, "the timeout goes first:\n{notes}");
+    // A timeout long enough keeps both.
+    let t = translated(
+        &server("debezium.sink.kafka.producer.linger.ms=30000\ndebezium.sink.kafka.producer.delivery.timeout.ms=120000"),
+        &kafka(None),
+    )
+    .unwrap();
+    assert_eq!(kept(&t), ["delivery.timeout.ms", "linger.ms"]);
 }

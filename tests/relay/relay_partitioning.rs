@@ -137,7 +137,7 @@ fn relay_broker(topic: &str) -> KafkaBroker {
 }
 
 /// The relay's Kafka publisher for `topic`, with `properties`.
-fn relay_broker_with(topic: &str, properties: &[(&str, &str)]) -> KafkaBroker {
+pub(crate) fn relay_broker_with(topic: &str, properties: &[(&str, &str)]) -> KafkaBroker {
     KafkaBroker::new(&KafkaSettings {
         bootstrap_servers: common::Rig::load().kafka_bootstrap().to_owned(),
         topic: topic.to_owned(),
