@@ -398,6 +398,16 @@ pub fn translate(
             "the translated OutboxRelay is not valid: {problems}"
         ))
     })?;
+    // What the API server holds it to beyond that, e.g. at most 128 producer settings.
+    let json =
+        serde_json::to_value(&relay).map_err(|e| TranslateError(format!("internal: {e}")))?;
+    let refused = crate::schema::problems(&json);
+    if !refused.is_empty() {
+        return Err(TranslateError(format!(
+            "the translated OutboxRelay does not fit the CRD's schema: {}",
+            refused.join("; ")
+        )));
+    }
     Ok(Translation { relay, notes })
 }
 

@@ -14,6 +14,7 @@ pub mod relay;
 pub mod render;
 pub mod resources;
 pub mod rules;
+pub mod schema;
 pub mod secrets;
 pub mod spec;
 pub mod telemetry;

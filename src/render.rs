@@ -66,7 +66,8 @@ pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<St
 
 /// Every OutboxRelay in `text`, a YAML stream of one or more documents (empty documents
 /// skipped; a manifest without a namespace lands in `default`, as `kubectl apply` would
-/// put it). At least one is required.
+/// put it). At least one is required. Each is held to the CRD's schema first
+/// ([`crate::schema`]), so what the API server would refuse is refused here too.
 pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> {
     let mut relays = Vec::new();
     for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
@@ -84,6 +85,15 @@ pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> 
         if kind != "OutboxRelay" {
             return Err(manifest(format!(
                 "kind `{kind}` is not OutboxRelay; render and check read OutboxRelay manifests only"
+            )));
+        }
+        let json = serde_json::to_value(&value)
+            .map_err(|e| manifest(format!("not a Kubernetes object: {e}")))?;
+        let refused = crate::schema::problems(&json);
+        if !refused.is_empty() {
+            return Err(manifest(format!(
+                "does not fit the OutboxRelay CRD's schema, so the API server would refuse it: {}",
+                refused.join("; ")
             )));
         }
         let mut relay: OutboxRelay =

@@ -11,7 +11,14 @@ pub enum DurationError {
     /// Zero, where a pause or a threshold must be positive.
     #[error("`{0}` must be longer than zero")]
     Zero(String),
+    /// Longer than the API server reads one: its durations (Go's, and the CRD rules'
+    /// `duration()`) are nanoseconds in 64 bits, so at most 2562047h47m16.854775807s.
+    #[error("`{0}` is longer than the 2562047h the API server can read")]
+    TooLong(String),
 }
+
+/// The longest duration Go (and so the API server's CEL `duration()`) reads.
+const LONGEST: Duration = Duration::from_nanos(i64::MAX as u64);
 
 /// Parses a positive Go-style duration; the schema's pattern admits the same strings.
 pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
@@ -38,6 +45,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     if duration.is_zero() {
         return Err(DurationError::Zero(text.to_owned()));
     }
+    if duration > LONGEST {
+        return Err(DurationError::TooLong(text.to_owned()));
+    }
     Ok(duration)
 }
 
@@ -62,6 +72,27 @@ mod tests {
                 "{bad:?} should be malformed"
             );
         }
+    }
+
+    #[test]
+    fn rejects_what_go_cannot_read() {
+        assert_eq!(
+            parse_duration("2562047h"),
+            Ok(Duration::from_secs(2_562_047 * 3600))
+        );
+        for long in ["2562048h", "9999999h", "99999999999999999999ms"] {
+            assert!(
+                matches!(
+                    parse_duration(long),
+                    Err(DurationError::TooLong(_) | DurationError::Malformed(_))
+                ),
+                "{long:?} should be refused"
+            );
+        }
+        assert_eq!(
+            parse_duration("2562048h"),
+            Err(DurationError::TooLong("2562048h".to_owned()))
+        );
     }
 
     #[test]

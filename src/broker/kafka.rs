@@ -644,8 +644,7 @@ pub(super) fn client_config(config: &KafkaSettings) -> ClientConfig {
 pub(super) fn deadline(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Duration>, String> {
-    let set = properties.iter().rfind(|(key, _)| is_relay_timeout(key));
-    let (key, ms) = match set {
+    let (key, ms) = match timeout_setting(properties) {
         None => ("message.timeout.ms (by default)", 20_000),
         Some((key, value)) => match value.trim().parse::<u32>() {
             Ok(0) => return Ok(None),
@@ -677,8 +676,8 @@ pub(super) fn deadline(
 pub(crate) fn deadline_culprits(
     properties: &std::collections::BTreeMap<String, String>,
 ) -> Vec<String> {
-    match properties.keys().rfind(|key| is_relay_timeout(key)) {
-        Some(timeout) => vec![timeout.clone()],
+    match timeout_setting(properties) {
+        Some((timeout, _)) => vec![timeout.clone()],
         None => properties
             .keys()
             .filter(|key| canonical(key) == "linger.ms")
@@ -905,6 +904,15 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
 /// hands the value to librdkafka; [`deadline`] checks it.
 fn is_relay_timeout(key: &str) -> bool {
     canonical(key) == "message.timeout.ms"
+}
+
+/// The relay's timeout setting in effect, if `properties` set one: the last of its
+/// names in key order, as librdkafka would apply them. [`deadline`] reads it and
+/// [`deadline_culprits`] gives it up, so the two always agree on which name wins.
+fn timeout_setting(
+    properties: &std::collections::BTreeMap<String, String>,
+) -> Option<(&String, &String)> {
+    properties.iter().rfind(|(key, _)| is_relay_timeout(key))
 }
 
 /// Why librdkafka refuses the property `key` = `value`, if it does: an unknown name (a

@@ -287,3 +287,18 @@ debezium.transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
     .unwrap();
     assert_eq!(kept(&t), ["delivery.timeout.ms", "linger.ms"]);
 }
+
+/// A translation the API server would refuse (here bootstrap servers past the CRD's
+/// 2,048 characters) fails with the schema's reason, rather than printing a manifest
+/// that `kubectl apply` then refuses.
+#[test]
+fn a_translation_the_schema_refuses_fails_with_the_reason() {
+    let servers = vec!["broker-0123456789.kafka.example:9092"; 60].join(",");
+    let err = translated(CONNECT_JSON, &kafka(Some(&servers))).unwrap_err();
+    assert!(
+        err.0
+            .contains("spec.broker.kafka.bootstrapServers: may not be longer than 2048"),
+        "{err:?}"
+    );
+    assert!(translated(CONNECT_JSON, &kafka(Some("k:9092"))).is_ok());
+}

@@ -56,6 +56,24 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             "keep postgres (a connection URL Secret) or databaseRef (a CloudNativePG Cluster)",
         );
     }
+    // The CRD's two rules between databaseRef's fields (render and check see manifests
+    // the API server has not held to them).
+    if let Some(r) = &spec.database.database_ref {
+        if r.secret_name.is_some() && r.user_secret_name.is_some() {
+            p.push(
+                "spec.database.databaseRef",
+                "sets both secretName and userSecretName, which exclude each other",
+                "keep secretName (a Secret with a uri) or userSecretName (a Secret with a username and password)",
+            );
+        }
+        if r.database.is_some() && r.user_secret_name.is_none() {
+            p.push(
+                "spec.database.databaseRef.database",
+                "is set without userSecretName",
+                "set userSecretName too, or remove database: the app Secret's uri names its database",
+            );
+        }
+    }
     let ssl_mode = pg.ssl_mode;
     let db = &pg.connection_secret_ref;
     let connection_field = if spec.database.database_ref.is_some() {
@@ -283,6 +301,19 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                         older_than: older_than.unwrap_or_default(),
                     }
                 });
+                // Checked whenever it is set, as the CRD's rule does, though only a
+                // budget uses it.
+                let return_after =
+                    l.return_after
+                        .as_deref()
+                        .map_or(Some(DEFAULT_RETURN_AFTER), |text| {
+                            duration(
+                                &mut p,
+                                "spec.mode.logTailing.returnAfter",
+                                text,
+                                Duration::from_secs(1),
+                            )
+                        });
                 let budget = l.max_retained_wal.as_ref().map(|max| {
                     if !l.delete_after_publish {
                         p.push(
@@ -310,17 +341,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                             0
                         }
                     };
-                    let return_after = l.return_after.as_deref().map_or(
-                        Some(DEFAULT_RETURN_AFTER),
-                        |text| {
-                            duration(
-                                &mut p,
-                                "spec.mode.logTailing.returnAfter",
-                                text,
-                                Duration::from_secs(1),
-                            )
-                        },
-                    );
                     crate::spec::WalBudget {
                         max_retained_wal: bytes,
                         return_after: return_after.unwrap_or_default(),

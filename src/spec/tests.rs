@@ -156,10 +156,30 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         "a WAL budget without deleteAfterPublish, zero, and a bad returnAfter",
         "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {deleteAfterPublish: false, maxRetainedWal: \"0Mi\", returnAfter: 10ms}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
         &[
-            "spec.mode.logTailing.maxRetainedWal",
-            "spec.mode.logTailing.maxRetainedWal",
             "spec.mode.logTailing.returnAfter",
+            "spec.mode.logTailing.maxRetainedWal",
+            "spec.mode.logTailing.maxRetainedWal",
         ],
+    ),
+    (
+        "a bad returnAfter without a WAL budget (the CRD's rule holds it whenever it is set)",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {logTailing: {returnAfter: 500ms}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.mode.logTailing.returnAfter"],
+    ),
+    (
+        "a duration longer than the API server's durations hold",
+        "  database: {postgres: {connectionSecretRef: {name: db}}}\n  mode: {polling: {interval: 9999999h}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.mode.polling.interval"],
+    ),
+    (
+        "databaseRef: secretName beside userSecretName, database without userSecretName",
+        "  database: {databaseRef: {name: pg, secretName: pg-app, userSecretName: pg-user}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.databaseRef"],
+    ),
+    (
+        "databaseRef: database without userSecretName",
+        "  database: {databaseRef: {name: pg, database: shop}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.databaseRef.database"],
     ),
     (
         "ranges",

@@ -3,7 +3,8 @@
 //! code) while the real controller runs against the real PostgreSQL. Each one is either
 //! refused by the API server (schema, CEL rule or strict field validation) or ends with
 //! `Ready=False, reason=InvalidSpec` naming every problem — and none of them leaves a
-//! replication slot, a publication, a ConfigMap or a Deployment behind.
+//! replication slot, a publication, a ConfigMap or a Deployment behind. What the API
+//! server refuses, `render` and `check` refuse too, offline.
 
 use crate::common;
 
@@ -303,6 +304,44 @@ const CASES: &[Case] = &[
         expect: &["128"],
     },
     Case {
+        what: "kafka bootstrapServers past the schema's 2048 characters",
+        edit: |s| {
+            let servers = vec!["broker-0123456789.kafka.example:9092"; 60].join(",");
+            s["broker"] = json!({"kafka": {"bootstrapServers": servers}})
+        },
+        expect: &["bootstrapServers"],
+    },
+    Case {
+        what: "a duration past the schema's 32 characters",
+        edit: |s| s["alerting"] = json!({"oldestUnpublishedAge": "1h".repeat(20)}),
+        expect: &["oldestUnpublishedAge"],
+    },
+    Case {
+        what: "a duration longer than the API server's durations hold",
+        edit: |s| {
+            s["mode"] = json!({"logTailing": {"heartbeatInterval": "9999999h"}});
+        },
+        expect: &["heartbeatInterval"],
+    },
+    Case {
+        what: "databaseRef with both secretName and userSecretName",
+        edit: |s| {
+            s["database"] = json!({"databaseRef": {
+                "name": "pg", "secretName": "pg-app", "userSecretName": "pg-user"}})
+        },
+        expect: &["secretName"],
+    },
+    Case {
+        what: "databaseRef database without userSecretName",
+        edit: |s| s["database"] = json!({"databaseRef": {"name": "pg", "database": "shop"}}),
+        expect: &["database"],
+    },
+    Case {
+        what: "returnAfter under 1s without a WAL budget",
+        edit: |s| s["mode"] = json!({"logTailing": {"returnAfter": "500ms"}}),
+        expect: &["returnAfter"],
+    },
+    Case {
         what: "kafka topic with a space",
         edit: |s| {
             s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "topic": "outbox events"}})
@@ -409,6 +448,19 @@ async fn replication_objects(db: &tokio_postgres::Client) -> (Vec<String>, Vec<S
     (names(slots), names(publications))
 }
 
+/// Why `render` and `check` refuse `manifest`, offline: the CRD's schema as
+/// `load_relays` holds it, then the spec rules; `None` when both pass it.
+fn offline_refusal(manifest: &Value) -> Option<String> {
+    let text = serde_yaml::to_string(manifest).unwrap();
+    match outbox_operator::render::load_relays(&text, "case") {
+        Err(err) => Some(err.to_string()),
+        Ok(relays) => relays
+            .iter()
+            .find_map(|relay| outbox_operator::spec::parse(relay).err())
+            .map(|problems| problems.to_string()),
+    }
+}
+
 enum Outcome {
     Refused(String),
     InvalidSpec(String),
@@ -488,8 +540,19 @@ async fn invalid_specs_are_refused_or_reported_and_create_nothing() {
         let name = format!("bad-{i}");
         let mut manifest = base(&name);
         (case.edit)(&mut manifest["spec"]);
+        let offline = offline_refusal(&manifest);
         let (how, message) = match apply_case(&client, &namespace, &name, &manifest).await {
-            Outcome::Refused(m) => ("refused by the API server", m),
+            Outcome::Refused(m) => {
+                // What the API server refuses, `render` and `check` refuse before it.
+                let offline = offline.unwrap_or_else(|| {
+                    panic!(
+                        "{}: refused by the API server ({m}), but render and check pass it",
+                        case.what
+                    )
+                });
+                assert!(!offline.contains("s3cret"), "{}: {offline}", case.what);
+                ("refused by the API server", m)
+            }
             Outcome::InvalidSpec(m) => ("Ready=False InvalidSpec", m),
         };
         for expected in case.expect {

@@ -5,8 +5,6 @@
 use crate::common;
 use crate::relay_partitioning::relay_broker_with;
 
-use std::time::{Duration, Instant};
-
 use outbox_operator::broker::{Broker, BrokerKind, Shape};
 use outbox_operator::postgres::OutboxRow;
 
@@ -44,9 +42,6 @@ fn stored_codecs(topic: &str) -> Vec<u16> {
 /// codec would not make it smaller.)
 #[tokio::test]
 async fn each_codec_is_stored_as_set_and_read_back_whole() {
-    use rdkafka::Message as _;
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    use rdkafka::message::Headers as _;
     // Kafka's codec numbers in a batch's attributes.
     for (codec, stored) in [("gzip", 1), ("snappy", 2), ("lz4", 3), ("zstd", 4)] {
         let topic = common::fresh_topic(1).await;
@@ -87,41 +82,16 @@ async fn each_codec_is_stored_as_set_and_read_back_whole() {
         for outcome in broker.publish_rest(&messages[1..], after, true).await {
             outcome.unwrap();
         }
-        let consumer: BaseConsumer = common::kafka_config()
-            .set("group.id", format!("verify-{}", common::unique_suffix()))
-            .set("enable.auto.commit", "false")
-            .create()
-            .unwrap();
-        let mut assignment = rdkafka::TopicPartitionList::new();
-        assignment
-            .add_partition_offset(&topic, 0, rdkafka::Offset::Beginning)
-            .unwrap();
-        consumer.assign(&assignment).unwrap();
-        let mut read = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while read.len() < payloads.len() {
-            assert!(
-                Instant::now() < deadline,
-                "{codec}: only {} records",
-                read.len()
-            );
-            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
-                let id = m
-                    .headers()
-                    .and_then(|h| h.iter().find(|h| h.key == "id"))
-                    .and_then(|h| h.value)
-                    .map(|v| String::from_utf8_lossy(v).into_owned())
-                    .unwrap_or_default();
-                read.push((
-                    id,
-                    String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned(),
-                ));
-            }
-        }
-        let written: Vec<(String, String)> = (1..)
-            .map(|id: i64| id.to_string())
-            .zip(payloads.iter().cloned())
-            .collect();
+        let read: Vec<(i64, String)> = tokio::task::spawn_blocking({
+            let topic = topic.clone();
+            move || common::consume_kafka(&topic)
+        })
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.id, String::from_utf8_lossy(&r.payload).into_owned()))
+        .collect();
+        let written: Vec<(i64, String)> = (1..).zip(payloads.iter().cloned()).collect();
         assert_eq!(read, written, "{codec}: the records as written, in order");
         let codecs = stored_codecs(&topic);
         assert!(!codecs.is_empty(), "{codec}: no batch stored");
