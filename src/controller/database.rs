@@ -51,6 +51,7 @@ fn secret_name(relay: &OutboxRelay) -> String {
 
 /// How the operator connects to a relay's database: the URL (secret, so no `Debug`)
 /// and TLS as the spec says.
+#[derive(Clone)]
 pub(super) struct Conn {
     /// The connection URL.
     pub url: String,

@@ -78,22 +78,37 @@ impl BacklogCounts {
 }
 
 /// Samples every relay in `store` each status interval until dropped (the caller aborts
-/// it when the controller stops, e.g. on losing the Lease).
+/// it when the controller stops, e.g. on losing the Lease). A pass starts relays no
+/// faster than the recheck budget allows (`--max-rechecks-per-second`), so with more
+/// relays than one interval holds at that rate each is sampled less often, as it is
+/// rechecked: the database's and the API server's load stay flat as relays are added,
+/// and a thousand new relays are not sampled, and their figures written, all at once
+/// while they are being reconciled.
 pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
     let mut tick = tokio::time::interval(ctx.status_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let pace = pace(ctx.rechecks_per_second);
     loop {
         tick.tick().await;
         if !*ctx.leader.borrow() {
             continue;
         }
         let relays = store.state();
-        ctx.backlog_counts
-            .retain(&relays.iter().filter_map(|r| r.uid()).collect());
-        futures::stream::iter(relays)
-            .for_each_concurrent(CONCURRENCY, |relay| {
+        let uids: std::collections::HashSet<String> =
+            relays.iter().filter_map(|r| r.uid()).collect();
+        ctx.backlog_counts.retain(&uids);
+        ctx.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|uid, _| uids.contains(uid));
+        let started = tokio::time::Instant::now();
+        futures::stream::iter(relays.into_iter().enumerate())
+            .for_each_concurrent(CONCURRENCY, |(index, relay)| {
                 let ctx = ctx.clone();
                 async move {
+                    if let Some(at) = started.checked_add(start_offset(index, pace)) {
+                        tokio::time::sleep_until(at).await;
+                    }
                     let sampled =
                         tokio::time::timeout(Duration::from_secs(30), sample(&relay, &ctx)).await;
                     if sampled.is_err() {
@@ -103,6 +118,25 @@ pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
             })
             .await;
     }
+}
+
+/// The time between two relays' samples within a pass: one over the recheck budget
+/// (none without a budget), an hour at most, as between two rechecks.
+fn pace(rechecks_per_second: f64) -> Duration {
+    const LONGEST: Duration = Duration::from_secs(3600);
+    if rechecks_per_second > 0.0 {
+        Duration::try_from_secs_f64(1.0 / rechecks_per_second)
+            .unwrap_or(LONGEST)
+            .min(LONGEST)
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// When, from a pass's start, its `index`th relay is sampled; a pass of more relays
+/// than fit one interval at this pace runs on past it, and the next starts after it.
+fn start_offset(index: usize, pace: Duration) -> Duration {
+    pace.saturating_mul(u32::try_from(index).unwrap_or(u32::MAX))
 }
 
 /// The figures of one relay, as status shows them.
@@ -126,7 +160,15 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
     if !checked {
         return;
     }
-    let Ok(Some(conn)) = database::read_connection(relay, ctx).await else {
+    // The connection the relay's last reconcile read from its Secrets: none yet (not
+    // reconciled by this process, or its Secrets are not usable), nothing to measure.
+    let Some(conn) = relay.uid().and_then(|uid| {
+        ctx.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&uid)
+            .cloned()
+    }) else {
         return;
     };
     let client = match ctx.pools.get(relay, &conn).await {
@@ -255,6 +297,18 @@ fn current_patch(status: Option<&OutboxRelayStatus>) -> Value {
 mod tests {
     use super::*;
     use crate::api::SlotStatus;
+
+    #[test]
+    fn a_pass_starts_relays_within_the_recheck_budget() {
+        // 20 a second: 1,000 relays take 50 s, each sampled every 50 s.
+        let pace = pace(20.0);
+        assert_eq!(pace, Duration::from_millis(50));
+        assert_eq!(start_offset(0, pace), Duration::ZERO);
+        assert_eq!(start_offset(999, pace), Duration::from_millis(49_950));
+        // No budget: every relay at once (as many as CONCURRENCY allows).
+        assert_eq!(start_offset(999, super::pace(0.0)), Duration::ZERO);
+        assert_eq!(super::pace(f64::MIN_POSITIVE), Duration::from_secs(3600));
+    }
 
     #[test]
     fn figures_round_trip_so_an_unchanged_sample_writes_nothing() {

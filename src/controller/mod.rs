@@ -174,10 +174,11 @@ pub struct ControllerArgs {
     #[arg(long, env = "OUTBOX_STATUS_INTERVAL", default_value_t = 10)]
     pub status_interval_seconds: u64,
     /// Rechecks of unchanged relays (Secrets and database looked at again, as every
-    /// status interval) allowed per second over all relays: with more relays than the
-    /// status interval allows at this rate, each is rechecked less often (1,000 relays
-    /// at 20 a second: every 50 s), so the API server's and the databases' load stays
-    /// flat as relays are added. 0: every status interval, however many.
+    /// status interval) allowed per second over all relays, and as many samples of
+    /// their status figures: with more relays than the status interval allows at this
+    /// rate, each is rechecked and sampled less often (1,000 relays at 20 a second:
+    /// every 50 s), so the API server's and the databases' load stays flat as relays
+    /// are added. 0: every status interval, however many.
     #[arg(long, env = "OUTBOX_MAX_RECHECKS_PER_SECOND", default_value_t = 20.0)]
     pub max_rechecks_per_second: f64,
     /// OutboxRelays reconciled at the same time. Each holds a database connection and a
@@ -243,6 +244,9 @@ pub(crate) struct Context {
     orphans: database::Orphans,
     /// Database connections for checks and status.
     pools: database::Pools,
+    /// The connection each relay's (by uid) last reconcile read from its Secrets, for
+    /// the status figures, so that sampling them reads no Secret from the API server.
+    connections: std::sync::Mutex<std::collections::HashMap<String, database::Conn>>,
     /// What was last applied for each relay (by uid), so a status refresh with nothing
     /// changed does not re-apply and re-list every child.
     applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,
@@ -381,6 +385,7 @@ pub async fn run(
         watch_namespace: args.namespace.clone(),
         orphans: database::Orphans::default(),
         pools: database::Pools::default(),
+        connections: std::sync::Mutex::new(std::collections::HashMap::new()),
         applied: std::sync::Mutex::new(std::collections::HashMap::new()),
         monitoring: std::sync::Mutex::new(None),
         written_status: std::sync::Mutex::new(std::collections::HashMap::new()),

@@ -121,6 +121,22 @@ pub(super) async fn observe(
         None => None,
     };
     let (secrets, conn) = secrets(valid, ctx).await?;
+    // Kept for the status figures while the Secrets hold a usable connection; a
+    // rotated password reaches them with the next reconcile (a recheck at the latest).
+    if let Some(uid) = relay.uid() {
+        let mut known = ctx
+            .connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &conn {
+            Some(conn) if secrets.problems.is_empty() => {
+                known.insert(uid, conn.clone());
+            }
+            _ => {
+                known.remove(&uid);
+            }
+        }
+    }
     let secrets_ms = started.elapsed().as_millis();
     let database = match conn {
         Some(conn) if secrets.problems.is_empty() => {

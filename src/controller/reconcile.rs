@@ -956,6 +956,10 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&uid);
+        ctx.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&uid);
     }
     ctx.publish(
         relay,
