@@ -187,37 +187,46 @@ struct CpuUse {
     bound_without_relay: f64,
 }
 
+/// Calls `f` with each running process's pid and command name (the kernel keeps 15
+/// characters of it).
+fn for_each_process(mut f: impl FnMut(u32, &str)) {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        f(pid, comm.trim());
+    }
+}
+
 /// CPU seconds used so far: (PostgreSQL's processes, the broker's, the machine's busy
 /// time over all cores). Processes found by their command name, the broker's by
 /// `target`.
 fn cpu_split(target: Target) -> (f64, f64, f64) {
     let mut postgres = 0.0;
     let mut broker = 0.0;
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for entry in entries.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|p| p.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let cmdline =
-                || std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let is_broker = match (target, comm.trim()) {
-                (Target::Kafka, "java") => cmdline().contains("kafka"),
-                (Target::Nats, "nats-server") => true,
-                (Target::RabbitMq, "beam.smp") => true,
-                _ => false,
-            };
-            if comm.trim() == "postgres" {
-                postgres += cpu_seconds(pid).unwrap_or(0.0);
-            } else if is_broker {
-                broker += cpu_seconds(pid).unwrap_or(0.0);
-            }
+    for_each_process(|pid, comm| {
+        let cmdline =
+            || std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let is_broker = match (target, comm) {
+            (Target::Kafka, "java") => cmdline().contains("kafka"),
+            (Target::Nats, "nats-server") => true,
+            (Target::RabbitMq, "beam.smp") => true,
+            _ => false,
+        };
+        if comm == "postgres" {
+            postgres += cpu_seconds(pid).unwrap_or(0.0);
+        } else if is_broker {
+            broker += cpu_seconds(pid).unwrap_or(0.0);
         }
-    }
+    });
     // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
     let busy = std::fs::read_to_string("/proc/stat")
         .ok()
@@ -1990,23 +1999,10 @@ struct ControlPlaneCpu {
 }
 
 impl ControlPlaneCpu {
-    /// CPU seconds used so far by each, its processes found by command name (the
-    /// kernel keeps 15 characters of it).
+    /// CPU seconds used so far by each, its processes found by command name.
     fn now() -> Self {
         let mut used = Self::default();
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return used;
-        };
-        for entry in entries.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|p| p.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let comm = comm.trim();
+        for_each_process(|pid, comm| {
             let slot = if comm.starts_with("kube-apiserver") {
                 &mut used.api_server
             } else if comm.starts_with("etcd") {
@@ -2016,10 +2012,10 @@ impl ControlPlaneCpu {
             } else if comm == "postgres" {
                 &mut used.postgres
             } else {
-                continue;
+                return;
             };
             *slot += cpu_seconds(pid).unwrap_or(0.0);
-        }
+        });
         used
     }
 

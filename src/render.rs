@@ -76,8 +76,12 @@ pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> 
             document: index + 1,
             message,
         };
-        let value = serde_yaml::Value::deserialize(document)
+        let mut value = serde_yaml::Value::deserialize(document)
             .map_err(|e| manifest(format!("not YAML: {e}")))?;
+        // `<<: *anchor` merges as kubectl's YAML reader does.
+        value
+            .apply_merge()
+            .map_err(|e| manifest(format!("YAML merge keys: {e}")))?;
         if value.is_null() {
             continue; // an empty document, e.g. after a trailing `---`
         }
@@ -112,4 +116,34 @@ pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> 
         });
     }
     Ok(relays)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEAD: &str =
+        "apiVersion: outbox.dev/v1alpha1\nkind: OutboxRelay\nmetadata: {name: orders}\n";
+
+    #[test]
+    fn merge_keys_merge_as_kubectl_reads_them() {
+        let text = format!(
+            "{HEAD}spec:\n  database: {{postgres: {{connectionSecretRef: {{name: db}}}}}}\n  mode: {{polling: {{}}}}\n  broker:\n    nats:\n      <<: {{url: \"nats://n:4222\"}}\n      subject: outbox.orders\n"
+        );
+        let relays = load_relays(&text, "test").unwrap();
+        let nats = relays[0].spec.broker.nats.as_ref().unwrap();
+        assert_eq!(nats.url, "nats://n:4222");
+    }
+
+    #[test]
+    fn what_the_schema_refuses_is_refused_with_its_field() {
+        let text = format!(
+            "{HEAD}spec:\n  database: {{postgres: {{connectionSecretRef: {{name: db}}}}}}\n  mode: {{polling: {{intervall: 1s}}}}\n  broker: {{nats: {{url: \"nats://n:4222\"}}}}\n"
+        );
+        let err = load_relays(&text, "test").unwrap_err().to_string();
+        assert!(
+            err.contains("spec.mode.polling.intervall: unknown field"),
+            "{err}"
+        );
+    }
 }

@@ -56,6 +56,10 @@ pub fn problems(manifest: &Value) -> Vec<String> {
     // so does our reading of the manifest: a null is a field left out.
     let mut manifest = manifest.clone();
     drop_nulls(&mut manifest);
+    // Status is the controller's: the API server drops it from what is applied.
+    if let Some(object) = manifest.as_object_mut() {
+        object.remove("status");
+    }
     let mut found = Vec::new();
     for error in validator.iter_errors(&manifest) {
         let at = field(error.instance_path().as_str());
@@ -85,8 +89,12 @@ pub fn problems(manifest: &Value) -> Vec<String> {
                 push(&at, format!("may not have more than {limit} items"));
             }
             Kind::MinItems { limit } => push(&at, format!("needs at least {limit} items")),
-            Kind::Maximum { limit } => push(&at, format!("may not be more than {limit}")),
-            Kind::Minimum { limit } => push(&at, format!("may not be less than {limit}")),
+            Kind::Maximum { limit } => {
+                push(&at, format!("may not be more than {}", number(limit)));
+            }
+            Kind::Minimum { limit } => {
+                push(&at, format!("may not be less than {}", number(limit)));
+            }
             Kind::Enum { options } => push(&at, format!("must be one of {options}")),
             Kind::Type { kind } => push(&at, format!("must be of type {}", type_name(kind))),
             _ => push(&at, "does not fit the CRD's schema".to_owned()),
@@ -103,6 +111,18 @@ fn refuse_unknown_fields(schema: &mut Value) {
     let Some(object) = schema.as_object_mut() else {
         return;
     };
+    // The API server reads `x-kubernetes-int-or-string` without a type as either
+    // (a quantity: `cpu: 1` or `cpu: 500m`, never `cpu: 0.5`).
+    if object
+        .get("x-kubernetes-int-or-string")
+        .is_some_and(|v| v == true)
+        && !object.contains_key("type")
+    {
+        object.insert(
+            "type".to_owned(),
+            Value::Array(vec!["integer".into(), "string".into()]),
+        );
+    }
     let keeps_unknown = object
         .get("x-kubernetes-preserve-unknown-fields")
         .is_some_and(|v| v == true);
@@ -156,6 +176,14 @@ fn join(parent: &str, name: &str) -> String {
     }
 }
 
+/// A schema's limit as written for people: `64`, not the generator's `64.0`.
+fn number(limit: &Value) -> String {
+    match limit.as_f64() {
+        Some(n) if n.fract() == 0.0 && n.abs() < 1e15 => format!("{n:.0}"),
+        _ => limit.to_string(),
+    }
+}
+
 /// The JSON type(s) a value should have had.
 fn type_name(kind: &jsonschema::error::TypeKind) -> String {
     match kind {
@@ -191,6 +219,13 @@ mod tests {
         // A null is a field left out.
         let with_null = relay(|r| r["spec"]["table"] = Value::Null);
         assert_eq!(problems(&with_null), Vec::<String>::new());
+        // Quantities as integers or strings; status, as `kubectl get -o yaml` shows it,
+        // is not applied.
+        let more = relay(|r| {
+            r["spec"]["relay"] = json!({"resources": {"requests": {"cpu": 1, "memory": "64Mi"}, "limits": {"cpu": "500m"}}});
+            r["status"] = json!({"observedGeneration": "not a number", "anything": true});
+        });
+        assert_eq!(problems(&more), Vec::<String>::new());
     }
 
     #[test]
@@ -205,6 +240,7 @@ mod tests {
             r["spec"]["alerting"] = json!({"oldestUnpublishedAge": "1h".repeat(20)});
             r["spec"]["mode"]["logTailing"]["heartbeatInterval"] = json!("soon");
             r["spec"]["replicas"] = json!(-1);
+            r["spec"]["relay"] = json!({"resources": {"requests": {"cpu": 0.5, "memory": "64Mi"}, "limits": {"cpu": 1}}});
             r["spec"]["database"]["postgres"]["sslMode"] = json!("sometimes");
             r["spec"]["database"]["postgres"]["connectionSecretRef"] = json!({});
             r["extra"] = json!(true);
@@ -216,7 +252,8 @@ mod tests {
             "spec.broker.kafka.properties: may not have more than 128 entries",
             "spec.alerting.oldestUnpublishedAge: may not be longer than 32 characters",
             "spec.mode.logTailing.heartbeatInterval: must match the pattern",
-            "spec.replicas: may not be less than",
+            "spec.replicas: may not be less than 0",
+            "spec.relay.resources.requests.cpu: must be of type",
             "spec.database.postgres.sslMode: must be one of",
             "spec.database.postgres.connectionSecretRef.name: required, and not set",
         ] {
@@ -229,7 +266,7 @@ mod tests {
         assert!(
             !found
                 .iter()
-                .any(|f| f.contains("typo") || f.contains("kkkk")),
+                .any(|f| f.contains("typo") || f.contains("kkkk") || f.contains("0.5")),
             "{found:#?}"
         );
     }

@@ -83,11 +83,12 @@ impl BacklogCounts {
 /// relays than one interval holds at that rate each is sampled less often, as it is
 /// rechecked: the database's and the API server's load stay flat as relays are added,
 /// and a thousand new relays are not sampled, and their figures written, all at once
-/// while they are being reconciled.
+/// while they are being reconciled. Only relays with figures to sample take a place in
+/// a pass, each read afresh from the cache when its turn comes.
 pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
     let mut tick = tokio::time::interval(ctx.status_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let pace = pace(ctx.rechecks_per_second);
+    let store = &store;
     loop {
         tick.tick().await;
         if !*ctx.leader.borrow() {
@@ -101,14 +102,28 @@ pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .retain(|uid, _| uids.contains(uid));
+        // Only relays with figures to sample take a place in the pass.
+        let due: Vec<Arc<OutboxRelay>> = relays
+            .into_iter()
+            .filter(|relay| sampled_now(relay) && connection(relay, &ctx).is_some())
+            .collect();
+        let pace = pace(ctx.rechecks_per_second, due.len(), ctx.status_interval);
         let started = tokio::time::Instant::now();
-        futures::stream::iter(relays.into_iter().enumerate())
+        futures::stream::iter(due.into_iter().enumerate())
             .for_each_concurrent(CONCURRENCY, |(index, relay)| {
                 let ctx = ctx.clone();
                 async move {
-                    if let Some(at) = started.checked_add(start_offset(index, pace)) {
-                        tokio::time::sleep_until(at).await;
-                    }
+                    let Some(at) = started.checked_add(start_offset(index, pace)) else {
+                        return;
+                    };
+                    tokio::time::sleep_until(at).await;
+                    // The relay as it is now: a pass may have run for minutes.
+                    let Some(relay) = store
+                        .get(&kube::runtime::reflector::ObjectRef::from_obj(&*relay))
+                        .filter(|now| now.uid() == relay.uid())
+                    else {
+                        return;
+                    };
                     let sampled =
                         tokio::time::timeout(Duration::from_secs(30), sample(&relay, &ctx)).await;
                     if sampled.is_err() {
@@ -120,17 +135,16 @@ pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
     }
 }
 
-/// The time between two relays' samples within a pass: one over the recheck budget
-/// (none without a budget), an hour at most, as between two rechecks.
-fn pace(rechecks_per_second: f64) -> Duration {
-    const LONGEST: Duration = Duration::from_secs(3600);
-    if rechecks_per_second > 0.0 {
-        Duration::try_from_secs_f64(1.0 / rechecks_per_second)
-            .unwrap_or(LONGEST)
-            .min(LONGEST)
-    } else {
-        Duration::ZERO
+/// The time between two relays' samples within a pass of `relays`: one over the
+/// recheck budget (none without a budget), but short enough that the pass ends within
+/// the longest time between two rechecks (an hour, or the status interval if longer).
+fn pace(rechecks_per_second: f64, relays: usize, status_interval: Duration) -> Duration {
+    if rechecks_per_second <= 0.0 || relays == 0 {
+        return Duration::ZERO;
     }
+    let by_budget = Duration::try_from_secs_f64(1.0 / rechecks_per_second).unwrap_or(Duration::MAX);
+    let longest_pass = super::triggers::LONGEST_RECHECK.max(status_interval);
+    by_budget.min(longest_pass.div_f64(relays as f64))
 }
 
 /// When, from a pass's start, its `index`th relay is sampled; a pass of more relays
@@ -146,29 +160,34 @@ struct Figures {
     slot: Option<SlotStats>,
 }
 
+/// Whether a relay has figures to sample: not being deleted, and its database checks
+/// passed (the others' status says why there is nothing to measure).
+fn sampled_now(relay: &OutboxRelay) -> bool {
+    relay.meta().deletion_timestamp.is_none()
+        && find(relay.status.as_ref(), CONDITION_DATABASE_READY).is_some_and(|c| c.status == "True")
+}
+
+/// The connection the relay's last reconcile read from its Secrets, if that reconcile
+/// saw the relay's current generation: none yet (not reconciled by this process, its
+/// spec changed since, or its Secrets do not give a usable one), nothing to measure.
+fn connection(relay: &OutboxRelay, ctx: &Context) -> Option<database::Conn> {
+    let uid = relay.uid()?;
+    ctx.connections
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&uid)
+        .filter(|(generation, _)| *generation == relay.metadata.generation)
+        .map(|(_, conn)| conn.clone())
+}
+
 async fn sample(relay: &OutboxRelay, ctx: &Context) {
-    if relay.meta().deletion_timestamp.is_some() {
+    if !sampled_now(relay) {
         return;
     }
-    // Only relays whose database checks passed: the others' status says why there is
-    // nothing to measure.
-    let checked =
-        find(relay.status.as_ref(), CONDITION_DATABASE_READY).is_some_and(|c| c.status == "True");
     let Ok(valid) = crate::spec::parse(relay) else {
         return;
     };
-    if !checked {
-        return;
-    }
-    // The connection the relay's last reconcile read from its Secrets: none yet (not
-    // reconciled by this process, or its Secrets are not usable), nothing to measure.
-    let Some(conn) = relay.uid().and_then(|uid| {
-        ctx.connections
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&uid)
-            .cloned()
-    }) else {
+    let Some(conn) = connection(relay, ctx) else {
         return;
     };
     let client = match ctx.pools.get(relay, &conn).await {
@@ -300,14 +319,30 @@ mod tests {
 
     #[test]
     fn a_pass_starts_relays_within_the_recheck_budget() {
+        let interval = Duration::from_secs(10);
         // 20 a second: 1,000 relays take 50 s, each sampled every 50 s.
-        let pace = pace(20.0);
+        let pace = pace(20.0, 1000, interval);
         assert_eq!(pace, Duration::from_millis(50));
         assert_eq!(start_offset(0, pace), Duration::ZERO);
         assert_eq!(start_offset(999, pace), Duration::from_millis(49_950));
-        // No budget: every relay at once (as many as CONCURRENCY allows).
-        assert_eq!(start_offset(999, super::pace(0.0)), Duration::ZERO);
-        assert_eq!(super::pace(f64::MIN_POSITIVE), Duration::from_secs(3600));
+        // No budget, or nothing to sample: every relay at once (as many as CONCURRENCY
+        // allows).
+        assert_eq!(super::pace(0.0, 1000, interval), Duration::ZERO);
+        assert_eq!(super::pace(20.0, 0, interval), Duration::ZERO);
+        // However small the budget, a pass ends within an hour, as rechecks come.
+        assert_eq!(
+            super::pace(0.001, 1000, interval),
+            Duration::from_millis(3600)
+        );
+        assert_eq!(
+            super::pace(f64::MIN_POSITIVE, 1, interval),
+            Duration::from_secs(3600)
+        );
+        // ... or within the status interval, when that is longer.
+        assert_eq!(
+            super::pace(0.001, 10, Duration::from_secs(7200)),
+            Duration::from_secs(720)
+        );
     }
 
     #[test]

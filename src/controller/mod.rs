@@ -244,9 +244,10 @@ pub(crate) struct Context {
     orphans: database::Orphans,
     /// Database connections for checks and status.
     pools: database::Pools,
-    /// The connection each relay's (by uid) last reconcile read from its Secrets, for
-    /// the status figures, so that sampling them reads no Secret from the API server.
-    connections: std::sync::Mutex<std::collections::HashMap<String, database::Conn>>,
+    /// The connection each relay's (by uid) last reconcile read from its Secrets, with
+    /// the generation it reconciled, for the status figures: sampling them reads no
+    /// Secret from the API server.
+    connections: std::sync::Mutex<std::collections::HashMap<String, (Option<i64>, database::Conn)>>,
     /// What was last applied for each relay (by uid), so a status refresh with nothing
     /// changed does not re-apply and re-list every child.
     applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,

@@ -129,8 +129,8 @@ pub(super) async fn observe(
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match &conn {
-            Some(conn) if secrets.problems.is_empty() => {
-                known.insert(uid, conn.clone());
+            Some(conn) if secrets.problems.is_empty() && secrets.database.status => {
+                known.insert(uid, (relay.metadata.generation, conn.clone()));
             }
             _ => {
                 known.remove(&uid);

@@ -276,7 +276,7 @@ pub(super) fn recheck_after(
 }
 
 /// However many relays and however small the budget: an hour at most between rechecks.
-const LONGEST_RECHECK: Duration = Duration::from_secs(3600);
+pub(super) const LONGEST_RECHECK: Duration = Duration::from_secs(3600);
 
 /// A number in [0, 1) that differs from call to call (the process's random hash keys
 /// over a counter); good enough to spread timers, not for anything secret.
