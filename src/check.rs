@@ -25,7 +25,7 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
             path: path.display().to_string(),
             source,
         })?;
-    let relays = crate::render::load_relays(&text, &path.display().to_string())?;
+    let documents = crate::render::load_documents(&text, &path.display().to_string())?;
     let url = std::env::var(url_env)
         .ok()
         .filter(|u| !u.trim().is_empty())
@@ -35,7 +35,24 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
             ))
         })?;
     let mut all_ok = true;
-    for relay in relays {
+    for document in documents {
+        let relay = match document {
+            crate::render::Document::Relay(relay) => relay,
+            crate::render::Document::Refused { name, problems, .. } => {
+                // kubectl apply would refuse it: nothing to connect to for it.
+                all_ok = false;
+                line(
+                    out,
+                    &format!(
+                        "OutboxRelay {name}: does not fit the CRD's schema (kubectl apply would refuse it), not checked against any server"
+                    ),
+                );
+                for problem in &problems {
+                    report(out, false, "schema", problem);
+                }
+                continue;
+            }
+        };
         let valid = match crate::spec::parse(&relay) {
             Ok(valid) => valid,
             Err(problems) => {

@@ -69,7 +69,44 @@ pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<St
 /// put it). At least one is required. Each is held to the CRD's schema first
 /// ([`crate::schema`]), so what the API server would refuse is refused here too.
 pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> {
-    let mut relays = Vec::new();
+    load_documents(text, origin)?
+        .into_iter()
+        .map(|document| match document {
+            Document::Relay(relay) => Ok(*relay),
+            Document::Refused {
+                document, problems, ..
+            } => Err(Error::Manifest {
+                origin: origin.to_owned(),
+                document,
+                message: format!(
+                    "does not fit the OutboxRelay CRD's schema, so the API server would refuse it: {}",
+                    problems.join("; ")
+                ),
+            }),
+        })
+        .collect()
+}
+
+/// One OutboxRelay document of a manifest file, as [`load_documents`] read it.
+pub enum Document {
+    /// It fits the CRD's schema.
+    Relay(Box<OutboxRelay>),
+    /// What the CRD's schema refuses in it, as `field: reason` lines: the API server
+    /// would refuse the document.
+    Refused {
+        /// Its place in the file, from 1.
+        document: usize,
+        /// `namespace/name` as far as the document says (`default` without a namespace).
+        name: String,
+        /// `field: reason` for each thing refused, in the order found.
+        problems: Vec<String>,
+    },
+}
+
+/// As [`load_relays`], but a document the CRD's schema refuses is returned with its
+/// reasons rather than failing the file, so `check` can report it and go on.
+pub fn load_documents(text: &str, origin: &str) -> Result<Vec<Document>, Error> {
+    let mut documents = Vec::new();
     for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let manifest = |message: String| Error::Manifest {
             origin: origin.to_owned(),
@@ -95,10 +132,21 @@ pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> 
             .map_err(|e| manifest(format!("not a Kubernetes object: {e}")))?;
         let refused = crate::schema::problems(&json);
         if !refused.is_empty() {
-            return Err(manifest(format!(
-                "does not fit the OutboxRelay CRD's schema, so the API server would refuse it: {}",
-                refused.join("; ")
-            )));
+            let meta = |key: &str| {
+                json.pointer(&format!("/metadata/{key}"))
+                    .and_then(|v| v.as_str())
+                    .map(str::to_owned)
+            };
+            documents.push(Document::Refused {
+                document: index + 1,
+                name: format!(
+                    "{}/{}",
+                    meta("namespace").unwrap_or_else(|| "default".to_owned()),
+                    meta("name").unwrap_or_default()
+                ),
+                problems: refused,
+            });
+            continue;
         }
         let mut relay: OutboxRelay =
             serde_yaml::from_value(value).map_err(|e| manifest(e.to_string()))?;
@@ -106,16 +154,16 @@ pub fn load_relays(text: &str, origin: &str) -> Result<Vec<OutboxRelay>, Error> 
             .metadata
             .namespace
             .get_or_insert_with(|| "default".to_owned());
-        relays.push(relay);
+        documents.push(Document::Relay(Box::new(relay)));
     }
-    if relays.is_empty() {
+    if documents.is_empty() {
         return Err(Error::Manifest {
             origin: origin.to_owned(),
             document: 0,
             message: "no OutboxRelay in the file".to_owned(),
         });
     }
-    Ok(relays)
+    Ok(documents)
 }
 
 #[cfg(test)]

@@ -347,12 +347,19 @@ async fn wal_level_replica_names_the_setting_and_creates_nothing() {
     let admin_client = common::pg_connect(&url).await.unwrap();
     common::create_outbox_table(&admin_client, 4).await;
 
-    // `check` says the same, one line per check, and fails.
+    // `check` says the same, one line per check, and fails. A document before it that
+    // the CRD's schema refuses (a typo) is reported, and checking goes on.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relay.yaml");
+    let mut typo = manifest("typo", json!({"logTailing": {}}));
+    typo["spec"]["partitionz"] = json!(4);
     std::fs::write(
         &file,
-        serde_yaml::to_string(&manifest("orders", json!({"logTailing": {}}))).unwrap(),
+        format!(
+            "{}---\n{}",
+            serde_yaml::to_string(&typo).unwrap(),
+            serde_yaml::to_string(&manifest("orders", json!({"logTailing": {}}))).unwrap()
+        ),
     )
     .unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
@@ -372,6 +379,14 @@ async fn wal_level_replica_names_the_setting_and_creates_nothing() {
         stdout
             .lines()
             .any(|l| l.starts_with("FAIL  wal_level") && l.contains("set wal_level = logical")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("OutboxRelay default/typo: does not fit the CRD's schema")
+            && stdout
+                .lines()
+                .any(|l| l.starts_with("FAIL  schema")
+                    && l.contains("spec.partitionz: unknown field")),
         "{stdout}"
     );
     assert!(
