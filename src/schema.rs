@@ -23,12 +23,26 @@ static VALIDATOR: LazyLock<Result<jsonschema::Validator, String>> = LazyLock::ne
         .pointer("/spec/versions/0/schema/openAPIV3Schema")
         .cloned()
         .ok_or("the CRD has no openAPIV3Schema")?;
-    // The API server adds these three to every kind's schema itself.
+    // The API server adds these three to every kind's schema itself; metadata's fields
+    // are ObjectMeta's (their values are left to the API server, which sets most).
+    let meta_fields: serde_json::Map<String, Value> = serde_json::to_value(schemars::schema_for!(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
+    ))
+    .map_err(|e| e.to_string())?
+    .get("properties")
+    .and_then(Value::as_object)
+    .ok_or("ObjectMeta's schema lists no properties")?
+    .keys()
+    .map(|name| (name.clone(), serde_json::json!({})))
+    .collect();
     if let Some(Value::Object(properties)) = schema.get_mut("properties") {
         for (name, schema) in [
             ("apiVersion", serde_json::json!({"type": "string"})),
             ("kind", serde_json::json!({"type": "string"})),
-            ("metadata", serde_json::json!({"type": "object"})),
+            (
+                "metadata",
+                serde_json::json!({"type": "object", "properties": meta_fields}),
+            ),
         ] {
             properties.entry(name).or_insert(schema);
         }
@@ -244,9 +258,11 @@ mod tests {
             r["spec"]["database"]["postgres"]["sslMode"] = json!("sometimes");
             r["spec"]["database"]["postgres"]["connectionSecretRef"] = json!({});
             r["extra"] = json!(true);
+            r["metadata"]["namespce"] = json!("shop");
         }));
         for expected in [
             "extra: unknown field",
+            "metadata.namespce: unknown field",
             "spec.broker.kafka.bootstrapServer: unknown field",
             "spec.broker.kafka.bootstrapServers: may not be longer than 2048 characters",
             "spec.broker.kafka.properties: may not have more than 128 entries",
