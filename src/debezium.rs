@@ -392,12 +392,13 @@ pub fn translate(
     };
     let mut relay = OutboxRelay::new(&name, spec);
     relay.metadata.namespace = options.namespace.clone();
-    drop_refused_properties(&mut relay, producer_prefix(config), &mut notes);
-    crate::spec::parse(&relay).map_err(|problems| {
-        TranslateError(format!(
-            "the translated OutboxRelay is not valid: {problems}"
-        ))
-    })?;
+    drop_refused_properties(&mut relay, producer_prefix(config), &mut notes).map_err(
+        |problems| {
+            TranslateError(format!(
+                "the translated OutboxRelay is not valid: {problems}"
+            ))
+        },
+    )?;
     // What the API server holds it to beyond that, e.g. at most 128 producer settings.
     let json =
         serde_json::to_value(&relay).map_err(|e| TranslateError(format!("internal: {e}")))?;
@@ -417,18 +418,22 @@ pub fn translate(
 /// events, a timeout the relay cannot keep. A translation is a relay that starts, and
 /// its notes say what was left behind. Repeats until none is refused, since dropping
 /// one property can change the rules between the others (each round drops at least
-/// one, so it ends).
-fn drop_refused_properties(relay: &mut OutboxRelay, prefix: &str, notes: &mut Vec<String>) {
+/// one, so it ends). Returns the problems of the relay it leaves, if any remain.
+fn drop_refused_properties(
+    relay: &mut OutboxRelay,
+    prefix: &str,
+    notes: &mut Vec<String>,
+) -> Result<(), crate::rules::Problems> {
     const PROPERTIES: &str = "spec.broker.kafka.properties";
     loop {
         let Err(problems) = crate::spec::parse(relay) else {
-            return;
+            return Ok(());
         };
         let Some(kafka) = relay.spec.broker.kafka.as_mut() else {
-            return;
+            return Err(problems);
         };
         let mut dropped = false;
-        for problem in problems.0 {
+        for problem in &problems.0 {
             // The timeout's problem names the map, not a key.
             let keys: Vec<String> = match problem.field.strip_prefix(PROPERTIES) {
                 Some("") => crate::broker::kafka::deadline_culprits(&kafka.properties),
@@ -450,7 +455,7 @@ fn drop_refused_properties(relay: &mut OutboxRelay, prefix: &str, notes: &mut Ve
             }
         }
         if !dropped {
-            return;
+            return Err(problems);
         }
     }
 }

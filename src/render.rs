@@ -10,6 +10,9 @@ use crate::api::OutboxRelay;
 use crate::controller::Error;
 use crate::resources::{BuildOptions, build};
 
+/// The namespace of a manifest that names none, as `kubectl apply` would put it.
+const DEFAULT_NAMESPACE: &str = "default";
+
 /// The OutboxRelay CustomResourceDefinition as YAML (the source of `crds/`).
 pub fn crd_yaml() -> Result<String, Error> {
     let yaml = serde_yaml::to_string(&OutboxRelay::crd()).map_err(Error::Yaml)?;
@@ -141,7 +144,7 @@ pub fn load_documents(text: &str, origin: &str) -> Result<Vec<Document>, Error> 
                 document: index + 1,
                 name: format!(
                     "{}/{}",
-                    meta("namespace").unwrap_or_else(|| "default".to_owned()),
+                    meta("namespace").unwrap_or_else(|| DEFAULT_NAMESPACE.to_owned()),
                     meta("name").unwrap_or_default()
                 ),
                 problems: refused,
@@ -153,7 +156,7 @@ pub fn load_documents(text: &str, origin: &str) -> Result<Vec<Document>, Error> 
         relay
             .metadata
             .namespace
-            .get_or_insert_with(|| "default".to_owned());
+            .get_or_insert_with(|| DEFAULT_NAMESPACE.to_owned());
         documents.push(Document::Relay(Box::new(relay)));
     }
     if documents.is_empty() {

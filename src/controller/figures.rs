@@ -105,7 +105,7 @@ pub(super) async fn run(ctx: Arc<Context>, store: Store<OutboxRelay>) {
         // Only relays with figures to sample take a place in the pass.
         let due: Vec<Arc<OutboxRelay>> = relays
             .into_iter()
-            .filter(|relay| sampled_now(relay) && connection(relay, &ctx).is_some())
+            .filter(|relay| sampled_now(relay) && with_connection(relay, &ctx, |_| ()).is_some())
             .collect();
         let pace = pace(ctx.rechecks_per_second, due.len(), ctx.status_interval);
         let started = tokio::time::Instant::now();
@@ -171,13 +171,22 @@ fn sampled_now(relay: &OutboxRelay) -> bool {
 /// saw the relay's current generation: none yet (not reconciled by this process, its
 /// spec changed since, or its Secrets do not give a usable one), nothing to measure.
 fn connection(relay: &OutboxRelay, ctx: &Context) -> Option<database::Conn> {
+    with_connection(relay, ctx, database::Conn::clone)
+}
+
+/// `look` applied to the connection [`connection`] would return, without cloning it.
+fn with_connection<T>(
+    relay: &OutboxRelay,
+    ctx: &Context,
+    look: impl FnOnce(&database::Conn) -> T,
+) -> Option<T> {
     let uid = relay.uid()?;
     ctx.connections
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .get(&uid)
         .filter(|(generation, _)| *generation == relay.metadata.generation)
-        .map(|(_, conn)| conn.clone())
+        .map(|(_, conn)| look(conn))
 }
 
 async fn sample(relay: &OutboxRelay, ctx: &Context) {
