@@ -76,6 +76,7 @@ fn main() -> ExitCode {
         Command::Controller(args) => run_controller(args),
         Command::Relay { config } => runtime()
             .block_on(outbox_operator::relay::run(&config))
+            .inspect_err(outbox_operator::relay::leave_termination_message)
             .map_err(Error::from),
         Command::Crd => outbox_operator::render::crd_yaml()
             .map(|yaml| print_out(&yaml))

@@ -263,7 +263,7 @@ impl KafkaBroker {
         if let Some((code, _)) = fatal
             && slot.retire(producer)
         {
-            slot.stopped_fatally(code);
+            slot.stopped_fatally(code, &failure.message);
             tracing::warn!(
                 producer = slot.name,
                 error = %failure.message,
@@ -461,6 +461,8 @@ struct Slot {
     /// Producers of this slot retired on a fatal error since the last acknowledgement
     /// (of either slot).
     fatal_in_a_row: AtomicU32,
+    /// The last such error, as the relay reports it.
+    last_fatal: Mutex<Option<String>>,
 }
 
 impl Slot {
@@ -470,6 +472,7 @@ impl Slot {
             config,
             current: Mutex::new(None),
             fatal_in_a_row: AtomicU32::new(0),
+            last_fatal: Mutex::new(None),
         }
     }
 
@@ -496,8 +499,12 @@ impl Slot {
     /// Counts a producer of this slot retired on a fatal error `code`. A record the
     /// broker refused stops the producer by the gap-less guarantee: that is the row's
     /// fault (counted against its attempts), not the client's, and is not counted here.
-    fn stopped_fatally(&self, code: RDKafkaErrorCode) {
+    fn stopped_fatally(&self, code: RDKafkaErrorCode, why: &str) {
         if code != RDKafkaErrorCode::GaplessGuarantee {
+            *self
+                .last_fatal
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(why.to_owned());
             self.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -830,10 +837,21 @@ impl Broker for KafkaBroker {
     /// A fatal error retires its producer and the next send makes a new one; only
     /// when [`FATAL_IN_A_ROW`] producers of one kind stopped so, with no
     /// acknowledgement between, is the client taken for broken.
-    fn is_broken(&self) -> bool {
-        [&self.batching, &self.eager]
-            .iter()
-            .any(|slot| slot.fatal_in_a_row.load(Ordering::Relaxed) >= FATAL_IN_A_ROW)
+    fn broken(&self) -> Option<String> {
+        [&self.batching, &self.eager].iter().find_map(|slot| {
+            (slot.fatal_in_a_row.load(Ordering::Relaxed) >= FATAL_IN_A_ROW).then(|| {
+                let last = slot
+                    .last_fatal
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone()
+                    .unwrap_or_default();
+                format!(
+                    "{FATAL_IN_A_ROW} Kafka producers in a row stopped on a fatal error, \
+                     the last: {last}"
+                )
+            })
+        })
     }
 }
 
@@ -1514,32 +1532,46 @@ mod tests {
     #[tokio::test]
     async fn only_three_fatal_producers_of_one_kind_in_a_row_break_the_client() {
         let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
-        let stop = |slot: &Slot| slot.stopped_fatally(RDKafkaErrorCode::Fatal);
+        let stop = |slot: &Slot, why: &str| slot.stopped_fatally(RDKafkaErrorCode::Fatal, why);
         // One cause stopping both kinds' producers, round after round: two rounds are
         // two producers of each kind in a row, not four.
         for _ in 0..2 {
-            stop(&broker.batching);
-            stop(&broker.eager);
+            stop(&broker.batching, "fenced");
+            stop(&broker.eager, "fenced");
         }
-        assert!(!broker.is_broken());
+        assert_eq!(broker.broken(), None);
         // A record the broker refused is the row's fault, not the client's.
         broker
             .eager
-            .stopped_fatally(RDKafkaErrorCode::GaplessGuarantee);
-        assert!(!broker.is_broken(), "a gap-less stop counted");
-        stop(&broker.eager);
-        assert!(broker.is_broken(), "the third chain-step producer in a row");
+            .stopped_fatally(RDKafkaErrorCode::GaplessGuarantee, "a refused record");
+        assert_eq!(broker.broken(), None, "a gap-less stop counted");
+        stop(&broker.eager, "cluster authorization failed");
+        // The reason given is the last producer's, not the refused record's.
+        assert_eq!(
+            broker.broken().as_deref(),
+            Some(
+                "3 Kafka producers in a row stopped on a fatal error, the last: cluster \
+                 authorization failed"
+            ),
+            "the third chain-step producer in a row"
+        );
         // An acknowledgement clears both counts (batching stood at 2).
         broker.clear_fatal_counts();
-        assert!(!broker.is_broken());
-        stop(&broker.batching);
-        assert!(
-            !broker.is_broken(),
+        assert_eq!(broker.broken(), None);
+        stop(&broker.batching, "fenced");
+        assert_eq!(
+            broker.broken(),
+            None,
             "the acknowledgement left the batching count"
         );
-        stop(&broker.batching);
-        stop(&broker.batching);
-        assert!(broker.is_broken(), "three batching producers in a row");
+        stop(&broker.batching, "fenced");
+        stop(&broker.batching, "fenced");
+        assert!(
+            broker
+                .broken()
+                .is_some_and(|why| why.ends_with("the last: fenced")),
+            "three batching producers in a row"
+        );
     }
 
     fn message(payload: &'static [u8]) -> Message {

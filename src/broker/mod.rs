@@ -324,9 +324,10 @@ pub trait Broker: Send + Sync {
         })
     }
 
-    /// True when the client can never publish again and the process must restart.
-    fn is_broken(&self) -> bool {
-        false
+    /// Why the client can never publish again, when it cannot: the process must
+    /// restart, and its exit says this.
+    fn broken(&self) -> Option<String> {
+        None
     }
 }
 

@@ -24,8 +24,13 @@ pub(super) enum PodTrouble {
     /// The kubelet cannot create the container: a Secret or key it needs is missing, or
     /// the runtime refused it.
     ConfigError { pod: String, message: String },
-    /// The relay exits and the kubelet waits before starting it again.
-    CrashLooping { pod: String, exit_code: i32 },
+    /// The relay exits and the kubelet waits before starting it again; `why` is the
+    /// first line of what the relay left as its termination message, if anything.
+    CrashLooping {
+        pod: String,
+        exit_code: i32,
+        why: Option<String>,
+    },
     /// No node takes the pod.
     Unschedulable { pod: String, message: String },
 }
@@ -60,7 +65,16 @@ impl PodTrouble {
             Self::ConfigError { pod, message } => {
                 format!("pod {pod}: the kubelet cannot create the relay container: {message}")
             }
-            Self::CrashLooping { pod, exit_code } => format!(
+            Self::CrashLooping {
+                pod,
+                exit_code,
+                why: Some(why),
+            } => format!("pod {pod}: the relay keeps exiting (last exit code {exit_code}): {why}"),
+            Self::CrashLooping {
+                pod,
+                exit_code,
+                why: None,
+            } => format!(
                 "pod {pod}: the relay keeps exiting (last exit code {exit_code}); its log says why"
             ),
             Self::Unschedulable { pod, message } => {
@@ -176,10 +190,28 @@ fn container_trouble(
         Some(PodTrouble::CrashLooping {
             pod: name.to_owned(),
             exit_code: ended.exit_code,
+            why: ended.message.as_deref().and_then(first_line),
         })
     } else {
         None
     }
+}
+
+/// The most of a termination message a condition repeats.
+const WHY_MAX: usize = 512;
+
+/// The first line of a termination message, cut at [`WHY_MAX`] bytes on a character;
+/// `None` when it has no text.
+fn first_line(message: &str) -> Option<String> {
+    let line = message.lines().map(str::trim).find(|l| !l.is_empty())?;
+    if line.len() <= WHY_MAX {
+        return Some(line.to_owned());
+    }
+    let mut end = WHY_MAX;
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(format!("{}…", &line[..end]))
 }
 
 fn memory_limit(pod: &Pod) -> Option<String> {
@@ -341,6 +373,53 @@ mod tests {
         assert_eq!(messages[0], messages[1]);
         assert!(messages[3].contains("last exit code 2"));
         assert_eq!(messages[3], messages[4]);
+    }
+
+    #[test]
+    fn a_crash_loop_repeats_the_first_line_of_what_the_relay_left_as_its_termination_message() {
+        let why = "broker: the broker client failed permanently (3 Kafka producers in a row \
+                   stopped on a fatal error, the last: Cluster authorization failed); restarting";
+        let ended = |message: &str| json!({"terminated": {"reason": "Error", "exitCode": 1, "message": message}});
+        for status in [
+            waiting(
+                "CrashLoopBackOff",
+                "back-off",
+                ended(&format!("\n{why}\nmore\n")),
+            ),
+            relay(running_since("2026-12-05T09:59:58Z"), ended(why), false),
+        ] {
+            let found = diagnose(&[pod("r-1", status)], now()).unwrap();
+            assert_eq!(found.reason(), "RelayCrashLooping");
+            assert_eq!(
+                found.message(),
+                format!("pod r-1: the relay keeps exiting (last exit code 1): {why}")
+            );
+        }
+        // No text (a relay killed by a signal, or an older one): the log says why.
+        let found = diagnose(
+            &[pod(
+                "r-1",
+                waiting("CrashLoopBackOff", "back-off", ended(" \n")),
+            )],
+            now(),
+        )
+        .unwrap();
+        assert!(
+            found.message().ends_with("its log says why"),
+            "{}",
+            found.message()
+        );
+        // A long one is cut, on a character.
+        let found = diagnose(
+            &[pod(
+                "r-1",
+                waiting("CrashLoopBackOff", "back-off", ended(&"é".repeat(1000))),
+            )],
+            now(),
+        )
+        .unwrap();
+        let message = found.message();
+        assert!(message.ends_with("é…") && message.len() < 600, "{message}");
     }
 
     #[test]

@@ -17,6 +17,43 @@ use tokio::sync::watch;
 
 use config::{ConfigError, RelayConfig, Settings};
 
+/// Where the kubelet reads a container's termination message unless told otherwise;
+/// the relay's container keeps that default.
+pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
+
+/// The kubelet keeps at most this much of a termination message.
+const TERMINATION_MESSAGE_MAX: usize = 4096;
+
+/// Leaves why the relay stopped where the kubelet reads it, so that the pod's status
+/// (`lastState.terminated.message`) and the OutboxRelay's `Ready` condition say it, not
+/// only the log. Only in a pod: outside one the file does not exist and none is made.
+pub fn leave_termination_message(err: &RelayError) {
+    leave_termination_message_at(Path::new(TERMINATION_MESSAGE_PATH), err);
+}
+
+fn leave_termination_message_at(path: &Path, err: &RelayError) {
+    use std::io::Write;
+    let mut message = err.to_string();
+    if message.len() > TERMINATION_MESSAGE_MAX {
+        let mut end = TERMINATION_MESSAGE_MAX;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    // No `create`: the kubelet provides the file.
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .and_then(|mut file| file.write_all(message.as_bytes()));
+    if let Err(e) = written
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, path = %path.display(), "cannot leave the termination message");
+    }
+}
+
 /// Why the relay stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -200,3 +237,30 @@ pub(crate) const MAX_BATCH_BYTES: usize = 2 * 1024 * 1024;
 /// How often a waiting loop still counts as turning (well below
 /// [`http::STUCK_AFTER_SECONDS`]).
 pub(crate) const TURN_EVERY: std::time::Duration = std::time::Duration::from_secs(20);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_termination_message_goes_only_to_a_file_the_kubelet_provides() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let provided = dir.path().join("termination-log");
+        std::fs::write(&provided, "an older message, longer than the new one").expect("write");
+        let err = RelayError::Broker("the broker client failed permanently (why)".to_owned());
+        leave_termination_message_at(&provided, &err);
+        assert_eq!(
+            std::fs::read_to_string(&provided).expect("read"),
+            "broker: the broker client failed permanently (why)"
+        );
+        // Outside a pod: nothing is made.
+        let missing = dir.path().join("none");
+        leave_termination_message_at(&missing, &err);
+        assert!(!missing.exists());
+        // The kubelet keeps 4 KiB: a longer message is cut there, on a character.
+        let long = RelayError::Broker("é".repeat(3000));
+        leave_termination_message_at(&provided, &long);
+        let kept = std::fs::read_to_string(&provided).expect("read");
+        assert!(kept.len() <= TERMINATION_MESSAGE_MAX && kept.len() > 4000);
+    }
+}

@@ -493,10 +493,10 @@ impl Worker {
                 }
                 Outcome::Unavailable => {
                     rounds.abandon();
-                    if self.broker.is_broken() {
-                        return Err(SessionEnd::Fatal(RelayError::Broker(
-                            "the broker client failed permanently; restarting".to_owned(),
-                        )));
+                    if let Some(why) = self.broker.broken() {
+                        return Err(SessionEnd::Fatal(RelayError::Broker(format!(
+                            "the broker client failed permanently ({why}); restarting"
+                        ))));
                     }
                     self.nap(backoff.step()).await;
                 }

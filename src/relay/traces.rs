@@ -210,8 +210,8 @@ impl Broker for TracedBroker {
         })
     }
 
-    fn is_broken(&self) -> bool {
-        self.inner.is_broken()
+    fn broken(&self) -> Option<String> {
+        self.inner.broken()
     }
 }
 

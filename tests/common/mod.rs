@@ -1187,6 +1187,62 @@ pub struct Received {
     pub payload: Vec<u8>,
 }
 
+/// Runs Kafka's own ACL tool against the rig's broker (its plaintext listener, whose
+/// principal is a super user there).
+fn kafka_acls(args: &[&str]) {
+    let rig = Rig::load();
+    let classpath = format!("{}/*", rig.get("OUTBOX_RIG_KAFKA_LIBS"));
+    let output = std::process::Command::new("java")
+        .args(["-cp", &classpath, "org.apache.kafka.tools.AclCommand"])
+        .args(["--bootstrap-server", rig.kafka_bootstrap(), "--add"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run Kafka's AclCommand (java): {err}"));
+    assert!(
+        output.status.success(),
+        "Kafka's AclCommand {args:?} failed (the rig's Kafka needs its authorizer: restart \
+         the rig with `make rig-up`):\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Denies `user` an idempotent producer, and lets everyone else do everything: with an
+/// ACL on a resource, a principal no ACL names is refused it, so the allowing ones come
+/// first (other tests use the same broker meanwhile). Adding an ACL that exists is a
+/// no-op, so each test run may do it again.
+pub fn deny_idempotent_writes(user: &str) {
+    kafka_acls(&[
+        "--allow-principal",
+        "User:*",
+        "--operation",
+        "All",
+        "--cluster",
+        "--topic",
+        "*",
+        "--group",
+        "*",
+        "--transactional-id",
+        "*",
+    ]);
+    let principal = format!("User:{user}");
+    kafka_acls(&[
+        "--deny-principal",
+        &principal,
+        "--operation",
+        "IdempotentWrite",
+        "--cluster",
+    ]);
+    kafka_acls(&[
+        "--deny-principal",
+        &principal,
+        "--operation",
+        "Write",
+        "--topic",
+        "*",
+    ]);
+}
+
 /// Reads every message of a Kafka topic from the beginning up to the high watermarks.
 pub fn consume_kafka(topic: &str) -> Vec<Received> {
     consume_kafka_from(Rig::load().kafka_bootstrap(), topic)

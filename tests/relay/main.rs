@@ -15,6 +15,7 @@ mod relay_compression;
 mod relay_crash;
 mod relay_failover;
 mod relay_failures;
+mod relay_fatal;
 mod relay_log_tailing;
 mod relay_maintenance;
 mod relay_outage;

@@ -229,6 +229,11 @@ listener.name.pods_sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.secur
 listener.name.pods_sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.pods_sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$RIG_DIR/kafka/data
+# ACLs are checked, but with none on a resource everyone may use it, so only what a test
+# denies is denied (tests/faults: a user the cluster refuses an idempotent producer).
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=true
+super.users=User:ANONYMOUS
 # Records carry the event's own time, and the tests write events from 1969 and 1999.
 # Time-based retention judges a segment by its records' timestamps, and a segment whose
 # first record is decades old rolls at the next append: at the broker's next retention
@@ -263,8 +268,13 @@ KAFKA_JAVA=(java -Xms256m -Xmx768m -XX:+UseG1GC -Djava.awt.headless=true
 export KAFKA_CLUSTER_ID=$(python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))')
 export KAFKA_SCRAM_256="SCRAM-SHA-256=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
 export KAFKA_SCRAM_512="SCRAM-SHA-512=[name=$KAFKA_USER,password=$KAFKA_PASSWORD]"
+# A second user, whom a test denies the right to write (see the authorizer above).
+KAFKA_DENIED_USER=outbox-denied
+KAFKA_DENIED_PASSWORD=$(openssl rand -hex 12)
+export KAFKA_SCRAM_DENIED="SCRAM-SHA-512=[name=$KAFKA_DENIED_USER,password=$KAFKA_DENIED_PASSWORD]"
 spawn kafka sh -c '"$@" kafka.tools.StorageTool format --cluster-id="$KAFKA_CLUSTER_ID" -c "$0" \
-    --add-scram "$KAFKA_SCRAM_256" --add-scram "$KAFKA_SCRAM_512" >/dev/null \
+    --add-scram "$KAFKA_SCRAM_256" --add-scram "$KAFKA_SCRAM_512" \
+    --add-scram "$KAFKA_SCRAM_DENIED" >/dev/null \
     && exec "$@" kafka.Kafka "$0"' "$RIG_DIR/kafka/server.properties" "${KAFKA_JAVA[@]}"
 env_set OUTBOX_RIG_KAFKA_BOOTSTRAP "127.0.0.1:$KAFKA_PORT"
 env_set OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP "localhost:$KAFKA_SASL_SSL_PORT"
@@ -273,6 +283,8 @@ env_set OUTBOX_RIG_POD_KAFKA_BOOTSTRAP "$POD_GATEWAY:$KAFKA_POD_PORT"
 env_set OUTBOX_RIG_POD_KAFKA_SASL_SSL_BOOTSTRAP "$POD_GATEWAY:$KAFKA_POD_SASL_SSL_PORT"
 env_set OUTBOX_RIG_KAFKA_USER "$KAFKA_USER"
 env_set OUTBOX_RIG_KAFKA_PASSWORD "$KAFKA_PASSWORD"
+env_set OUTBOX_RIG_KAFKA_DENIED_USER "$KAFKA_DENIED_USER"
+env_set OUTBOX_RIG_KAFKA_DENIED_PASSWORD "$KAFKA_DENIED_PASSWORD"
 
 # --- NATS with JetStream ----------------------------------------------------------------------
 free_port NATS_PORT

@@ -304,10 +304,10 @@ impl LogTailer {
             if keeps_rows {
                 in_flight(&pending, &self.health.metrics);
             }
-            if self.broker.is_broken() {
-                return Err(SessionEnd::Fatal(RelayError::Broker(
-                    "the broker client failed permanently; restarting".to_owned(),
-                )));
+            if let Some(why) = self.broker.broken() {
+                return Err(SessionEnd::Fatal(RelayError::Broker(format!(
+                    "the broker client failed permanently ({why}); restarting"
+                ))));
             }
             if self.stopping() {
                 let since = *stop_seen.get_or_insert_with(Instant::now);

@@ -1,0 +1,181 @@
+//! A Kafka producer that can never send again (a fatal error) against the rig's real
+//! broker: the cluster's ACLs deny a user the right to an idempotent producer, so the
+//! broker answers its producer-id request with CLUSTER_AUTHORIZATION_FAILED, which
+//! librdkafka makes fatal. The relay replaces such a producer, gives up after three in a
+//! row and exits with an error that says why (a pod then restarts it, and its status
+//! says it crash-loops); and no row counts as published meanwhile, so a relay the broker
+//! takes publishes every one of them.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::common::{self, RelayBroker, RelayProcess, SlotGuard};
+use crate::relay_broker_tls::{publish_through, relay_yaml, tls_block, tls_file};
+use outbox_operator::secrets::{ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME};
+
+/// Rows committed before the refused relay starts.
+const ROWS: usize = 30;
+
+/// Waits for the relay to exit on its own; its exit status.
+fn exited(relay: &mut RelayProcess, within: Duration) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = relay.child.try_wait() {
+            return status;
+        }
+        assert!(
+            started.elapsed() < within,
+            "the relay whose producers the cluster refuses did not exit within {within:?}; \
+             log tail:\n{}",
+            relay.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_row() {
+    let rig = common::Rig::load();
+    let sasl_ssl = rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP").to_owned();
+    let denied = rig.get("OUTBOX_RIG_KAFKA_DENIED_USER").to_owned();
+    let denied_password = rig.get("OUTBOX_RIG_KAFKA_DENIED_PASSWORD").to_owned();
+    let user = rig.get("OUTBOX_RIG_KAFKA_USER").to_owned();
+    let password = rig.get("OUTBOX_RIG_KAFKA_PASSWORD").to_owned();
+    let rig_pg = rig.pg_url().to_owned();
+    tokio::task::spawn_blocking({
+        let denied = denied.clone();
+        move || common::deny_idempotent_writes(&denied)
+    })
+    .await
+    .unwrap();
+
+    let ca = tls_file("ca.crt");
+    let files = [("spec.broker.kafka.tls.caSecretRef", ca.clone())];
+    for log_tailing in [false, true] {
+        let what = if log_tailing {
+            "log tailing"
+        } else {
+            "polling"
+        };
+        let topic = common::fresh_topic(4).await;
+        let db = common::fresh_database().await;
+        common::create_outbox_table(&db.client, 4).await;
+        let guard = log_tailing.then(|| SlotGuard::new(&rig_pg, "fatal"));
+        if let Some(guard) = &guard {
+            common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+        }
+        let broker = json!({"kafka": {
+            "bootstrapServers": sasl_ssl,
+            "topic": topic,
+            "tls": tls_block(false),
+            "sasl": {"mechanism": "SCRAM-SHA-512",
+                     "usernameSecretRef": {"name": "kafka", "key": "user"},
+                     "passwordSecretRef": {"name": "kafka", "key": "password"}},
+        }});
+        let yaml = relay_yaml(&broker, &files, guard.as_ref().map(|g| g.slot.as_str()));
+        let placeholder = RelayBroker::Kafka {
+            bootstrap: sasl_ssl.clone(),
+            topic: topic.clone(),
+        };
+        let mut ids = Vec::with_capacity(ROWS);
+        for i in 0..ROWS {
+            let aggregate = format!("refused{}", i % 5);
+            ids.push(
+                common::insert_row(
+                    &db.client,
+                    "order",
+                    &aggregate,
+                    &json!({"i": i, "aggregate": aggregate}),
+                )
+                .await,
+            );
+        }
+
+        // The user the cluster refuses: each producer stops on a fatal error at its
+        // first send; after the third in a row the relay exits.
+        let mut refused = RelayProcess::start_with_env(
+            &yaml,
+            &db.url,
+            &placeholder,
+            &[
+                (ENV_KAFKA_SASL_USERNAME, denied.as_str()),
+                (ENV_KAFKA_SASL_PASSWORD, denied_password.as_str()),
+            ],
+        );
+        let (status, refused) = tokio::task::spawn_blocking(move || {
+            let status = exited(&mut refused, Duration::from_secs(90));
+            (status, refused)
+        })
+        .await
+        .unwrap();
+        let log = refused.log();
+        assert!(
+            !status.success(),
+            "{what}: the relay exited successfully; log:\n{log}"
+        );
+        // Its last word (which it also leaves as a pod's termination message) says it
+        // gave up, and why.
+        let last = log
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or_default();
+        assert!(
+            last.contains("failed permanently")
+                && last.contains("stopped on a fatal error")
+                && last.contains("Cluster authorization failed"),
+            "{what}: the relay's exit does not say it gave up on the broker, and why: \
+             {last}\nlog:\n{log}"
+        );
+        assert!(
+            !log.contains(&password) && !log.contains(&denied_password),
+            "{what}: a password reached the log"
+        );
+        // Nothing counts as published: the rows wait, unmarked, or (log tailing) in
+        // the table and behind the slot's position.
+        if log_tailing {
+            let left: i64 = db
+                .client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(left, ROWS as i64, "{what}: rows were deleted");
+        } else {
+            assert_eq!(
+                common::unpublished_rows(&db.client).await,
+                ROWS as i64,
+                "{what}: rows were marked published"
+            );
+        }
+        drop(refused);
+
+        // A relay the broker takes publishes every row, the ones before included.
+        let relay = RelayProcess::start_with_env(
+            &yaml,
+            &db.url,
+            &placeholder,
+            &[
+                (ENV_KAFKA_SASL_USERNAME, user.as_str()),
+                (ENV_KAFKA_SASL_PASSWORD, password.as_str()),
+            ],
+        );
+        publish_through(&db, &relay, "after", 5, log_tailing).await;
+        drop(relay);
+        let received = tokio::task::spawn_blocking({
+            let topic = topic.clone();
+            move || common::consume_kafka(&topic)
+        })
+        .await
+        .unwrap();
+        let got: HashSet<i64> = received.iter().map(|r| r.id).collect();
+        let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
+        assert!(
+            missing.is_empty(),
+            "{what}: rows committed while the producers were refused never reached Kafka: \
+             {missing:?}"
+        );
+    }
+}
