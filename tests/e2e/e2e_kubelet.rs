@@ -451,3 +451,156 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
         report.duplicates
     );
 }
+
+/// A relay its broker refuses for good (a Kafka user the cluster's ACLs deny an
+/// idempotent producer, which librdkafka makes a fatal error) exits saying why; the
+/// kubelet keeps that as the container's termination message, and the OutboxRelay's
+/// `Ready` condition repeats it (`RelayCrashLooping`), so `kubectl get` tells the user
+/// what to fix rather than "its log says why". Giving the Secret a user the broker
+/// takes rolls the relay, and every row committed meanwhile arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_its_broker_refuses_says_why_in_its_status_and_loses_nothing() {
+    const RELAY: &str = "refused";
+    const ROWS: usize = 20;
+    common::node::name();
+    let rig = common::Rig::load();
+    let denied = rig.get("OUTBOX_RIG_KAFKA_DENIED_USER").to_owned();
+    let denied_password = rig.get("OUTBOX_RIG_KAFKA_DENIED_PASSWORD").to_owned();
+    tokio::task::spawn_blocking({
+        let denied = denied.clone();
+        move || common::deny_idempotent_writes(&denied)
+    })
+    .await
+    .unwrap();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let topic = common::fresh_topic(4).await;
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let pods = RelayPods::start(&client, &ns).await;
+    let mut controller = pods.controller(&ns, &[]);
+    operator::create_secret(&client, &ns, "orders-db", &[("uri", &pods.url(&db.url))]).await;
+    let ca = std::fs::read_to_string(format!("{}/ca.crt", rig.get("OUTBOX_RIG_TLS_DIR")))
+        .unwrap_or_else(|e| panic!("the rig's CA: {e}"));
+    operator::create_secret(
+        &client,
+        &ns,
+        "orders-kafka",
+        &[
+            ("ca.crt", ca.as_str()),
+            ("username", denied.as_str()),
+            ("password", denied_password.as_str()),
+        ],
+    )
+    .await;
+    let mut manifest = json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": RELAY},
+        "spec": {
+            "database": {"postgres": {
+                "connectionSecretRef": {"name": "orders-db", "key": "uri"},
+                "sslMode": "disable"}},
+            "mode": {"polling": {"interval": "200ms"}},
+            "broker": {"kafka": {
+                "bootstrapServers": rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP"),
+                "topic": topic,
+                "tls": {"caSecretRef": {"name": "orders-kafka", "key": "ca.crt"}},
+                "sasl": {"mechanism": "SCRAM-SHA-512",
+                         "usernameSecretRef": {"name": "orders-kafka", "key": "username"},
+                         "passwordSecretRef": {"name": "orders-kafka", "key": "password"}}}},
+            "ordering": {"mode": "perAggregate", "partitions": 4},
+        }
+    });
+    pods.adapt(&mut manifest);
+    operator::apply_relay(&client, &ns, &manifest).await;
+    let mut ids = BTreeSet::new();
+    for i in 0..ROWS {
+        let aggregate = format!("refused{}", i % 5);
+        ids.insert(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &json!({"i": i, "aggregate": aggregate}),
+            )
+            .await,
+        );
+    }
+
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let why = common::wait_for_some_or(
+        "Ready=False RelayCrashLooping, giving the broker's reason",
+        WAIT,
+        || pods.log_tails(20),
+        || async {
+            let relay = relays.get_opt(RELAY).await.ok().flatten()?;
+            operator::condition(&relay, "Ready").filter(|c| {
+                c.status == "False"
+                    && c.reason == "RelayCrashLooping"
+                    && c.message.contains("Cluster authorization failed")
+            })
+        },
+    )
+    .await;
+    println!("Ready=False RelayCrashLooping: {}", why.message);
+    assert!(
+        why.message.contains("failed permanently") && !why.message.contains(&denied_password),
+        "{}",
+        why.message
+    );
+    assert_eq!(
+        common::unpublished_rows(&db.client).await,
+        ROWS as i64,
+        "rows were marked published while the broker refused every producer"
+    );
+
+    // The user fixes the Secret: the relay rolls, and every row arrives.
+    operator::set_secret_key(
+        &client,
+        &ns,
+        "orders-kafka",
+        "username",
+        rig.get("OUTBOX_RIG_KAFKA_USER"),
+    )
+    .await;
+    operator::set_secret_key(
+        &client,
+        &ns,
+        "orders-kafka",
+        "password",
+        rig.get("OUTBOX_RIG_KAFKA_PASSWORD"),
+    )
+    .await;
+    common::wait_for_some_or(
+        "the relay Ready with every row published",
+        WAIT,
+        || pods.log_tails(20),
+        || async {
+            let relay = relays.get_opt(RELAY).await.ok().flatten()?;
+            (operator::is_ready(&relay) && common::unpublished_rows(&db.client).await == 0)
+                .then_some(())
+        },
+    )
+    .await;
+    let received = tokio::task::spawn_blocking({
+        let topic = topic.clone();
+        move || common::consume_kafka(&topic)
+    })
+    .await
+    .unwrap();
+    let got: BTreeSet<i64> = received.iter().map(|r| r.id).collect();
+    assert!(
+        ids.is_subset(&got),
+        "rows committed while the broker refused the relay never arrived: {:?}",
+        ids.difference(&got).collect::<Vec<_>>()
+    );
+
+    operator::delete_relays(&client, &ns, WAIT).await;
+    let stopped = controller.stop(WAIT);
+    drop(pods);
+    common::delete_namespace(&client, &ns).await;
+    db.drop_database().await;
+    assert!(stopped.is_ok_and(|s| s.success()), "the controller's exit");
+}
