@@ -263,7 +263,7 @@ impl KafkaBroker {
         if let Some((code, _)) = fatal
             && slot.retire(producer)
         {
-            slot.stopped_fatally(code, &failure.message);
+            slot.stopped_fatally(code);
             tracing::warn!(
                 producer = slot.name,
                 error = %failure.message,
@@ -461,8 +461,11 @@ struct Slot {
     /// Producers of this slot retired on a fatal error since the last acknowledgement
     /// (of either slot).
     fatal_in_a_row: AtomicU32,
-    /// The last such error, as the relay reports it.
-    last_fatal: Mutex<Option<String>>,
+    /// The last such error's code: what the relay gives as the reason it stops. Not
+    /// librdkafka's whole reason, which names a broker picked at random and may hold
+    /// sequence numbers and times (each retirement logs it): the reason reaches the
+    /// pod's status, which should read the same at every restart.
+    last_fatal: Mutex<Option<RDKafkaErrorCode>>,
 }
 
 impl Slot {
@@ -499,12 +502,12 @@ impl Slot {
     /// Counts a producer of this slot retired on a fatal error `code`. A record the
     /// broker refused stops the producer by the gap-less guarantee: that is the row's
     /// fault (counted against its attempts), not the client's, and is not counted here.
-    fn stopped_fatally(&self, code: RDKafkaErrorCode, why: &str) {
+    fn stopped_fatally(&self, code: RDKafkaErrorCode) {
         if code != RDKafkaErrorCode::GaplessGuarantee {
             *self
                 .last_fatal
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(why.to_owned());
+                .unwrap_or_else(PoisonError::into_inner) = Some(code);
             self.fatal_in_a_row.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -844,7 +847,7 @@ impl Broker for KafkaBroker {
                     .last_fatal
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .clone()
+                    .map(|code| code.to_string())
                     .unwrap_or_default();
                 format!(
                     "{FATAL_IN_A_ROW} Kafka producers in a row stopped on a fatal error, \
@@ -1532,44 +1535,44 @@ mod tests {
     #[tokio::test]
     async fn only_three_fatal_producers_of_one_kind_in_a_row_break_the_client() {
         let broker = KafkaBroker::new(&unreachable(&[])).expect("a producer");
-        let stop = |slot: &Slot, why: &str| slot.stopped_fatally(RDKafkaErrorCode::Fatal, why);
+        let stop = |slot: &Slot, code| slot.stopped_fatally(code);
         // One cause stopping both kinds' producers, round after round: two rounds are
         // two producers of each kind in a row, not four.
         for _ in 0..2 {
-            stop(&broker.batching, "fenced");
-            stop(&broker.eager, "fenced");
+            stop(&broker.batching, RDKafkaErrorCode::InvalidProducerEpoch);
+            stop(&broker.eager, RDKafkaErrorCode::InvalidProducerEpoch);
         }
         assert_eq!(broker.broken(), None);
         // A record the broker refused is the row's fault, not the client's.
         broker
             .eager
-            .stopped_fatally(RDKafkaErrorCode::GaplessGuarantee, "a refused record");
+            .stopped_fatally(RDKafkaErrorCode::GaplessGuarantee);
         assert_eq!(broker.broken(), None, "a gap-less stop counted");
-        stop(&broker.eager, "cluster authorization failed");
+        stop(&broker.eager, RDKafkaErrorCode::ClusterAuthorizationFailed);
         // The reason given is the last producer's, not the refused record's.
         assert_eq!(
             broker.broken().as_deref(),
             Some(
-                "3 Kafka producers in a row stopped on a fatal error, the last: cluster \
-                 authorization failed"
+                "3 Kafka producers in a row stopped on a fatal error, the last: \
+                 ClusterAuthorizationFailed (Broker: Cluster authorization failed)"
             ),
             "the third chain-step producer in a row"
         );
         // An acknowledgement clears both counts (batching stood at 2).
         broker.clear_fatal_counts();
         assert_eq!(broker.broken(), None);
-        stop(&broker.batching, "fenced");
+        stop(&broker.batching, RDKafkaErrorCode::InvalidProducerEpoch);
         assert_eq!(
             broker.broken(),
             None,
             "the acknowledgement left the batching count"
         );
-        stop(&broker.batching, "fenced");
-        stop(&broker.batching, "fenced");
+        stop(&broker.batching, RDKafkaErrorCode::InvalidProducerEpoch);
+        stop(&broker.batching, RDKafkaErrorCode::InvalidProducerEpoch);
         assert!(
             broker
                 .broken()
-                .is_some_and(|why| why.ends_with("the last: fenced")),
+                .is_some_and(|why| why.ends_with("the last: InvalidProducerEpoch (Broker: Producer attempted an operation with an old epoch)")),
             "three batching producers in a row"
         );
     }

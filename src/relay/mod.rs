@@ -258,9 +258,10 @@ mod tests {
         leave_termination_message_at(&missing, &err);
         assert!(!missing.exists());
         // The kubelet keeps 4 KiB: a longer message is cut there, on a character.
-        let long = RelayError::Broker("é".repeat(3000));
+        let long = RelayError::Broker("€".repeat(3000));
         leave_termination_message_at(&provided, &long);
         let kept = std::fs::read_to_string(&provided).expect("read");
         assert!(kept.len() <= TERMINATION_MESSAGE_MAX && kept.len() > 4000);
+        assert!(kept.ends_with('€'));
     }
 }

@@ -322,8 +322,10 @@ impl Publisher {
         let mut result = Ok(());
         while let Some(joined) = workers.join_next().await {
             let ended = joined.unwrap_or_else(|err| {
+                // The join error names the task (an id that changes every run): on a
+                // line of its own, after the one the pod's status repeats.
                 Err(RelayError::Worker(format!(
-                    "a polling worker stopped: {err}"
+                    "a polling worker stopped unexpectedly\n{err}"
                 )))
             });
             if ended.is_err() {

@@ -457,7 +457,7 @@ async fn a_relay_killed_for_memory_comes_back_and_loses_nothing() {
 /// kubelet keeps that as the container's termination message, and the OutboxRelay's
 /// `Ready` condition repeats it (`RelayCrashLooping`), so `kubectl get` tells the user
 /// what to fix rather than "its log says why". Giving the Secret a user the broker
-/// takes rolls the relay, and every row committed meanwhile arrives.
+/// takes brings the relay up, and every row committed meanwhile arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_its_broker_refuses_says_why_in_its_status_and_loses_nothing() {
     const RELAY: &str = "refused";
@@ -556,7 +556,7 @@ async fn a_relay_its_broker_refuses_says_why_in_its_status_and_loses_nothing() {
         "rows were marked published while the broker refused every producer"
     );
 
-    // The user fixes the Secret: the relay rolls, and every row arrives.
+    // The user fixes the Secret: the relay comes up, and every row arrives.
     operator::set_secret_key(
         &client,
         &ns,

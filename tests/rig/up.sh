@@ -230,7 +230,8 @@ listener.name.pods_sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.comm
 listener.name.pods_sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$RIG_DIR/kafka/data
 # ACLs are checked, but with none on a resource everyone may use it, so only what a test
-# denies is denied (tests/faults: a user the cluster refuses an idempotent producer).
+# denies is denied (tests/relay/relay_fatal.rs and tests/e2e/e2e_kubelet.rs deny a user
+# an idempotent producer).
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 allow.everyone.if.no.acl.found=true
 super.users=User:ANONYMOUS
