@@ -418,6 +418,9 @@ pub struct Context {
     last_error: LastError,
     /// Set once the producer is withdrawn: what it reports after that is expected.
     withdrawn: Withdrawn,
+    /// The idempotent producer's state (`eos.idemp_state`) from the client's last
+    /// statistics, which only `check`'s probe asks for.
+    idempotence: Arc<Mutex<Option<String>>>,
 }
 
 /// Whether a producer was withdrawn (see [`KafkaBroker::withdraw`]): no message is
@@ -573,6 +576,24 @@ impl rdkafka::ClientContext for Context {
         }
     }
 
+    /// Statistics come only where `statistics.interval.ms` is set (the probe, or a
+    /// user's `properties`): the idempotent producer's state is kept, the rest dropped.
+    fn stats_raw(&self, statistics: &[u8]) {
+        #[derive(serde::Deserialize)]
+        struct Stats {
+            eos: Option<Eos>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Eos {
+            idemp_state: String,
+        }
+        if let Ok(Stats { eos: Some(eos) }) = serde_json::from_slice::<Stats>(statistics)
+            && let Ok(mut state) = self.idempotence.lock()
+        {
+            *state = Some(eos.idemp_state);
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
         if self.withdrawn.is_set() {
             // Purging a withdrawn producer fails what it had in flight (with the
@@ -704,6 +725,7 @@ fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
         .create_with_context(Context {
             last_error: last_error.clone(),
             withdrawn: withdrawn.clone(),
+            idempotence: Arc::default(),
         })
         .map_err(|err| {
             PublishError::transient(format!("cannot create the Kafka producer: {err}"))
@@ -1217,13 +1239,56 @@ pub fn settings(
     }
 }
 
-/// `check`'s questions to Kafka: does it answer with these settings, and does the topic
-/// exist (metadata request with topic auto-creation off)?
+/// How often the probe's client reports its statistics (the idempotent producer's state).
+const STATS_EVERY_MS: &str = "100";
+
+/// Whether the cluster grants the probe's idempotent producer an id, as it must the
+/// relay's: only to a principal allowed IDEMPOTENT_WRITE on the cluster or WRITE on a
+/// topic. Refused, it is a fatal error for every producer the relay makes, so the relay
+/// would crash-loop (`tests/relay/relay_fatal.rs`); the probe says so first. Waits,
+/// polling the client, until its statistics show the id assigned or a fatal error
+/// stops it, at most [`TIMEOUT`].
+fn producer_id(producer: &BaseProducer<Context>, idempotence: &Mutex<Option<String>>) -> Probe {
+    let until = std::time::Instant::now() + TIMEOUT;
+    loop {
+        producer.poll(Duration::from_millis(50));
+        if let Some((code, _)) = producer.client().fatal_error() {
+            return Probe::fail(
+                "producer id",
+                format!(
+                    "Kafka refuses these credentials an idempotent producer ({code}): \
+                     every send would fail for good; grant the user IDEMPOTENT_WRITE on \
+                     the cluster, or WRITE on the topic"
+                ),
+            );
+        }
+        let state = idempotence.lock().map(|s| s.clone()).unwrap_or_default();
+        if state.as_deref() == Some("Assigned") {
+            return Probe::ok("producer id", "Kafka grants an idempotent producer id");
+        }
+        if std::time::Instant::now() >= until {
+            return Probe::fail(
+                "producer id",
+                format!(
+                    "Kafka granted no idempotent producer id within {TIMEOUT:?} (state: {})",
+                    state.as_deref().unwrap_or("unknown")
+                ),
+            );
+        }
+    }
+}
+
+/// `check`'s questions to Kafka: does it answer with these settings, does it grant an
+/// idempotent producer id, and does the topic exist (metadata request with topic
+/// auto-creation off)?
 pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
     let mut client = super::kafka::client_config(k);
-    client.set("allow.auto.create.topics", "false");
+    client
+        .set("allow.auto.create.topics", "false")
+        .set("statistics.interval.ms", STATS_EVERY_MS);
     let context = Context::default();
     let last_error = context.last_error.clone();
+    let idempotence = context.idempotence.clone();
     let producer: BaseProducer<Context> = match client.create_with_context(context) {
         Ok(p) => p,
         Err(err) => {
@@ -1242,11 +1307,12 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
         for _ in 0..64 {
             producer.poll(Duration::ZERO);
         }
-        result.map_err(|err| (err, last_error.get()))
+        let result = result.map_err(|err| (err, last_error.get()))?;
+        Ok((result, producer_id(&producer, &idempotence)))
     })
     .await;
-    let metadata = match metadata {
-        Ok(Ok(m)) => m,
+    let (metadata, producer_id) = match metadata {
+        Ok(Ok(found)) => found,
         Ok(Err((err, cause))) => {
             let cause = cause.map(|c| format!(" ({c})")).unwrap_or_default();
             return vec![Probe::fail(
@@ -1264,14 +1330,17 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
             )];
         }
     };
-    let mut probes = vec![Probe::ok(
-        "broker",
-        format!(
-            "Kafka at {} answers ({} broker(s))",
-            k.bootstrap_servers,
-            metadata.brokers().len()
+    let mut probes = vec![
+        Probe::ok(
+            "broker",
+            format!(
+                "Kafka at {} answers ({} broker(s))",
+                k.bootstrap_servers,
+                metadata.brokers().len()
+            ),
         ),
-    )];
+        producer_id,
+    ];
     match topic {
         Some(name) => {
             let found = metadata

@@ -76,6 +76,15 @@ async fn check_finds_the_kafka_topic_and_reports_a_missing_one_without_creating_
     assert!(
         has_line(
             &output,
+            "ok    producer id",
+            "Kafka grants an idempotent producer id"
+        ),
+        "{}",
+        common::describe_output(&output)
+    );
+    assert!(
+        has_line(
+            &output,
             "ok    topic",
             &format!("topic {topic} exists with 3 partition(s)")
         ),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::common::{self, RelayBroker, RelayProcess, SlotGuard};
-use crate::relay_broker_tls::{publish_through, relay_yaml, tls_block, tls_file};
+use crate::relay_broker_tls::{probe, publish_through, relay_yaml, tls_block, tls_env, tls_file};
 use outbox_operator::secrets::{ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME};
 
 /// Rows committed before the refused relay starts.
@@ -53,6 +53,38 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
 
     let ca = tls_file("ca.crt");
     let files = [("spec.broker.kafka.tls.caSecretRef", ca.clone())];
+
+    // `check` says so before any relay runs: it asks for a producer id as the relay's
+    // producers do.
+    let probe_broker = json!({"kafka": {
+        "bootstrapServers": sasl_ssl,
+        "topic": "probed",
+        "tls": tls_block(false),
+        "sasl": {"mechanism": "SCRAM-SHA-512",
+                 "usernameSecretRef": {"name": "kafka", "key": "user"},
+                 "passwordSecretRef": {"name": "kafka", "key": "password"}},
+    }});
+    for (name, secret, granted) in [(&denied, &denied_password, false), (&user, &password, true)] {
+        let mut env = tls_env(&ca);
+        env.push((ENV_KAFKA_SASL_USERNAME, name.clone()));
+        env.push((ENV_KAFKA_SASL_PASSWORD, secret.clone()));
+        let probes = probe(probe_broker.clone(), &env).await;
+        let found = probes
+            .iter()
+            .find(|p| p.name == "producer id")
+            .unwrap_or_else(|| panic!("no producer id probe: {probes:?}"));
+        assert_eq!(found.ok, granted, "{name}: {found:?}");
+        if !granted {
+            assert!(
+                found.message.contains("Cluster authorization failed")
+                    && found.message.contains("IDEMPOTENT_WRITE")
+                    && !found.message.contains(secret.as_str()),
+                "{}",
+                found.message
+            );
+        }
+        println!("check as {name}: {}", found.message);
+    }
     for log_tailing in [false, true] {
         let what = if log_tailing {
             "log tailing"
