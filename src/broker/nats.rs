@@ -4,7 +4,8 @@
 //! databases feeding one stream); the bare row id is the `id` header. Every publish
 //! waits for the stream's PubAck.
 
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
@@ -26,6 +27,10 @@ use crate::secrets::{
 pub struct NatsBroker {
     jetstream: async_nats::jetstream::Context,
     msg_id_scope: String,
+    /// The last error the server reported on the connection, and when. A publish the
+    /// server refuses (a subject the user may not publish to) is never answered, so it
+    /// fails as a timeout; the server's reason comes only as such an event.
+    server_said: Arc<Mutex<Option<(Instant, String)>>>,
 }
 
 impl NatsBroker {
@@ -56,12 +61,22 @@ impl NatsBroker {
 
     /// Starts connecting (in the background when the server is down at start).
     pub async fn new(config: &NatsSettings) -> Result<Self, PublishError> {
+        let server_said: Arc<Mutex<Option<(Instant, String)>>> = Arc::default();
+        let said = server_said.clone();
         let options = connect_options(config)
             .await
             .map_err(|err| PublishError::transient(format!("NATS: {err}")))?
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
-            .max_reconnects(None::<usize>);
+            .max_reconnects(None::<usize>)
+            .event_callback(move |event| {
+                if let async_nats::Event::ServerError(err) = event
+                    && let Ok(mut said) = said.lock()
+                {
+                    *said = Some((Instant::now(), err.to_string()));
+                }
+                std::future::ready(())
+            });
         let client = options
             .connect(config.url.as_str())
             .await
@@ -71,7 +86,23 @@ impl NatsBroker {
         Ok(Self {
             jetstream,
             msg_id_scope: config.msg_id_scope.clone(),
+            server_said,
         })
+    }
+
+    /// A publish that failed with `err` after being sent at `sent`, with what the
+    /// server reported since then, if anything (a permissions violation fails a
+    /// publish only as a timeout, and the relay's message should say why).
+    fn failed(&self, err: &impl std::fmt::Display, sent: Instant) -> PublishError {
+        let said = self
+            .server_said
+            .lock()
+            .ok()
+            .and_then(|said| said.clone())
+            .filter(|(at, _)| *at >= sent)
+            .map(|(_, what)| format!(" (the server said: {what})"))
+            .unwrap_or_default();
+        PublishError::transient(format!("NATS: {err}{said}"))
     }
 }
 
@@ -89,6 +120,7 @@ impl Broker for NatsBroker {
                 // line breaks in build_message.
                 publish = publish.header(key.as_str(), value.as_str());
             }
+            let sent = Instant::now();
             let ack = self
                 .jetstream
                 .send_publish(message.destination.clone(), publish)
@@ -97,14 +129,14 @@ impl Broker for NatsBroker {
                     PublishErrorKind::MaxPayloadExceeded => {
                         PublishError::row(format!("NATS: row {}: {err}", message.id))
                     }
-                    _ => PublishError::transient(format!("NATS: {err}")),
+                    _ => self.failed(&err, sent),
                 })?;
             match ack.await {
                 Ok(_) => Ok(Delivered::default()),
                 Err(err) if err.kind() == PublishErrorKind::StreamNotFound => {
                     Err(self.no_stream(&message.destination, &err).await)
                 }
-                Err(err) => Err(PublishError::transient(format!("NATS: {err}"))),
+                Err(err) => Err(self.failed(&err, sent)),
             }
         })
     }

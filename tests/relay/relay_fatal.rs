@@ -1,9 +1,12 @@
-//! A Kafka producer that can never send again (a fatal error) against the rig's real
-//! broker: the cluster's ACLs deny a user the right to an idempotent producer, so the
-//! broker answers its producer-id request with CLUSTER_AUTHORIZATION_FAILED, which
-//! librdkafka makes fatal. The relay replaces such a producer, gives up after three in a
-//! row and exits with an error that says why (a pod then restarts it, and its status
-//! says it crash-loops); and no row counts as published meanwhile, so a relay the broker
+//! A broker that refuses the relay's user, against real servers.
+//!
+//! Kafka: the cluster's ACLs deny a user an idempotent producer, so the broker answers
+//! its producer-id request with CLUSTER_AUTHORIZATION_FAILED, which librdkafka makes a
+//! fatal error. The relay replaces such a producer, gives up after three in a row and
+//! exits with an error that says why (a pod then restarts it, and its status says it
+//! crash-loops), and `check` says so before any relay runs. NATS: a user denied the
+//! subject; the server never answers such a publish, and the relay retries it with the
+//! server's reason. In both, no row counts as published meanwhile, so a relay the broker
 //! takes publishes every one of them.
 
 use std::collections::HashSet;
@@ -210,4 +213,103 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
              {missing:?}"
         );
     }
+}
+
+/// A NATS user the server denies publishing to the subject: the server never answers
+/// such a publish, so it fails as a timeout, and the reason came only as a separate
+/// client event. The relay keeps retrying (a permission can be granted at any time),
+/// its errors give the server's reason, and no row counts as published; a user allowed
+/// to publish then gets every row through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_loses_no_row() {
+    use outbox_operator::secrets::{ENV_NATS_PASSWORD, ENV_NATS_USERNAME};
+    let server = common::private::PrivateNats::start_with_config(
+        "listen: \"127.0.0.1:{port}\"\njetstream { store_dir: \"{store}\" }\n\
+         authorization { users: [ {user: admin, password: admin-s3cret}, \
+         {user: relay, password: relay-s3cret, permissions: {publish: {deny: [\"test.>\"]}}} ] }\n",
+    );
+    let url = format!("nats://127.0.0.1:{}", server.port);
+    let admin =
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+            .connect(url.as_str())
+            .await
+            .unwrap_or_else(|e| panic!("admin client: {e}"));
+    let stream = common::stream_on(admin).await;
+    let subject = format!("{}.orders", stream.subject_prefix);
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let broker = json!({"nats": {"url": url, "subject": subject,
+        "usernameSecretRef": {"name": "nats", "key": "user"},
+        "passwordSecretRef": {"name": "nats", "key": "password"}}});
+    let yaml = relay_yaml(&broker, &[], None);
+    let placeholder = RelayBroker::Nats {
+        url: url.clone(),
+        subject: subject.clone(),
+    };
+    let mut ids = Vec::new();
+    for i in 0..ROWS {
+        let aggregate = format!("denied{}", i % 5);
+        ids.push(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &json!({"i": i, "aggregate": aggregate}),
+            )
+            .await,
+        );
+    }
+
+    let denied = RelayProcess::start_with_env(
+        &yaml,
+        &db.url,
+        &placeholder,
+        &[
+            (ENV_NATS_USERNAME, "relay"),
+            (ENV_NATS_PASSWORD, "relay-s3cret"),
+        ],
+    );
+    common::wait_for_relays(
+        "the relay's publish errors to give the server's reason",
+        Duration::from_secs(60),
+        &[&denied],
+        || async {
+            denied.log().lines().any(|line| {
+                line.contains("will retry")
+                    && line.contains("the server said")
+                    && line.contains("Permissions Violation for Publish to")
+            })
+        },
+    )
+    .await;
+    let log = denied.log();
+    assert!(!log.contains("relay-s3cret"), "a password reached the log");
+    assert_eq!(
+        common::unpublished_rows(&db.client).await,
+        ROWS as i64,
+        "rows were marked published while the server refused them"
+    );
+    drop(denied);
+
+    let allowed = RelayProcess::start_with_env(
+        &yaml,
+        &db.url,
+        &placeholder,
+        &[
+            (ENV_NATS_USERNAME, "admin"),
+            (ENV_NATS_PASSWORD, "admin-s3cret"),
+        ],
+    );
+    publish_through(&db, &allowed, "after", 5, false).await;
+    drop(allowed);
+    let got: HashSet<i64> = common::consume_nats(&stream)
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
+    assert!(
+        missing.is_empty(),
+        "rows committed while the server refused the relay never reached the stream: {missing:?}"
+    );
 }
