@@ -6,7 +6,8 @@
 //! exits with an error that says why (a pod then restarts it, and its status says it
 //! crash-loops), and `check` says so before any relay runs. NATS: a user denied the
 //! subject; the server never answers such a publish, and the relay retries it with the
-//! server's reason. In both, no row counts as published meanwhile, so a relay the broker
+//! server's reason. RabbitMQ: a user denied the exchange, retried with the server's
+//! ACCESS_REFUSED. In each, no row counts as published meanwhile, so a relay the broker
 //! takes publishes every one of them.
 
 use std::collections::HashSet;
@@ -311,5 +312,80 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
     assert!(
         missing.is_empty(),
         "rows committed while the server refused the relay never reached the stream: {missing:?}"
+    );
+}
+
+/// A RabbitMQ user that may not write to the exchange: the server closes the channel
+/// with ACCESS_REFUSED, which the relay retries as an outage with that reason (a
+/// permission can be granted at any time); no row counts as published, and a user
+/// allowed to write then gets every row through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_user_denied_the_exchange_is_retried_with_the_servers_reason_and_loses_no_row() {
+    let rig = common::Rig::load();
+    let denied_url = rig.get("OUTBOX_RIG_AMQP_DENIED_URL").to_owned();
+    let queue = common::fresh_queue().await;
+    let exchange = common::fresh_exchange_for(&queue).await;
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let broker = |url: &str| RelayBroker::Amqp {
+        url: url.to_owned(),
+        exchange: exchange.clone(),
+        routing_key: "outbox.{aggregateType}".to_owned(),
+    };
+    let yaml = common::relay_config_yaml(&broker(&denied_url), &common::RelayOptions::default());
+    let mut ids = Vec::new();
+    for i in 0..ROWS {
+        let aggregate = format!("denied{}", i % 5);
+        ids.push(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &json!({"i": i, "aggregate": aggregate}),
+            )
+            .await,
+        );
+    }
+
+    let denied = RelayProcess::start(&yaml, &db.url, &broker(&denied_url));
+    common::wait_for_relays(
+        "the relay's publish errors to give the server's reason",
+        Duration::from_secs(60),
+        &[&denied],
+        || async {
+            denied.log().lines().any(|line| {
+                line.contains("will retry") && line.contains("ACCESS_REFUSED - access to exchange")
+            })
+        },
+    )
+    .await;
+    let password = denied_url
+        .split_once("outbox_denied:")
+        .and_then(|(_, rest)| rest.split_once('@'))
+        .map(|(password, _)| password.to_owned())
+        .unwrap_or_default();
+    assert!(
+        !password.is_empty() && !denied.log().contains(&password),
+        "a password reached the log"
+    );
+    assert_eq!(
+        common::unpublished_rows(&db.client).await,
+        ROWS as i64,
+        "rows were marked published while the server refused them"
+    );
+    drop(denied);
+
+    let allowed = RelayProcess::start(&yaml, &db.url, &broker(rig.amqp_url()));
+    publish_through(&db, &allowed, "after", 5, false).await;
+    drop(allowed);
+    let got: HashSet<i64> = common::consume_amqp(&queue)
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
+    assert!(
+        missing.is_empty(),
+        "rows committed while the server refused the relay never reached the queue: {missing:?}"
     );
 }

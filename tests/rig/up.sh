@@ -548,6 +548,11 @@ RMQ_POD_PASSWORD=$(openssl rand -hex 12)
 rabbitmqctl add_user outbox_pods "$RMQ_POD_PASSWORD" >/dev/null
 rabbitmqctl set_permissions -p / outbox_pods '.*' '.*' '.*' >/dev/null
 env_set OUTBOX_RIG_POD_AMQP_URL "amqp://outbox_pods:$RMQ_POD_PASSWORD@$POD_GATEWAY:$RMQ_PORT/%2f"
+# A user that may read but not write or configure anything (tests/relay/relay_fatal.rs).
+RMQ_DENIED_PASSWORD=$(openssl rand -hex 12)
+rabbitmqctl add_user outbox_denied "$RMQ_DENIED_PASSWORD" >/dev/null
+rabbitmqctl set_permissions -p / outbox_denied '^$' '^$' '.*' >/dev/null
+env_set OUTBOX_RIG_AMQP_DENIED_URL "amqp://outbox_denied:$RMQ_DENIED_PASSWORD@127.0.0.1:$RMQ_PORT/%2f"
 
 # Where the server binaries are, for tests that start a private instance of their own
 # (to stop or restart it without disturbing the tests that share the rig).
