@@ -229,6 +229,45 @@ pub(crate) async fn nap_as(
     }
 }
 
+/// The messages of one round of publishing that failed for no fault of their own (the
+/// broker unreachable, or refusing the client: an outage, retried without counting
+/// against the rows), logged as one line for the round rather than one a row: an outage
+/// under a 1,000-row batch made a thousand lines a retry.
+#[derive(Default)]
+pub(crate) struct Outage {
+    rows: usize,
+    first: Option<(i64, String)>,
+}
+
+impl Outage {
+    /// Counts a chain whose first message failed with `err`: its rows wait for the next
+    /// try. Keeps the first failure's row and error.
+    pub(crate) fn add(
+        &mut self,
+        rows: &[crate::postgres::OutboxRow],
+        err: &crate::broker::PublishError,
+    ) {
+        let Some(first) = rows.first() else {
+            return;
+        };
+        self.rows += rows.len();
+        self.first
+            .get_or_insert_with(|| (first.id, err.to_string()));
+    }
+
+    /// One warning for the round, if anything failed.
+    pub(crate) fn log(&self) {
+        if let Some((row, error)) = &self.first {
+            tracing::warn!(
+                rows = self.rows,
+                first_row = row,
+                error = %error,
+                "not published: the broker is unreachable or refuses the client; will retry"
+            );
+        }
+    }
+}
+
 /// Payload bytes a batch holds at most (log tailing ends a batch there; polling sizes
 /// its next batch to it): rows are held as rows, as messages and as the producer's
 /// copies at once, so 16 KiB payloads in batches of 1,000 rows made a 164 MiB relay.
@@ -241,6 +280,36 @@ pub(crate) const TURN_EVERY: std::time::Duration = std::time::Duration::from_sec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_outage_counts_every_waiting_row_and_keeps_the_first_failure() {
+        let row = |id| crate::postgres::OutboxRow {
+            id,
+            aggregate_type: "order".to_owned(),
+            aggregate_id: None,
+            event_type: None,
+            payload: None,
+            extra: Vec::new(),
+            partition: 0,
+            created_at: None,
+            timestamp: None,
+        };
+        let mut outage = Outage::default();
+        outage.add(
+            &[],
+            &crate::broker::PublishError::transient("nothing to count"),
+        );
+        assert!(outage.first.is_none());
+        outage.add(
+            &[row(7), row(9)],
+            &crate::broker::PublishError::transient("timed out"),
+        );
+        outage.add(&[row(8)], &crate::broker::PublishError::transient("later"));
+        assert_eq!(outage.rows, 3);
+        let (first, error) = outage.first.clone().expect("a first failure");
+        assert_eq!(first, 7);
+        assert!(error.contains("timed out"), "{error}");
+    }
 
     #[test]
     fn the_termination_message_goes_only_to_a_file_the_kubelet_provides() {

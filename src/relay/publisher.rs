@@ -621,6 +621,7 @@ impl Worker {
         let mut ids = Vec::with_capacity(selected);
         let mut lags = Vec::new();
         let mut unavailable = false;
+        let mut outage = crate::relay::Outage::default();
         let now_unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
@@ -638,8 +639,10 @@ impl Worker {
                 && self.handle_failure(&tx, table, row, &err).await?
             {
                 unavailable = true;
+                outage.add(&rest, &err);
             }
         }
+        outage.log();
         table.finish_published(&tx, &ids).await?;
         tx.commit().await.map_err(|source| PgError::Db {
             what: "committing a batch",
@@ -691,7 +694,7 @@ impl Worker {
                     kind: "unavailable",
                 })
                 .inc();
-            tracing::warn!(row = row.id, error = %err, "broker unavailable; will retry");
+            // Logged once for the batch (`Outage`), not once a row.
             return Ok(true);
         }
         m.publish_errors

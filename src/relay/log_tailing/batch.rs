@@ -19,6 +19,7 @@ use crate::api::OnExhausted;
 use crate::broker::PublishError;
 use crate::postgres::replication::{self as repl, HEARTBEAT_PREFIX, PgOutput};
 use crate::postgres::{OutboxRow, PgError};
+use crate::relay::Outage;
 use crate::relay::RelayError;
 use crate::relay::backoff::Backoff;
 use crate::relay::chains::{ChainResult, chains, publish_chains};
@@ -279,6 +280,7 @@ impl LogTailer {
             let results: Vec<ChainResult> =
                 publish_chains(broker, &self.shape, std::mem::take(&mut pending), None).await;
             let now_unix = unix_now();
+            let mut outage = Outage::default();
             for result in results {
                 for (id, created) in result.published {
                     ids.push(id);
@@ -287,6 +289,9 @@ impl LogTailer {
                     }
                 }
                 if let Some((mut rest, err)) = result.failed {
+                    if !err.row_fault {
+                        outage.add(&rest, &err);
+                    }
                     if self.count_failure(&rest, &err)
                         && self.dead_letter(client, &rest[0], &err).await
                     {
@@ -298,6 +303,7 @@ impl LogTailer {
                     }
                 }
             }
+            outage.log();
             if pending.is_empty() {
                 break;
             }
@@ -385,12 +391,12 @@ impl LogTailer {
                 "row refused by the broker; the stream waits until it is published or dead-lettered"
             );
         } else {
+            // Logged once for the round (`Outage`), not once a row.
             m.publish_errors
                 .get_or_create(&ErrorLabels {
                     kind: "unavailable",
                 })
                 .inc();
-            tracing::warn!(row = row.id, error = %err, "broker unavailable; will retry");
         }
         false
     }
