@@ -22,6 +22,50 @@ use outbox_operator::secrets::{ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME}
 /// Rows committed before the refused relay starts.
 const ROWS: usize = 30;
 
+/// Commits [`ROWS`] rows over five aggregates `<prefix>0..4`; their ids.
+async fn commit_rows(db: &common::TestDatabase, prefix: &str) -> Vec<i64> {
+    let mut ids = Vec::with_capacity(ROWS);
+    for i in 0..ROWS {
+        let aggregate = format!("{prefix}{}", i % 5);
+        ids.push(
+            common::insert_row(
+                &db.client,
+                "order",
+                &aggregate,
+                &json!({"i": i, "aggregate": aggregate}),
+            )
+            .await,
+        );
+    }
+    ids
+}
+
+/// Asserts that every row of `ids` is among the `received` ones.
+fn assert_arrived(what: &str, ids: &[i64], received: &[common::Received]) {
+    let got: HashSet<i64> = received.iter().map(|r| r.id).collect();
+    let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
+    assert!(
+        missing.is_empty(),
+        "{what}: rows committed while the broker refused the relay never arrived: {missing:?}"
+    );
+}
+
+/// Waits until a line of the relay's log says it will retry and contains `reason`.
+async fn wait_retrying_with(relay: &RelayProcess, reason: &str) {
+    common::wait_for_relays(
+        &format!("the relay to retry, giving the server's reason ({reason})"),
+        Duration::from_secs(60),
+        &[relay],
+        || async {
+            relay
+                .log()
+                .lines()
+                .any(|line| line.contains("will retry") && line.contains(reason))
+        },
+    )
+    .await;
+}
+
 /// Waits for the relay to exit on its own; its exit status.
 fn exited(relay: &mut RelayProcess, within: Duration) -> std::process::ExitStatus {
     let started = Instant::now();
@@ -115,19 +159,7 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
             bootstrap: sasl_ssl.clone(),
             topic: topic.clone(),
         };
-        let mut ids = Vec::with_capacity(ROWS);
-        for i in 0..ROWS {
-            let aggregate = format!("refused{}", i % 5);
-            ids.push(
-                common::insert_row(
-                    &db.client,
-                    "order",
-                    &aggregate,
-                    &json!({"i": i, "aggregate": aggregate}),
-                )
-                .await,
-            );
-        }
+        let ids = commit_rows(&db, "refused").await;
 
         // The user the cluster refuses: each producer stops on a fatal error at its
         // first send; after the third in a row the relay exits.
@@ -206,13 +238,7 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
         })
         .await
         .unwrap();
-        let got: HashSet<i64> = received.iter().map(|r| r.id).collect();
-        let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
-        assert!(
-            missing.is_empty(),
-            "{what}: rows committed while the producers were refused never reached Kafka: \
-             {missing:?}"
-        );
+        assert_arrived(what, &ids, &received);
     }
 }
 
@@ -247,19 +273,7 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
         url: url.clone(),
         subject: subject.clone(),
     };
-    let mut ids = Vec::new();
-    for i in 0..ROWS {
-        let aggregate = format!("denied{}", i % 5);
-        ids.push(
-            common::insert_row(
-                &db.client,
-                "order",
-                &aggregate,
-                &json!({"i": i, "aggregate": aggregate}),
-            )
-            .await,
-        );
-    }
+    let ids = commit_rows(&db, "denied").await;
 
     let denied = RelayProcess::start_with_env(
         &yaml,
@@ -270,17 +284,9 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
             (ENV_NATS_PASSWORD, "relay-s3cret"),
         ],
     );
-    common::wait_for_relays(
-        "the relay's publish errors to give the server's reason",
-        Duration::from_secs(60),
-        &[&denied],
-        || async {
-            denied.log().lines().any(|line| {
-                line.contains("will retry")
-                    && line.contains("the server said")
-                    && line.contains("Permissions Violation for Publish to")
-            })
-        },
+    wait_retrying_with(
+        &denied,
+        "(the server said: nats: Permissions Violation for Publish to",
     )
     .await;
     let log = denied.log();
@@ -303,16 +309,7 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
     );
     publish_through(&db, &allowed, "after", 5, false).await;
     drop(allowed);
-    let got: HashSet<i64> = common::consume_nats(&stream)
-        .await
-        .iter()
-        .map(|r| r.id)
-        .collect();
-    let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
-    assert!(
-        missing.is_empty(),
-        "rows committed while the server refused the relay never reached the stream: {missing:?}"
-    );
+    assert_arrived("NATS", &ids, &common::consume_nats(&stream).await);
 }
 
 /// A RabbitMQ user that may not write to the exchange: the server closes the channel
@@ -333,32 +330,10 @@ async fn a_rabbitmq_user_denied_the_exchange_is_retried_with_the_servers_reason_
         routing_key: "outbox.{aggregateType}".to_owned(),
     };
     let yaml = common::relay_config_yaml(&broker(&denied_url), &common::RelayOptions::default());
-    let mut ids = Vec::new();
-    for i in 0..ROWS {
-        let aggregate = format!("denied{}", i % 5);
-        ids.push(
-            common::insert_row(
-                &db.client,
-                "order",
-                &aggregate,
-                &json!({"i": i, "aggregate": aggregate}),
-            )
-            .await,
-        );
-    }
+    let ids = commit_rows(&db, "denied").await;
 
     let denied = RelayProcess::start(&yaml, &db.url, &broker(&denied_url));
-    common::wait_for_relays(
-        "the relay's publish errors to give the server's reason",
-        Duration::from_secs(60),
-        &[&denied],
-        || async {
-            denied.log().lines().any(|line| {
-                line.contains("will retry") && line.contains("ACCESS_REFUSED - access to exchange")
-            })
-        },
-    )
-    .await;
+    wait_retrying_with(&denied, "ACCESS_REFUSED - access to exchange").await;
     let password = denied_url
         .split_once("outbox_denied:")
         .and_then(|(_, rest)| rest.split_once('@'))
@@ -378,14 +353,5 @@ async fn a_rabbitmq_user_denied_the_exchange_is_retried_with_the_servers_reason_
     let allowed = RelayProcess::start(&yaml, &db.url, &broker(rig.amqp_url()));
     publish_through(&db, &allowed, "after", 5, false).await;
     drop(allowed);
-    let got: HashSet<i64> = common::consume_amqp(&queue)
-        .await
-        .iter()
-        .map(|r| r.id)
-        .collect();
-    let missing: Vec<i64> = ids.iter().filter(|id| !got.contains(id)).copied().collect();
-    assert!(
-        missing.is_empty(),
-        "rows committed while the server refused the relay never reached the queue: {missing:?}"
-    );
+    assert_arrived("RabbitMQ", &ids, &common::consume_amqp(&queue).await);
 }
