@@ -418,9 +418,10 @@ pub struct Context {
     last_error: LastError,
     /// Set once the producer is withdrawn: what it reports after that is expected.
     withdrawn: Withdrawn,
-    /// The idempotent producer's state (`eos.idemp_state`) from the client's last
-    /// statistics, which only `check`'s probe asks for.
-    idempotence: Arc<Mutex<Option<String>>>,
+    /// `check`'s probe: the idempotent producer's state (`eos.idemp_state`) from the
+    /// client's last statistics. `None` for the relay's producers, whose statistics
+    /// (only with a user's `statistics.interval.ms`) are logged.
+    idempotence: Option<Arc<Mutex<Option<String>>>>,
 }
 
 /// Whether a producer was withdrawn (see [`KafkaBroker::withdraw`]): no message is
@@ -576,9 +577,17 @@ impl rdkafka::ClientContext for Context {
         }
     }
 
-    /// Statistics come only where `statistics.interval.ms` is set (the probe, or a
-    /// user's `properties`): the idempotent producer's state is kept, the rest dropped.
+    /// Statistics come only where `statistics.interval.ms` is set: a user's
+    /// `properties` (logged, as rdkafka does by default, but whole), or `check`'s probe
+    /// (the idempotent producer's state is kept, nothing logged).
     fn stats_raw(&self, statistics: &[u8]) {
+        let Some(idempotence) = &self.idempotence else {
+            tracing::info!(
+                statistics = %String::from_utf8_lossy(statistics),
+                "Kafka client statistics"
+            );
+            return;
+        };
         #[derive(serde::Deserialize)]
         struct Stats {
             eos: Option<Eos>,
@@ -588,7 +597,7 @@ impl rdkafka::ClientContext for Context {
             idemp_state: String,
         }
         if let Ok(Stats { eos: Some(eos) }) = serde_json::from_slice::<Stats>(statistics)
-            && let Ok(mut state) = self.idempotence.lock()
+            && let Ok(mut state) = idempotence.lock()
         {
             *state = Some(eos.idemp_state);
         }
@@ -725,7 +734,7 @@ fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
         .create_with_context(Context {
             last_error: last_error.clone(),
             withdrawn: withdrawn.clone(),
-            idempotence: Arc::default(),
+            idempotence: None,
         })
         .map_err(|err| {
             PublishError::transient(format!("cannot create the Kafka producer: {err}"))
@@ -1258,7 +1267,7 @@ fn producer_id(producer: &BaseProducer<Context>, idempotence: &Mutex<Option<Stri
                 format!(
                     "Kafka refuses these credentials an idempotent producer ({code}): \
                      every send would fail for good; grant the user IDEMPOTENT_WRITE on \
-                     the cluster, or WRITE on the topic"
+                     the cluster, or (Kafka 2.8 and later) WRITE on the topic"
                 ),
             );
         }
@@ -1286,9 +1295,12 @@ pub async fn probe(k: &KafkaSettings) -> Vec<Probe> {
     client
         .set("allow.auto.create.topics", "false")
         .set("statistics.interval.ms", STATS_EVERY_MS);
-    let context = Context::default();
+    let idempotence: Arc<Mutex<Option<String>>> = Arc::default();
+    let context = Context {
+        idempotence: Some(idempotence.clone()),
+        ..Context::default()
+    };
     let last_error = context.last_error.clone();
-    let idempotence = context.idempotence.clone();
     let producer: BaseProducer<Context> = match client.create_with_context(context) {
         Ok(p) => p,
         Err(err) => {

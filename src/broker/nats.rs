@@ -90,16 +90,19 @@ impl NatsBroker {
         })
     }
 
-    /// A publish that failed with `err` after being sent at `sent`, with what the
-    /// server reported since then, if anything (a permissions violation fails a
-    /// publish only as a timeout, and the relay's message should say why).
-    fn failed(&self, err: &impl std::fmt::Display, sent: Instant) -> PublishError {
+    /// A publish to `subject` that failed with `err` after being sent at `sent`, with
+    /// what the server reported since then about that subject, or about no subject in
+    /// particular (a permissions violation fails a publish only as a timeout, and the
+    /// relay's message should say why; another subject's violation is not this one's).
+    fn failed(&self, err: &impl std::fmt::Display, subject: &str, sent: Instant) -> PublishError {
         let said = self
             .server_said
             .lock()
             .ok()
             .and_then(|said| said.clone())
-            .filter(|(at, _)| *at >= sent)
+            .filter(|(at, what)| {
+                *at >= sent && (what.contains(&format!("\"{subject}\"")) || !what.contains('"'))
+            })
             .map(|(_, what)| format!(" (the server said: {what})"))
             .unwrap_or_default();
         PublishError::transient(format!("NATS: {err}{said}"))
@@ -129,14 +132,14 @@ impl Broker for NatsBroker {
                     PublishErrorKind::MaxPayloadExceeded => {
                         PublishError::row(format!("NATS: row {}: {err}", message.id))
                     }
-                    _ => self.failed(&err, sent),
+                    _ => self.failed(&err, &message.destination, sent),
                 })?;
             match ack.await {
                 Ok(_) => Ok(Delivered::default()),
                 Err(err) if err.kind() == PublishErrorKind::StreamNotFound => {
                     Err(self.no_stream(&message.destination, &err).await)
                 }
-                Err(err) => Err(self.failed(&err, sent)),
+                Err(err) => Err(self.failed(&err, &message.destination, sent)),
             }
         })
     }

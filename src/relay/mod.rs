@@ -241,7 +241,9 @@ pub(crate) struct Outage {
 
 impl Outage {
     /// Counts a chain whose first message failed with `err`: its rows wait for the next
-    /// try. Keeps the first failure's row and error.
+    /// try. Keeps the first failure's row and error, preferring one the broker gave to
+    /// the relay's own "not sent" (a message held back behind another's failure, or by
+    /// the fence), which says nothing of the cause.
     pub(crate) fn add(
         &mut self,
         rows: &[crate::postgres::OutboxRow],
@@ -251,8 +253,15 @@ impl Outage {
             return;
         };
         self.rows += rows.len();
-        self.first
-            .get_or_insert_with(|| (first.id, err.to_string()));
+        let error = err.to_string();
+        let held_back = |e: &str| e.starts_with("not sent:");
+        if self
+            .first
+            .as_ref()
+            .is_none_or(|(_, kept)| held_back(kept) && !held_back(&error))
+        {
+            self.first = Some((first.id, error));
+        }
     }
 
     /// One warning for the round, if anything failed.
@@ -262,7 +271,7 @@ impl Outage {
                 rows = self.rows,
                 first_row = row,
                 error = %error,
-                "not published: the broker is unreachable or refuses the client; will retry"
+                "rows not published this round, not for a fault of their own; will retry"
             );
         }
     }
@@ -309,6 +318,17 @@ mod tests {
         let (first, error) = outage.first.clone().expect("a first failure");
         assert_eq!(first, 7);
         assert!(error.contains("timed out"), "{error}");
+        // The relay's own "not sent" gives way to the broker's reason.
+        let mut outage = Outage::default();
+        let held = "not sent: an earlier message of its aggregate was not acknowledged";
+        outage.add(&[row(3)], &crate::broker::PublishError::transient(held));
+        outage.add(
+            &[row(4)],
+            &crate::broker::PublishError::transient("refused"),
+        );
+        outage.add(&[row(5)], &crate::broker::PublishError::transient(held));
+        let (first, error) = outage.first.clone().expect("a first failure");
+        assert_eq!((first, error.as_str()), (4, "refused"));
     }
 
     #[test]

@@ -636,10 +636,19 @@ impl Worker {
             // unpublished for the next batch.
             if let Some((rest, err)) = result.failed
                 && let Some(row) = rest.first()
-                && self.handle_failure(&tx, table, row, &err).await?
             {
-                unavailable = true;
-                outage.add(&rest, &err);
+                match self.handle_failure(&tx, table, row, &err).await {
+                    Ok(true) => {
+                        unavailable = true;
+                        outage.add(&rest, &err);
+                    }
+                    Ok(false) => {}
+                    Err(failed) => {
+                        // What failed for no fault of its own before this is still said.
+                        outage.log();
+                        return Err(failed.into());
+                    }
+                }
             }
         }
         outage.log();
