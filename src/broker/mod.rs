@@ -191,6 +191,10 @@ pub struct PublishError {
     /// (timeouts, lost connections), which are retried without counting, so a broker
     /// outage never dead-letters or blocks rows.
     pub row_fault: bool,
+    /// `true` when the relay held the message back itself (behind a failed message of
+    /// its aggregate, or past the fence): an outage whose message says nothing of the
+    /// broker's reason.
+    pub held_back: bool,
     /// What happened, without credentials.
     pub message: String,
 }
@@ -200,6 +204,7 @@ impl PublishError {
     pub fn row(message: impl Into<String>) -> Self {
         Self {
             row_fault: true,
+            held_back: false,
             message: message.into(),
         }
     }
@@ -207,7 +212,15 @@ impl PublishError {
     pub fn transient(message: impl Into<String>) -> Self {
         Self {
             row_fault: false,
+            held_back: false,
             message: message.into(),
+        }
+    }
+    /// The relay did not send the message, `why`; it goes with the next try.
+    pub fn held_back(why: &str) -> Self {
+        Self {
+            held_back: true,
+            ..Self::transient(format!("not sent: {why}"))
         }
     }
 }

@@ -209,11 +209,7 @@ fn first_line(message: &str) -> Option<String> {
     if line.len() <= WHY_MAX {
         return Some(line.to_owned());
     }
-    let mut end = WHY_MAX;
-    while !line.is_char_boundary(end) {
-        end -= 1;
-    }
-    Some(format!("{}…", &line[..end]))
+    Some(format!("{}…", &line[..line.floor_char_boundary(WHY_MAX)]))
 }
 
 fn memory_limit(pod: &Pod) -> Option<String> {

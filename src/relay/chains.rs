@@ -152,21 +152,21 @@ async fn publish_chain(
             failed: None,
         },
         Some(row) => {
-            let err = unbuildable.unwrap_or_else(|| {
-                PublishError::transient(
-                    "not sent: an earlier message of its aggregate was not acknowledged",
-                )
-            });
+            let err = unbuildable.unwrap_or_else(|| PublishError::held_back(BEHIND_A_FAILURE));
             failed_from(published, row, rest, err)
         }
     }
 }
 
+/// Why a chain's message after a failed one was not sent.
+pub(crate) const BEHIND_A_FAILURE: &str =
+    "an earlier message of its aggregate was not acknowledged";
+
 /// The fence's error once it has passed.
 fn past(fence: Option<Instant>) -> Option<PublishError> {
     fence.filter(|f| Instant::now() >= *f).map(|_| {
-        PublishError::transient(
-            "not sent: the database session that holds this partition was last seen alive too long ago (fence)",
+        PublishError::held_back(
+            "the database session that holds this partition was last seen alive too long ago (fence)",
         )
     })
 }

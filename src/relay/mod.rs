@@ -34,13 +34,7 @@ pub fn leave_termination_message(err: &RelayError) {
 fn leave_termination_message_at(path: &Path, err: &RelayError) {
     use std::io::Write;
     let mut message = err.to_string();
-    if message.len() > TERMINATION_MESSAGE_MAX {
-        let mut end = TERMINATION_MESSAGE_MAX;
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        message.truncate(end);
-    }
+    message.truncate(message.floor_char_boundary(TERMINATION_MESSAGE_MAX));
     // No `create`: the kubelet provides the file.
     let written = std::fs::OpenOptions::new()
         .write(true)
@@ -68,9 +62,13 @@ pub enum RelayError {
         /// Why.
         source: std::io::Error,
     },
-    /// The broker client cannot be built or is permanently broken.
+    /// The broker client cannot be built.
     #[error("broker: {0}")]
     Broker(String),
+    /// The broker client can never publish again ([`crate::broker::Broker::broken`]
+    /// says why); both modes end with it.
+    #[error("broker: the broker client failed permanently ({0}); restarting")]
+    BrokerBroken(String),
     /// Signal handlers cannot be installed.
     #[error("cannot install the SIGTERM handler: {0}")]
     Signal(std::io::Error),
@@ -236,7 +234,7 @@ pub(crate) async fn nap_as(
 #[derive(Default)]
 pub(crate) struct Outage {
     rows: usize,
-    first: Option<(i64, String)>,
+    first: Option<(i64, crate::broker::PublishError)>,
 }
 
 impl Outage {
@@ -253,14 +251,12 @@ impl Outage {
             return;
         };
         self.rows += rows.len();
-        let error = err.to_string();
-        let held_back = |e: &str| e.starts_with("not sent:");
         if self
             .first
             .as_ref()
-            .is_none_or(|(_, kept)| held_back(kept) && !held_back(&error))
+            .is_none_or(|(_, kept)| kept.held_back && !err.held_back)
         {
-            self.first = Some((first.id, error));
+            self.first = Some((first.id, err.clone()));
         }
     }
 
@@ -317,18 +313,18 @@ mod tests {
         assert_eq!(outage.rows, 3);
         let (first, error) = outage.first.clone().expect("a first failure");
         assert_eq!(first, 7);
-        assert!(error.contains("timed out"), "{error}");
+        assert_eq!(error.message, "timed out");
         // The relay's own "not sent" gives way to the broker's reason.
         let mut outage = Outage::default();
-        let held = "not sent: an earlier message of its aggregate was not acknowledged";
-        outage.add(&[row(3)], &crate::broker::PublishError::transient(held));
+        let held = crate::broker::PublishError::held_back("behind another");
+        outage.add(&[row(3)], &held);
         outage.add(
             &[row(4)],
             &crate::broker::PublishError::transient("refused"),
         );
-        outage.add(&[row(5)], &crate::broker::PublishError::transient(held));
+        outage.add(&[row(5)], &held);
         let (first, error) = outage.first.clone().expect("a first failure");
-        assert_eq!((first, error.as_str()), (4, "refused"));
+        assert_eq!((first, error.message.as_str()), (4, "refused"));
     }
 
     #[test]

@@ -496,9 +496,7 @@ impl Worker {
                 Outcome::Unavailable => {
                     rounds.abandon();
                     if let Some(why) = self.broker.broken() {
-                        return Err(SessionEnd::Fatal(RelayError::Broker(format!(
-                            "the broker client failed permanently ({why}); restarting"
-                        ))));
+                        return Err(SessionEnd::Fatal(RelayError::BrokerBroken(why)));
                     }
                     self.nap(backoff.step()).await;
                 }

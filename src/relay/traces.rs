@@ -149,9 +149,10 @@ impl TracedBroker {
                 );
             }
             // Its failed predecessor was logged.
-            None => span.set_status(Status::error(
-                "not sent: an earlier message of its aggregate was not acknowledged",
-            )),
+            None => span.set_status(Status::error(format!(
+                "not sent: {}",
+                crate::relay::chains::BEHIND_A_FAILURE
+            ))),
         }
         span.end();
     }

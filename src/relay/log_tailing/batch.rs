@@ -311,9 +311,7 @@ impl LogTailer {
                 in_flight(&pending, &self.health.metrics);
             }
             if let Some(why) = self.broker.broken() {
-                return Err(SessionEnd::Fatal(RelayError::Broker(format!(
-                    "the broker client failed permanently ({why}); restarting"
-                ))));
+                return Err(SessionEnd::Fatal(RelayError::BrokerBroken(why)));
             }
             if self.stopping() {
                 let since = *stop_seen.get_or_insert_with(Instant::now);
