@@ -761,6 +761,25 @@ pub async fn create_outbox_table(client: &tokio_postgres::Client, partitions: i3
         .unwrap_or_else(|err| panic!("PostgreSQL: creating the outbox table failed: {err}"));
 }
 
+/// Commits `count` outbox rows of type `order`, each in its own statement, over five
+/// aggregates `<prefix>0..4`; their ids.
+pub async fn commit_rows(client: &tokio_postgres::Client, prefix: &str, count: usize) -> Vec<i64> {
+    let mut ids = Vec::with_capacity(count);
+    for i in 0..count {
+        let aggregate = format!("{prefix}{}", i % 5);
+        ids.push(
+            insert_row(
+                client,
+                "order",
+                &aggregate,
+                &serde_json::json!({"i": i, "aggregate": aggregate}),
+            )
+            .await,
+        );
+    }
+    ids
+}
+
 /// Inserts one outbox row in its own statement and returns its id.
 pub async fn insert_row(
     client: &impl tokio_postgres::GenericClient,
@@ -1010,6 +1029,12 @@ impl RelayProcess {
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &pid])
             .status();
+        self.wait_exit(timeout, "of SIGTERM")
+    }
+
+    /// The exit status once the process has exited; panics after `timeout`, saying
+    /// `within` what it did not exit and its log.
+    pub fn wait_exit(&mut self, timeout: Duration, within: &str) -> std::process::ExitStatus {
         let started = Instant::now();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -1017,7 +1042,7 @@ impl RelayProcess {
             }
             if started.elapsed() > timeout {
                 panic!(
-                    "relay did not exit within {timeout:?} of SIGTERM; log:\n{}",
+                    "relay did not exit within {timeout:?} {within}; log:\n{}",
                     self.log()
                 );
             }

@@ -281,6 +281,27 @@ pub async fn create_secret(client: &Client, namespace: &str, name: &str, data: &
         .unwrap_or_else(|e| panic!("creating Secret {name} failed: {e}"));
 }
 
+/// Secret `orders-kafka` as the Kafka examples name it: the rig's CA (`ca.crt`) and a
+/// SCRAM user (`username`, `password`).
+pub async fn create_kafka_secret(client: &Client, namespace: &str, user: &str, password: &str) {
+    let ca = std::fs::read_to_string(format!(
+        "{}/ca.crt",
+        crate::common::Rig::load().get("OUTBOX_RIG_TLS_DIR")
+    ))
+    .unwrap_or_else(|e| panic!("the rig's CA: {e}"));
+    create_secret(
+        client,
+        namespace,
+        "orders-kafka",
+        &[
+            ("ca.crt", ca.as_str()),
+            ("username", user),
+            ("password", password),
+        ],
+    )
+    .await;
+}
+
 /// Sets `key` of Secret `name` to `value` (a merge patch of `stringData`), as a user
 /// rotating or repointing it would.
 pub async fn set_secret_key(client: &Client, namespace: &str, name: &str, key: &str, value: &str) {

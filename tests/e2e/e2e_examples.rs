@@ -699,17 +699,11 @@ async fn log_tailing_kafka_example_reaches_ready_and_publishes_every_row() {
         let topic = format!("outbox.event.{kind}");
         let rig = common::Rig::load();
         common::create_topic(rig.kafka_bootstrap(), &topic, 3, &[]).await;
-        let ca = std::fs::read_to_string(format!("{}/ca.crt", rig.get("OUTBOX_RIG_TLS_DIR")))
-            .unwrap_or_else(|e| panic!("the rig's CA: {e}"));
-        operator::create_secret(
+        operator::create_kafka_secret(
             &client,
             &ns,
-            "orders-kafka",
-            &[
-                ("ca.crt", ca.as_str()),
-                ("username", rig.get("OUTBOX_RIG_KAFKA_USER")),
-                ("password", rig.get("OUTBOX_RIG_KAFKA_PASSWORD")),
-            ],
+            rig.get("OUTBOX_RIG_KAFKA_USER"),
+            rig.get("OUTBOX_RIG_KAFKA_PASSWORD"),
         )
         .await;
         let mut manifest = operator::example_manifest("log-tailing-kafka.yaml");

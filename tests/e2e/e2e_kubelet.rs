@@ -481,19 +481,7 @@ async fn a_relay_its_broker_refuses_says_why_in_its_status_and_loses_nothing() {
     let pods = RelayPods::start(&client, &ns).await;
     let mut controller = pods.controller(&ns, &[]);
     operator::create_secret(&client, &ns, "orders-db", &[("uri", &pods.url(&db.url))]).await;
-    let ca = std::fs::read_to_string(format!("{}/ca.crt", rig.get("OUTBOX_RIG_TLS_DIR")))
-        .unwrap_or_else(|e| panic!("the rig's CA: {e}"));
-    operator::create_secret(
-        &client,
-        &ns,
-        "orders-kafka",
-        &[
-            ("ca.crt", ca.as_str()),
-            ("username", denied.as_str()),
-            ("password", denied_password.as_str()),
-        ],
-    )
-    .await;
+    operator::create_kafka_secret(&client, &ns, &denied, &denied_password).await;
     let mut manifest = json!({
         "apiVersion": "outbox.dev/v1alpha1",
         "kind": "OutboxRelay",
@@ -515,19 +503,10 @@ async fn a_relay_its_broker_refuses_says_why_in_its_status_and_loses_nothing() {
     });
     pods.adapt(&mut manifest);
     operator::apply_relay(&client, &ns, &manifest).await;
-    let mut ids = BTreeSet::new();
-    for i in 0..ROWS {
-        let aggregate = format!("refused{}", i % 5);
-        ids.insert(
-            common::insert_row(
-                &db.client,
-                "order",
-                &aggregate,
-                &json!({"i": i, "aggregate": aggregate}),
-            )
-            .await,
-        );
-    }
+    let ids: BTreeSet<i64> = common::commit_rows(&db.client, "refused", ROWS)
+        .await
+        .into_iter()
+        .collect();
 
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let why = common::wait_for_some_or(

@@ -11,7 +11,7 @@
 //! takes publishes every one of them.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
 
@@ -21,24 +21,6 @@ use outbox_operator::secrets::{ENV_KAFKA_SASL_PASSWORD, ENV_KAFKA_SASL_USERNAME}
 
 /// Rows committed before the refused relay starts.
 const ROWS: usize = 30;
-
-/// Commits [`ROWS`] rows over five aggregates `<prefix>0..4`; their ids.
-async fn commit_rows(db: &common::TestDatabase, prefix: &str) -> Vec<i64> {
-    let mut ids = Vec::with_capacity(ROWS);
-    for i in 0..ROWS {
-        let aggregate = format!("{prefix}{}", i % 5);
-        ids.push(
-            common::insert_row(
-                &db.client,
-                "order",
-                &aggregate,
-                &json!({"i": i, "aggregate": aggregate}),
-            )
-            .await,
-        );
-    }
-    ids
-}
 
 /// Asserts that every row of `ids` is among the `received` ones.
 fn assert_arrived(what: &str, ids: &[i64], received: &[common::Received]) {
@@ -66,23 +48,6 @@ async fn wait_retrying_with(relay: &RelayProcess, reason: &str) {
     .await;
 }
 
-/// Waits for the relay to exit on its own; its exit status.
-fn exited(relay: &mut RelayProcess, within: Duration) -> std::process::ExitStatus {
-    let started = Instant::now();
-    loop {
-        if let Ok(Some(status)) = relay.child.try_wait() {
-            return status;
-        }
-        assert!(
-            started.elapsed() < within,
-            "the relay whose producers the cluster refuses did not exit within {within:?}; \
-             log tail:\n{}",
-            relay.log_tail(40)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_row() {
     let rig = common::Rig::load();
@@ -102,21 +67,24 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
     let ca = tls_file("ca.crt");
     let files = [("spec.broker.kafka.tls.caSecretRef", ca.clone())];
 
+    let kafka = |topic: &str| {
+        json!({"kafka": {
+            "bootstrapServers": sasl_ssl,
+            "topic": topic,
+            "tls": tls_block(false),
+            "sasl": {"mechanism": "SCRAM-SHA-512",
+                     "usernameSecretRef": {"name": "kafka", "key": "user"},
+                     "passwordSecretRef": {"name": "kafka", "key": "password"}},
+        }})
+    };
+
     // `check` says so before any relay runs: it asks for a producer id as the relay's
     // producers do.
-    let probe_broker = json!({"kafka": {
-        "bootstrapServers": sasl_ssl,
-        "topic": "probed",
-        "tls": tls_block(false),
-        "sasl": {"mechanism": "SCRAM-SHA-512",
-                 "usernameSecretRef": {"name": "kafka", "key": "user"},
-                 "passwordSecretRef": {"name": "kafka", "key": "password"}},
-    }});
     for (name, secret, granted) in [(&denied, &denied_password, false), (&user, &password, true)] {
         let mut env = tls_env(&ca);
         env.push((ENV_KAFKA_SASL_USERNAME, name.clone()));
         env.push((ENV_KAFKA_SASL_PASSWORD, secret.clone()));
-        let probes = probe(probe_broker.clone(), &env).await;
+        let probes = probe(kafka("probed"), &env).await;
         let found = probes
             .iter()
             .find(|p| p.name == "producer id")
@@ -146,20 +114,16 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
         if let Some(guard) = &guard {
             common::create_replication(&db.client, &guard.slot, &guard.slot).await;
         }
-        let broker = json!({"kafka": {
-            "bootstrapServers": sasl_ssl,
-            "topic": topic,
-            "tls": tls_block(false),
-            "sasl": {"mechanism": "SCRAM-SHA-512",
-                     "usernameSecretRef": {"name": "kafka", "key": "user"},
-                     "passwordSecretRef": {"name": "kafka", "key": "password"}},
-        }});
-        let yaml = relay_yaml(&broker, &files, guard.as_ref().map(|g| g.slot.as_str()));
+        let yaml = relay_yaml(
+            &kafka(&topic),
+            &files,
+            guard.as_ref().map(|g| g.slot.as_str()),
+        );
         let placeholder = RelayBroker::Kafka {
             bootstrap: sasl_ssl.clone(),
             topic: topic.clone(),
         };
-        let ids = commit_rows(&db, "refused").await;
+        let ids = common::commit_rows(&db.client, "refused", ROWS).await;
 
         // The user the cluster refuses: each producer stops on a fatal error at its
         // first send; after the third in a row the relay exits.
@@ -173,7 +137,10 @@ async fn a_producer_the_cluster_refuses_for_good_stops_the_relay_and_loses_no_ro
             ],
         );
         let (status, refused) = tokio::task::spawn_blocking(move || {
-            let status = exited(&mut refused, Duration::from_secs(90));
+            let status = refused.wait_exit(
+                Duration::from_secs(90),
+                "though the cluster refuses its producers",
+            );
             (status, refused)
         })
         .await
@@ -273,7 +240,7 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
         url: url.clone(),
         subject: subject.clone(),
     };
-    let ids = commit_rows(&db, "denied").await;
+    let ids = common::commit_rows(&db.client, "denied", ROWS).await;
 
     let denied = RelayProcess::start_with_env(
         &yaml,
@@ -330,7 +297,7 @@ async fn a_rabbitmq_user_denied_the_exchange_is_retried_with_the_servers_reason_
         routing_key: "outbox.{aggregateType}".to_owned(),
     };
     let yaml = common::relay_config_yaml(&broker(&denied_url), &common::RelayOptions::default());
-    let ids = commit_rows(&db, "denied").await;
+    let ids = common::commit_rows(&db.client, "denied", ROWS).await;
 
     let denied = RelayProcess::start(&yaml, &db.url, &broker(&denied_url));
     wait_retrying_with(&denied, "ACCESS_REFUSED - access to exchange").await;
