@@ -24,10 +24,17 @@ pub use broker::{
 };
 pub use duration::{DurationError, parse_duration};
 pub use quantity::{QuantityError, parse_bytes};
-pub use status::{FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotStatus};
+pub use status::{FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLoss, SlotStatus};
 
 /// The API group of every outbox-operator resource.
 pub const GROUP: &str = "outbox.dev";
+
+/// The annotation that lets a relay without `deleteAfterPublish` go on after its
+/// replication slot was lost: set to `status.slot.lost.detectedAt`, it makes the operator
+/// create a new slot, which streams only what commits after it. A value of an earlier
+/// loss does not match a later one, so an annotation left behind never accepts a loss
+/// nobody looked at.
+pub const RECREATE_LOST_SLOT_ANNOTATION: &str = "outbox.dev/recreate-lost-slot";
 
 pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
 

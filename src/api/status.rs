@@ -89,6 +89,35 @@ pub struct SlotStatus {
     /// later); then the log-tailing relay replaces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover_snapshot: Option<String>,
+    /// The operator has seen the slot exist since it last made or adopted it: a slot
+    /// that then vanishes (a promotion to a standby without it, a drop by hand) was
+    /// lost, not never made, and is not created again in silence.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub existed: bool,
+    /// The slot vanished under the relay: what was lost, and how the relay goes on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<SlotLoss>,
+}
+
+/// A replication slot that vanished after the relay had streamed it. Commits after its
+/// last confirmed position and before a new slot exist are in no slot: with
+/// `deleteAfterPublish` they are still in the table and a polling relay publishes them
+/// before log tailing resumes; without it the relay waits for the choice to go on.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotLoss {
+    /// The last position the relay was seen to have confirmed (`status.slot.confirmedFlushLsn`
+    /// before the loss): the window of commits never streamed starts after it. Absent
+    /// when the slot was lost before its position was sampled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed_flush_lsn: Option<String>,
+    /// When the operator found the slot missing (RFC 3339). Annotating the OutboxRelay
+    /// with `outbox.dev/recreate-lost-slot` set to this value creates a new slot, which
+    /// streams only later commits (relays without `deleteAfterPublish`).
+    pub detected_at: String,
+    /// `backfill` (the table holds every unpublished row: a polling relay publishes them
+    /// alone, then a new slot is created and log tailing resumes) or `awaitingChoice`.
+    pub recovery: String,
 }
 
 /// How many partitions exist and how many are owned by a live relay.

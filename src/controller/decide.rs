@@ -63,8 +63,49 @@ pub(super) struct Decision {
     pub backfill: bool,
     /// The fall back to polling in status: what to record.
     pub fallback: FallbackWrite,
+    /// The children's rollout must stop every old pod before a new one starts: the pods
+    /// it replaces tail the log, and a polling relay started beside them would publish
+    /// the same aggregates side by side (a log-tailing Deployment always rolls out so).
+    pub exclusive_rollout: bool,
+    /// Events to record, beyond the one for a change of `Ready`.
+    pub events: Vec<Note>,
     /// When to look again.
     pub next: Next,
+}
+
+/// An Event a decision records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Note {
+    /// `Warning` rather than `Normal`.
+    pub warning: bool,
+    /// The Event's reason.
+    pub reason: &'static str,
+    /// Its message.
+    pub message: String,
+}
+
+impl Note {
+    pub(super) fn normal(reason: &'static str, message: String) -> Self {
+        Self {
+            warning: false,
+            reason,
+            message,
+        }
+    }
+
+    pub(super) fn warning(reason: &'static str, message: String) -> Self {
+        Self {
+            warning: true,
+            reason,
+            message,
+        }
+    }
+}
+
+/// Whether the relay's pods tail the log now, so that whatever replaces them must wait
+/// until they are gone ([`Decision::exclusive_rollout`]).
+pub(super) fn exclusive_rollout(observed: &Observed) -> bool {
+    observed.children.deployment.is_some() && !observed.children.runs_polling
 }
 
 /// Decides for a relay: `parsed` is the spec's parse, `owner` who the database objects
@@ -151,6 +192,8 @@ pub(super) fn decide(
             take_snapshot: false,
             backfill: false,
             fallback: FallbackWrite::Keep,
+            exclusive_rollout: false,
+            events: Vec::new(),
             next: Next::SecretRetry,
         };
     }
@@ -220,6 +263,8 @@ pub(super) fn decide(
     let mut foreign_publication = false;
     let slot;
     let mut actions = Vec::new();
+    // Events of the slot's own (a lost slot created again).
+    let mut events = Vec::new();
     if let Some(lt) = &plan.log_tailing {
         if let Some(failed) = admin::first_failure(&checks, Scope::Slot) {
             let cond = super::database::cond_of(CONDITION_SLOT_READY, failed);
@@ -239,6 +284,20 @@ pub(super) fn decide(
             return not_ready(cond.reason, cond.message, conds, kept_slot, Next::Refresh);
         }
         let successor = observed.claim == Claim::Released;
+        let conds = [&database, &secrets.broker];
+        match lost::slot_lost(
+            valid,
+            lt,
+            &provision::plan(&plan, owner, facts, successor).actions,
+            last_slot,
+            facts,
+            observed,
+            conds,
+        ) {
+            lost::LostSlot::NotLost => {}
+            lost::LostSlot::Hold(decision) => return *decision,
+            lost::LostSlot::Replace(note) => events.push(note),
+        }
         let budget = valid
             .mode
             .log_tailing()
@@ -311,6 +370,7 @@ pub(super) fn decide(
         slot = Some(SlotStatus {
             name: lt.slot.clone(),
             publication: Some(lt.publication.clone()),
+            existed: facts.slot.is_some(),
             ..SlotStatus::default()
         });
         actions = planned.actions;
@@ -341,10 +401,12 @@ pub(super) fn decide(
                 take_snapshot,
                 backfill: false,
                 fallback: FallbackWrite::Clear,
+                exclusive_rollout: false,
+                events,
                 next: Next::Soon,
             };
         }
-        if let Some(decision) = backfill_first(
+        if let Some(mut decision) = backfill_first(
             lt,
             valid,
             &actions,
@@ -354,6 +416,7 @@ pub(super) fn decide(
             [&database, &secrets.broker],
             slot_cond.as_ref(),
         ) {
+            decision.events = events;
             return decision;
         }
     } else if let Some(kept) = kept_slot.as_ref().filter(|_| observed.children.rolled_out) {
@@ -417,6 +480,8 @@ pub(super) fn decide(
         take_snapshot: false,
         backfill: false,
         fallback: FallbackWrite::Clear,
+        exclusive_rollout: exclusive_rollout(observed),
+        events,
         next: Next::Refresh,
     }
 }
@@ -572,10 +637,15 @@ fn fall_back(
         // under way.
         slot: Some(SlotStatus {
             handover_snapshot: None,
+            // The operator drops this slot itself: its absence is no loss.
+            existed: false,
+            lost: None,
             ..slot
         }),
         take_snapshot: false,
         backfill: true,
+        exclusive_rollout: exclusive_rollout(observed),
+        events: Vec::new(),
         next: if slot_exists {
             Next::Soon
         } else {
@@ -791,6 +861,7 @@ fn backfill_first(
         name: lt.slot.clone(),
         publication: Some(lt.publication.clone()),
         handover_snapshot: snapshot.clone(),
+        existed: facts.slot.is_some(),
         ..SlotStatus::default()
     };
     let (message, take_snapshot, backfill) = match (&snapshot, facts.unpublished_before_slot) {
@@ -839,6 +910,8 @@ fn backfill_first(
         take_snapshot,
         backfill,
         fallback: FallbackWrite::Clear,
+        exclusive_rollout: exclusive_rollout(observed),
+        events: Vec::new(),
         next: Next::Soon,
     })
 }
@@ -904,6 +977,8 @@ pub(super) fn provisioning_failed(
         take_snapshot: false,
         backfill: false,
         fallback,
+        exclusive_rollout: false,
+        events: Vec::new(),
         next: Next::Refresh,
     }
 }
@@ -931,6 +1006,8 @@ fn invalid(problems: &[Problem], slot: Option<SlotStatus>, next: Next) -> Decisi
         take_snapshot: false,
         backfill: false,
         fallback: FallbackWrite::Keep,
+        exclusive_rollout: false,
+        events: Vec::new(),
         next,
     }
 }
@@ -956,9 +1033,12 @@ fn not_ready(
         take_snapshot: false,
         backfill: false,
         fallback: FallbackWrite::Keep,
+        exclusive_rollout: false,
+        events: Vec::new(),
         next,
     }
 }
 
+mod lost;
 #[cfg(test)]
 mod tests;

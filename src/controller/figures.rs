@@ -223,7 +223,12 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         .map(|s| s.name.clone())
         .filter(|n| !n.is_empty());
     let slot = match slot_name {
-        Some(name) => admin::slot_state(&client, &name).await.ok().flatten(),
+        Some(name) => match admin::slot_state(&client, &name).await {
+            Ok(Some(stats)) => Some(stats),
+            // Gone, or not readable now: the position last confirmed stays in status,
+            // where a lost slot's window starts (the decide step reads it).
+            Ok(None) | Err(_) => last_position(relay.status.as_ref()),
+        },
         None => None,
     };
     database::scan_orphans(relay, ctx, &client, &conn.url).await;
@@ -250,6 +255,18 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
     {
         debug!(relay = %relay.name_any(), error = %err, "writing status figures failed");
     }
+}
+
+/// The slot figures of a slot that is not there: the position it was last seen to
+/// confirm, inactive and retaining nothing.
+fn last_position(status: Option<&OutboxRelayStatus>) -> Option<SlotStats> {
+    let lsn = status?.slot.as_ref()?.confirmed_flush_lsn.clone()?;
+    Some(SlotStats {
+        active: false,
+        wal_status: String::new(),
+        retained_wal_bytes: 0,
+        confirmed_flush_lsn: Some(lsn),
+    })
 }
 
 /// The status fields this task owns, from the figures. No waiting row: age 0. Rows
@@ -382,10 +399,17 @@ mod tests {
                 active: Some(true),
                 protected_secrets: Vec::new(),
                 handover_snapshot: None,
+                existed: true,
+                lost: None,
             }),
             ..OutboxRelayStatus::default()
         };
         assert_eq!(patch, current_patch(Some(&status)));
+        // The slot gone: its last confirmed position stays, inactive, retaining nothing.
+        let kept = last_position(Some(&status)).unwrap();
+        assert_eq!(kept.confirmed_flush_lsn.as_deref(), Some("0/1A2B3C"));
+        assert!(!kept.active && kept.retained_wal_bytes == 0);
+        assert!(last_position(Some(&OutboxRelayStatus::default())).is_none());
         let more = Figures {
             backlog: Some(Backlog {
                 rows: 13,

@@ -24,6 +24,12 @@ struct SwitchLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RelayLabels {
+    namespace: String,
+    relay: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabel {
     category: &'static str,
 }
@@ -39,6 +45,7 @@ pub struct Metrics {
     orphaned_slots: Gauge,
     duration: Histogram,
     switches: Family<SwitchLabels, Counter>,
+    slot_lost: Family<RelayLabels, Gauge>,
     // Plain copies for callers that embed the controller (tests) and want a number
     // without parsing the text format.
     reconciles_total: AtomicU64,
@@ -62,6 +69,12 @@ impl Metrics {
         let orphaned_slots = Gauge::default();
         let duration = Histogram::new(exponential_buckets(0.005, 2.0, 12));
         let switches = Family::<SwitchLabels, Counter>::default();
+        let slot_lost = Family::<RelayLabels, Gauge>::default();
+        registry.register(
+            "slot_lost",
+            "1 while a log-tailing relay's replication slot is lost (vanished after the relay streamed it: a promotion, a drop by hand) and not yet replaced; status.slot.lost says how it goes on",
+            slot_lost.clone(),
+        );
         registry.register(
             "wal_budget_switches",
             "Switches of log-tailing relays past their WAL budget (spec.mode.logTailing.maxRetainedWal): to=polling when one fell back, to=logTailing when it returned",
@@ -106,6 +119,7 @@ impl Metrics {
             orphaned_slots,
             duration,
             switches,
+            slot_lost,
             reconciles_total: AtomicU64::new(0),
             writes_total: AtomicU64::new(0),
         }
@@ -130,6 +144,22 @@ impl Metrics {
                 to,
             })
             .inc();
+    }
+
+    /// Whether a relay's slot is lost now; a relay that goes is forgotten (`None`).
+    pub(crate) fn set_slot_lost(&self, namespace: &str, relay: &str, lost: Option<bool>) {
+        let labels = RelayLabels {
+            namespace: namespace.to_owned(),
+            relay: relay.to_owned(),
+        };
+        match lost {
+            Some(lost) => {
+                self.slot_lost.get_or_create(&labels).set(i64::from(lost));
+            }
+            None => {
+                self.slot_lost.remove(&labels);
+            }
+        }
     }
 
     pub(crate) fn wrote(&self) {

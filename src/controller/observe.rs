@@ -102,6 +102,9 @@ pub(super) struct Observed {
     pub fallback: Option<crate::api::FallbackStatus>,
     /// When it was observed.
     pub now: k8s_openapi::jiff::Timestamp,
+    /// The value of [`crate::api::RECREATE_LOST_SLOT_ANNOTATION`]: which lost slot the
+    /// user chose to replace.
+    pub recreate_lost_slot: Option<String>,
     /// The CloudNativePG cluster `spec.database.databaseRef` names (`None`: no
     /// reference).
     pub cluster: Option<crate::cnpg::ClusterSeen>,
@@ -162,6 +165,10 @@ pub(super) async fn observe(
         monitoring,
         fallback,
         now: k8s_openapi::jiff::Timestamp::now(),
+        recreate_lost_slot: relay
+            .annotations()
+            .get(crate::api::RECREATE_LOST_SLOT_ANNOTATION)
+            .cloned(),
         cluster,
     })
 }

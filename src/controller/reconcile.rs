@@ -146,7 +146,20 @@ pub(super) fn error_policy(relay: Arc<OutboxRelay>, error: &Error, _ctx: Arc<Con
 /// One reconcile as a pipeline: parse → observe (reads only) → decide (pure) → apply
 /// (the SQL the decision planned, then the children) → status.
 async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
-    let last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
+    let mut last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
+    // Whether the slot existed or was lost, as this controller last wrote it when the
+    // cache does not hold that write yet: a loss is recorded once, with one time.
+    if let Some(written) = ctx
+        .written_status
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&relay.uid().unwrap_or_default())
+        .and_then(|s| s.slot.clone())
+        && let Some(slot) = last_slot.as_mut().filter(|s| s.name == written.name)
+    {
+        slot.existed = written.existed;
+        slot.lost = written.lost;
+    }
     // The fall back as last recorded: this controller's own last write when the cache
     // does not hold it yet (a pass triggered by a child right after the write).
     let recorded_fallback = ctx
@@ -379,6 +392,22 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         }
         built = Some(desired);
     }
+    if decision.exclusive_rollout
+        && let Some(desired) = built.as_mut()
+    {
+        crate::resources::roll_out_exclusively(&mut desired.deployment);
+    }
+    for note in &decision.events {
+        let type_ = if note.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        ctx.publish(relay, type_, note.reason, note.message.clone())
+            .await;
+    }
+    let lost = decision.slot.as_ref().is_some_and(|s| s.lost.is_some());
+    ctx.metrics.set_slot_lost(&namespace, &name, Some(lost));
     let handing_over = decision.apply_children
         && last_slot
             .as_ref()
@@ -826,6 +855,8 @@ async fn update_status(
             publication: s.publication,
             protected_secrets: s.protected_secrets,
             handover_snapshot: s.handover_snapshot,
+            existed: s.existed,
+            lost: s.lost,
             ..SlotStatus::default()
         }),
         fallback,
@@ -839,6 +870,8 @@ async fn update_status(
                 s.publication.clone(),
                 s.protected_secrets.clone(),
                 s.handover_snapshot.clone(),
+                s.existed,
+                s.lost.clone(),
             )
         })
     };
@@ -947,6 +980,11 @@ async fn cleanup(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     );
     protect::release(relay, &names, ctx).await?;
     // Forget the relay's bookkeeping.
+    ctx.metrics.set_slot_lost(
+        &relay.namespace().unwrap_or_default(),
+        &relay.name_any(),
+        None,
+    );
     if let Some(uid) = relay.uid() {
         ctx.applied
             .lock()

@@ -27,7 +27,7 @@ pub use monitoring::{
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,
-    pod_disruption_budget,
+    pod_disruption_budget, roll_out_exclusively,
 };
 
 /// The field manager of every server-side apply the operator makes.

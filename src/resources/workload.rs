@@ -226,10 +226,7 @@ pub fn deployment(
     let strategy = if let ValidMode::LogTailing(_) = valid.mode {
         // Recreate: the old pod is gone before the new one starts, so two pods never
         // stream one slot (the second would fail and crash-loop until the first exits).
-        DeploymentStrategy {
-            type_: Some("Recreate".to_owned()),
-            rolling_update: None,
-        }
+        recreate()
     } else {
         // Polling partitions are owned through advisory locks, so old and new pods may
         // overlap; surge first so the backlog keeps draining during an update.
@@ -350,4 +347,21 @@ pub fn pod_disruption_budget(valid: &ValidRelay) -> Option<PodDisruptionBudget> 
         }),
         status: None,
     })
+}
+
+/// The `Recreate` strategy: every old pod is gone before a new one starts.
+fn recreate() -> DeploymentStrategy {
+    DeploymentStrategy {
+        type_: Some("Recreate".to_owned()),
+        rolling_update: None,
+    }
+}
+
+/// Makes `deployment` roll out with [`recreate`], whatever its mode: the controller asks
+/// for it while the pods it replaces tail the log, so a polling relay never starts
+/// beside them.
+pub fn roll_out_exclusively(deployment: &mut Deployment) {
+    if let Some(spec) = deployment.spec.as_mut() {
+        spec.strategy = Some(recreate());
+    }
 }

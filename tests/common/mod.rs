@@ -1519,36 +1519,70 @@ impl DeliveryReport {
     }
 }
 
-/// Compares what a consumer saw with the committed and aborted row ids. Order: for each
-/// aggregate, the first deliveries of its rows must come in ascending id order.
+/// Compares what a consumer saw with the committed and aborted row ids, looking at every
+/// delivery, redeliveries included. Per aggregate:
+///
+/// - a row's first delivery never comes after a later row of its aggregate;
+/// - a redelivery belongs to a replayed window: once an older row is delivered again
+///   after newer ones, the aggregate's newest row must be delivered again after it
+///   before any new row of the aggregate arrives, and by the end. Otherwise a consumer
+///   that applies events as they come (no deduplication) is left with a stale state —
+///   the older event after the newer one.
 pub fn check_delivery(
     received: &[Received],
     committed: &std::collections::BTreeSet<i64>,
     aborted: &std::collections::BTreeSet<i64>,
 ) -> DeliveryReport {
+    /// An aggregate's deliveries so far: the newest row delivered, and the last.
+    #[derive(Default)]
+    struct Aggregate {
+        newest: i64,
+        last: i64,
+    }
+    let stale = |aggregate: &str, a: &Aggregate, before: &str| {
+        format!(
+            "aggregate {aggregate}: row {} was delivered again after row {}, which was not delivered again after it {before}",
+            a.last, a.newest
+        )
+    };
     let mut seen = std::collections::HashSet::new();
-    let mut last_first: HashMap<&str, i64> = HashMap::new();
+    let mut aggregates: HashMap<&str, Aggregate> = HashMap::new();
     let mut report = DeliveryReport {
         received: received.len(),
         ..Default::default()
     };
     for message in received {
-        if !seen.insert(message.id) {
+        let first = seen.insert(message.id);
+        let a = aggregates.entry(message.aggregate.as_str()).or_default();
+        if first {
+            if !committed.contains(&message.id) || aborted.contains(&message.id) {
+                report.orphans.push(message.id);
+            }
+            if message.id < a.newest {
+                report.order_violations.push(format!(
+                    "aggregate {}: row {} delivered after row {}",
+                    message.aggregate, message.id, a.newest
+                ));
+            } else if a.last < a.newest {
+                report.order_violations.push(stale(
+                    &message.aggregate,
+                    a,
+                    &format!("before row {} came", message.id),
+                ));
+            }
+        } else {
             report.duplicates += 1;
-            continue;
         }
-        if !committed.contains(&message.id) || aborted.contains(&message.id) {
-            report.orphans.push(message.id);
-        }
-        let last = last_first.entry(message.aggregate.as_str()).or_insert(0);
-        if message.id < *last {
-            report.order_violations.push(format!(
-                "aggregate {}: row {} delivered after row {}",
-                message.aggregate, message.id, last
-            ));
-        }
-        *last = message.id.max(*last);
+        a.last = message.id;
+        a.newest = a.newest.max(message.id);
     }
+    let mut left: Vec<String> = aggregates
+        .iter()
+        .filter(|(_, a)| a.last < a.newest)
+        .map(|(aggregate, a)| stale(aggregate, a, "by the end"))
+        .collect();
+    left.sort();
+    report.order_violations.extend(left);
     report.distinct = seen.len();
     report.missing = committed
         .iter()

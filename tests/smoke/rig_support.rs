@@ -51,3 +51,42 @@ fn unique_suffixes_are_lowercase_and_differ() {
         "{a}"
     );
 }
+
+/// Deliveries `(id, aggregate)` in the order a consumer saw them.
+fn deliveries(seen: &[(i64, &str)]) -> Vec<common::Received> {
+    seen.iter()
+        .map(|(id, aggregate)| common::Received {
+            id: *id,
+            aggregate: (*aggregate).to_owned(),
+            headers: Default::default(),
+            payload: Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn the_delivery_checker_looks_at_every_redelivery() {
+    let committed = (1..=5).collect();
+    let none = Default::default();
+    let check = |seen: &[(i64, &str)]| {
+        common::check_delivery(&deliveries(seen), &committed, &none).order_violations
+    };
+    let all = [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")];
+    assert!(check(&all).is_empty());
+    // A replayed window: older rows again, up to the newest, in order.
+    let replayed = [all.as_slice(), &[(3, "a"), (5, "a"), (4, "b")]].concat();
+    assert!(check(&replayed).is_empty(), "{:?}", check(&replayed));
+    // A first delivery after a later row of its aggregate.
+    assert_eq!(
+        check(&[(1, "a"), (3, "a"), (2, "a"), (4, "b"), (5, "a")]).len(),
+        1
+    );
+    // An older row delivered again after the newest, which is not delivered again:
+    // before a new row of the aggregate, and by the end.
+    let before_new = [(1, "a"), (3, "a"), (1, "a"), (5, "a"), (2, "b"), (4, "b")];
+    let v = check(&before_new);
+    assert!(v.len() == 1 && v[0].contains("before row 5 came"), "{v:?}");
+    let by_end = [all.as_slice(), &[(3, "a")]].concat();
+    let v = check(&by_end);
+    assert!(v.len() == 1 && v[0].contains("by the end"), "{v:?}");
+}

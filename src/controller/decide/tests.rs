@@ -9,7 +9,7 @@ use crate::controller::status::CONDITION_BROKER_READY;
 use crate::postgres::admin::{Facts, PublicationFacts, ServerFacts, SlotFacts, TableFacts};
 use crate::spec::parse;
 
-fn relay(mode: &str, replicas: i32) -> OutboxRelay {
+pub(super) fn relay(mode: &str, replicas: i32) -> OutboxRelay {
     serde_yaml::from_str(&format!(
         "apiVersion: outbox.dev/v1alpha1
 kind: OutboxRelay
@@ -24,7 +24,7 @@ spec:
     .unwrap()
 }
 
-fn owner() -> Owner {
+pub(super) fn owner() -> Owner {
     Owner {
         namespace: "shop".into(),
         name: "orders".into(),
@@ -32,7 +32,7 @@ fn owner() -> Owner {
     }
 }
 
-fn secrets_ok() -> SecretsSeen {
+pub(super) fn secrets_ok() -> SecretsSeen {
     SecretsSeen {
         database: Cond::yes(CONDITION_DATABASE_READY, "SecretFound", ""),
         broker: Cond::yes(CONDITION_BROKER_READY, "SecretsFound", ""),
@@ -42,7 +42,11 @@ fn secrets_ok() -> SecretsSeen {
     }
 }
 
-fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> DatabaseSeen {
+pub(super) fn facts(
+    wal_level: &str,
+    publication: Option<Option<String>>,
+    slot: bool,
+) -> DatabaseSeen {
     let columns = [
         "id",
         "aggregatetype",
@@ -95,7 +99,7 @@ fn facts(wal_level: &str, publication: Option<Option<String>>, slot: bool) -> Da
     }))
 }
 
-fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Observed {
+pub(super) fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Observed {
     Observed {
         secrets,
         database,
@@ -113,11 +117,12 @@ fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: i32) -> Obs
         monitoring: false,
         fallback: None,
         now: "2026-12-05T10:00:00Z".parse().unwrap(),
+        recreate_lost_slot: None,
         cluster: None,
     }
 }
 
-fn slot_status(name: &str) -> SlotStatus {
+pub(super) fn slot_status(name: &str) -> SlotStatus {
     SlotStatus {
         name: name.into(),
         publication: Some(name.into()),
@@ -125,7 +130,15 @@ fn slot_status(name: &str) -> SlotStatus {
     }
 }
 
-fn ready(d: &Decision) -> (&str, &str) {
+/// The status of a slot the decision saw exist.
+fn existing(name: &str) -> SlotStatus {
+    SlotStatus {
+        existed: true,
+        ..slot_status(name)
+    }
+}
+
+pub(super) fn ready(d: &Decision) -> (&str, &str) {
     let c = d
         .conditions
         .iter()
@@ -134,13 +147,13 @@ fn ready(d: &Decision) -> (&str, &str) {
     (if c.status { "True" } else { "False" }, c.reason)
 }
 
-fn run(r: &OutboxRelay, last: Option<&SlotStatus>, o: Option<&Observed>) -> Decision {
+pub(super) fn run(r: &OutboxRelay, last: Option<&SlotStatus>, o: Option<&Observed>) -> Decision {
     let parsed = parse(r);
     decide(parsed.as_ref(), &owner(), last, o)
 }
 
 /// The marker a publication carries once the operator created it and the slot.
-fn our_marker() -> String {
+pub(super) fn our_marker() -> String {
     crate::postgres::admin::Marker {
         owner: owner(),
         slot: "outbox_shop_orders".into(),
@@ -174,7 +187,7 @@ fn create_provisions_publication_then_slot_before_any_child() {
     let o = observed(secrets_ok(), database, -1);
     let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
     assert!(d.provision.is_empty() && d.apply_children, "{d:?}");
-    assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
+    assert_eq!(d.slot, Some(existing("outbox_shop_orders")));
     assert_eq!(ready(&d), ("False", "RelayUnavailable"));
     assert_eq!(d.next, Next::Refresh);
 }
@@ -415,7 +428,13 @@ fn a_new_slot_back_fills_the_rows_committed_before_it_with_polling_first() {
     o.database = database.clone();
     let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
     assert!(d.apply_children && d.backfill && !d.take_snapshot, "{d:?}");
-    assert_eq!(d.slot, Some(last.clone()));
+    assert_eq!(
+        d.slot,
+        Some(SlotStatus {
+            existed: true,
+            ..last.clone()
+        })
+    );
     assert!(d.conditions[0].message.contains("3 rows committed before"));
     // Its pods poll now: the handover waits for them as for a switch from polling.
     o.children.runs_polling = true;
@@ -430,7 +449,7 @@ fn a_new_slot_back_fills_the_rows_committed_before_it_with_polling_first() {
     o.database = database;
     let d = run(&relay("logTailing", 1), Some(&last), Some(&o));
     assert!(d.apply_children && !d.backfill);
-    assert_eq!(d.slot, Some(slot_status("outbox_shop_orders")));
+    assert_eq!(d.slot, Some(existing("outbox_shop_orders")));
     // The slot exists but no relay ever ran and no snapshot was recorded (taking it
     // failed): a late snapshot, then the same path.
     let o = observed(
