@@ -36,6 +36,12 @@ pub const GROUP: &str = "outbox.dev";
 /// nobody looked at.
 pub const RECREATE_LOST_SLOT_ANNOTATION: &str = "outbox.dev/recreate-lost-slot";
 
+/// The annotation that lets a log-tailing relay without `deleteAfterPublish` go on after
+/// what publishes its table changed (inserts in between may not have been streamed):
+/// the identities the relay logged, comma-separated. It reaches the relay's settings,
+/// so setting it rolls the relay's pods.
+pub const ACCEPT_PUBLICATION_CHANGE_ANNOTATION: &str = "outbox.dev/accept-publication-change";
+
 pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
 
 /// One OutboxRelay: publishes the committed rows of one outbox table to one broker.

@@ -26,6 +26,7 @@
 //! ```
 
 pub mod admin;
+pub mod coverage;
 pub mod pooling;
 pub mod provision;
 pub mod replication;
@@ -485,6 +486,8 @@ struct SelectSql {
     tail: String,
     /// The reconciliation sweep's query; `None` without a created-at column.
     stale: Option<String>,
+    /// Every row after an id, oldest first (a publication gap's back-fill).
+    after: String,
 }
 
 impl SelectSql {
@@ -664,6 +667,11 @@ impl OutboxTable {
                     id = quote(&columns.id),
                 )
             }),
+            after: format!(
+                "SELECT {row_list} FROM {qualified} WHERE {unpublished}{id} > $1::int8 \
+                 ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                id = quote(&columns.id),
+            ),
         };
         Ok(Self {
             qualified,
@@ -723,6 +731,22 @@ impl OutboxTable {
             .query(sql, &[&cutoff, &limit])
             .await
             .map_err(db("sweeping for missed rows"))?;
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// Rows after id `after` still in the table, oldest first, at most `limit`, locked
+    /// for this transaction (what a log-tailing relay publishes from the table when the
+    /// publication may have skipped inserts).
+    pub async fn select_after(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        let rows = tx
+            .query(&self.select.after, &[&after, &limit])
+            .await
+            .map_err(db("reading the rows a publication change left behind"))?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())
     }
 

@@ -414,12 +414,19 @@ pub async fn emit_heartbeat(client: &Client) -> Result<(), PgError> {
 /// listed, or (a partitioned table whose publication lacks `publish_via_partition_root`)
 /// its partitions are. The one definition of "covers", for the operator's checks and
 /// the relay's confirmation.
+///
+/// Listed tables are matched by name against the table and its partition tree (empty
+/// for a table that is not partitioned), never cast to
+/// `regclass` one by one: under `FOR ALL TABLES` the list holds tables in schemas the
+/// relay's role may not use (`pg_toast`), and the cast failed there with "permission
+/// denied for schema", for every role but a superuser.
 pub const PUBLICATION_COVERS_TABLE: &str = "EXISTS (SELECT 1 FROM pg_publication_tables t \
      JOIN pg_publication p ON p.pubname = t.pubname \
+     JOIN pg_namespace n ON n.nspname = t.schemaname \
+     JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename \
      WHERE t.pubname = $1 AND p.pubinsert \
-       AND coalesce(pg_partition_root(format('%I.%I', t.schemaname, t.tablename)::regclass), \
-                    format('%I.%I', t.schemaname, t.tablename)::regclass) \
-           = to_regclass(format('%I.%I', $2::text, $3::text)))";
+       AND (c.oid = to_regclass(format('%I.%I', $2::text, $3::text)) \
+            OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass(format('%I.%I', $2::text, $3::text))))))";
 
 /// What the relay may confirm: the WAL position read first, then whether the
 /// publication still publishes the table. Anything written before that position was

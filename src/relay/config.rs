@@ -45,6 +45,8 @@ pub struct Settings {
     pub broker: BrokerSettings,
     /// Log tailing's settings; `None` for a polling relay.
     pub log_tailing: Option<LogTailing>,
+    /// Accepted changes of what publishes the outbox table (log tailing keeping rows).
+    pub coverage_accepted: Vec<String>,
 }
 
 impl Settings {
@@ -133,6 +135,7 @@ impl Settings {
             pg_client_files,
             broker: resolved.broker,
             log_tailing: valid.mode.log_tailing().cloned(),
+            coverage_accepted: config.coverage_accepted.clone(),
             valid,
         })
     }

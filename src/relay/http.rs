@@ -28,6 +28,9 @@ pub struct Health {
     /// Log tailing: the publication no longer publishes the outbox table, so nothing
     /// past that point is confirmed (and the relay is not ready).
     pub uncovered: AtomicBool,
+    /// Log tailing keeping rows: what publishes the outbox table changed, and the relay
+    /// holds until the change is accepted.
+    pub gap_held: AtomicBool,
     /// When each work loop last turned (Unix seconds): one, or one per polling
     /// worker, so a worker stuck beside a turning one still fails liveness (its
     /// session would hold its partitions unpublished for good).
@@ -48,6 +51,7 @@ impl Health {
             metrics,
             ready: AtomicBool::new(false),
             uncovered: AtomicBool::new(false),
+            gap_held: AtomicBool::new(false),
             turns: (0..loops.max(1)).map(|_| AtomicU64::new(now)).collect(),
         }
     }
@@ -100,6 +104,10 @@ impl crate::http::Probe for Health {
     fn readiness(&self) -> Result<(), &'static str> {
         if self.uncovered.load(Ordering::Relaxed) {
             Err("the publication no longer publishes the outbox table")
+        } else if self.gap_held.load(Ordering::Relaxed) {
+            Err(
+                "what publishes the outbox table changed and inserts may have been skipped: holding until the change is accepted (see the log)",
+            )
         } else if self.ready.load(Ordering::Relaxed) {
             Ok(())
         } else {

@@ -58,6 +58,12 @@ pub struct Metrics {
     pub slot_wal_status: Family<WalStatusLabels, Gauge>,
     /// Log tailing: rows the reconciliation sweep found (missed by the tail) and published.
     pub sweep_found: Counter,
+    /// Log tailing with `deleteAfterPublish`: rows published from the table because
+    /// what publishes it changed (inserts in between may not have been streamed).
+    pub gap_back_filled: Counter,
+    /// Log tailing keeping rows: times the relay held because what publishes the table
+    /// changed.
+    pub gap_held: Counter,
     registry: Registry,
 }
 
@@ -100,6 +106,8 @@ impl Metrics {
         let slot_retained_wal = Gauge::default();
         let slot_active = Gauge::default();
         let sweep_found = Counter::default();
+        let gap_back_filled = Counter::default();
+        let gap_held = Counter::default();
         let slot_wal_status = Family::<WalStatusLabels, Gauge>::default();
         for status in WAL_STATUSES {
             drop(slot_wal_status.get_or_create(&WalStatusLabels { status }));
@@ -125,6 +133,16 @@ impl Metrics {
                 "outbox_relay_sweep_found",
                 "Rows the reconciliation sweep found still in the table long after their insert (missed by the log tail) and published",
                 sweep_found.clone(),
+            );
+            registry.register(
+                "outbox_relay_publication_gap_back_filled",
+                "Rows published from the table because what publishes it changed (a DROP and ADD of the table, ALTER PUBLICATION ... SET): inserts in between may not have been streamed",
+                gap_back_filled.clone(),
+            );
+            registry.register(
+                "outbox_relay_publication_gap_held",
+                "Times the relay (keeping rows) stopped because what publishes the table changed; it holds until the change is accepted",
+                gap_held.clone(),
             );
         }
         // Counters get their `_total` suffix from the library.
@@ -193,6 +211,8 @@ impl Metrics {
             slot_active,
             slot_wal_status,
             sweep_found,
+            gap_back_filled,
+            gap_held,
             registry,
         }
     }

@@ -37,6 +37,11 @@ pub struct RelayConfig {
     /// Address of the HTTP server for metrics and probes.
     #[serde(default = "default_listen")]
     pub listen: String,
+    /// Log tailing keeping rows: changes of what publishes the outbox table that the
+    /// user accepted (annotation [`crate::api::ACCEPT_PUBLICATION_CHANGE_ANNOTATION`]),
+    /// by the identity the relay logged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coverage_accepted: Vec<String>,
 }
 
 fn default_listen() -> String {
@@ -113,6 +118,20 @@ impl RelayConfig {
             spec,
             secret_files,
             listen: default_listen(),
+            coverage_accepted: valid
+                .relay()
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(crate::api::ACCEPT_PUBLICATION_CHANGE_ANNOTATION))
+                .map(|v| {
+                    v.split_whitespace()
+                        .flat_map(|v| v.split(','))
+                        .filter(|v| !v.is_empty())
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default(),
         }
     }
 
@@ -298,6 +317,30 @@ spec:
         assert_eq!(reparsed.table, v.table);
         assert_eq!(reparsed.mode, v.mode);
         assert_eq!(reparsed.broker, v.broker);
+    }
+
+    #[test]
+    fn an_accepted_publication_change_reaches_the_file_and_only_then() {
+        assert!(
+            RelayConfig::for_relay(&valid())
+                .coverage_accepted
+                .is_empty()
+        );
+        let mut relay: OutboxRelay = serde_yaml::from_str(LOG_TAILING_KAFKA).unwrap();
+        relay.metadata.annotations = Some(
+            [(
+                crate::api::ACCEPT_PUBLICATION_CHANGE_ANNOTATION.to_owned(),
+                "16391/732;16394/730, 16391/740;16399/741".to_owned(),
+            )]
+            .into(),
+        );
+        let config = RelayConfig::for_relay(&parse(&relay).unwrap());
+        assert_eq!(
+            config.coverage_accepted,
+            ["16391/732;16394/730", "16391/740;16399/741"]
+        );
+        let back: RelayConfig = serde_yaml::from_str(&config.to_yaml().unwrap()).unwrap();
+        assert_eq!(back, config);
     }
 
     #[test]

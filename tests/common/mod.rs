@@ -1501,7 +1501,11 @@ pub struct DeliveryReport {
     pub duplicates: usize,
     pub missing: Vec<i64>,
     pub orphans: Vec<i64>,
+    /// First deliveries after a later row of their aggregate.
     pub order_violations: Vec<String>,
+    /// Older rows delivered again after newer ones that did not come again after them
+    /// (see [`check_delivery`]).
+    pub stale_redeliveries: Vec<String>,
 }
 
 impl DeliveryReport {
@@ -1533,16 +1537,18 @@ pub fn check_delivery(
     committed: &std::collections::BTreeSet<i64>,
     aborted: &std::collections::BTreeSet<i64>,
 ) -> DeliveryReport {
-    /// An aggregate's deliveries so far: the newest row delivered, and the last.
+    /// An aggregate's deliveries so far: the newest row delivered, and an older row
+    /// delivered again after it, while the newest has not come again since.
     #[derive(Default)]
     struct Aggregate {
         newest: i64,
-        last: i64,
+        stale: Option<i64>,
     }
     let stale = |aggregate: &str, a: &Aggregate, before: &str| {
         format!(
             "aggregate {aggregate}: row {} was delivered again after row {}, which was not delivered again after it {before}",
-            a.last, a.newest
+            a.stale.unwrap_or_default(),
+            a.newest
         )
     };
     let mut seen = std::collections::HashSet::new();
@@ -1563,26 +1569,27 @@ pub fn check_delivery(
                     "aggregate {}: row {} delivered after row {}",
                     message.aggregate, message.id, a.newest
                 ));
-            } else if a.last < a.newest {
-                report.order_violations.push(stale(
+            } else if a.stale.is_some() {
+                report.stale_redeliveries.push(stale(
                     &message.aggregate,
                     a,
                     &format!("before row {} came", message.id),
                 ));
             }
+            a.stale = None;
         } else {
             report.duplicates += 1;
+            a.stale = (message.id < a.newest).then_some(message.id);
         }
-        a.last = message.id;
         a.newest = a.newest.max(message.id);
     }
     let mut left: Vec<String> = aggregates
         .iter()
-        .filter(|(_, a)| a.last < a.newest)
+        .filter(|(_, a)| a.stale.is_some())
         .map(|(aggregate, a)| stale(aggregate, a, "by the end"))
         .collect();
     left.sort();
-    report.order_violations.extend(left);
+    report.stale_redeliveries.extend(left);
     report.distinct = seen.len();
     report.missing = committed
         .iter()

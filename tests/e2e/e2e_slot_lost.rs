@@ -252,6 +252,11 @@ async fn a_lost_slot_is_back_filled_alone_then_tailed_again_with_nothing_lost_or
         "per-aggregate order broken, first {:?}",
         &report.order_violations[..report.order_violations.len().min(10)]
     );
+    assert!(
+        report.stale_redeliveries.is_empty(),
+        "redeliveries outside a replayed window, first {:?}",
+        &report.stale_redeliveries[..report.stale_redeliveries.len().min(10)]
+    );
     assert!(report.orphans.is_empty(), "rolled-back events arrived");
     s.controller.stop(Duration::from_secs(30)).unwrap();
 }
@@ -431,6 +436,11 @@ async fn a_lost_slot_without_delete_after_publish_waits_for_the_choice_and_names
         report.order_violations.is_empty(),
         "per-aggregate order broken, first {:?}",
         &report.order_violations[..report.order_violations.len().min(10)]
+    );
+    assert!(
+        report.stale_redeliveries.is_empty(),
+        "redeliveries outside a replayed window, first {:?}",
+        &report.stale_redeliveries[..report.stale_redeliveries.len().min(10)]
     );
     assert!(report.orphans.is_empty(), "rolled-back events arrived");
     s.controller.stop(Duration::from_secs(30)).unwrap();

@@ -882,6 +882,31 @@ async fn log_tailing_logs_in_with_md5_and_scram_passwords() {
             || async { common::unpublished_rows(&db.client).await == 0 },
         )
         .await;
+        // And confirms it: the role, no superuser, can read what publishes the table
+        // (the check once failed for it with "permission denied for schema pg_toast",
+        // so nothing was ever confirmed and the slot kept all WAL).
+        let written: String = db
+            .client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        common::wait_for_relays(
+            &format!("the {method} user's relay to confirm every row"),
+            Duration::from_secs(60),
+            &[&relay],
+            || async {
+                db.client
+                    .query_one(
+                        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots \
+                         WHERE slot_name = $1",
+                        &[&guard.slot, &written],
+                    )
+                    .await
+                    .is_ok_and(|r| r.get::<_, bool>(0))
+            },
+        )
+        .await;
         let backends: i64 = db
             .client
             .query_one(

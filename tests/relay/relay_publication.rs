@@ -1,13 +1,15 @@
 //! Log tailing never skips rows and confirms past them: a partitioned outbox table is
 //! streamed whether or not its publication publishes via the partition root, and a
-//! publication altered under a running relay stops confirmation (and readiness) at the
-//! point the table left it, instead of letting heartbeats confirm past rows the server
-//! never streamed.
+//! publication altered under a running relay — the table dropped from it and added
+//! again, a second later or at once — never loses the rows inserted in between: with
+//! `deleteAfterPublish` they are published from the table before anything newer, in
+//! per-aggregate order; keeping rows, the relay stops, confirms nothing and says so,
+//! until the change is accepted.
 //!
 //! Before: the relay knew the table only by name, so a partition's rows (streamed under
-//! the partition's name) were dropped and their commits confirmed; and nothing watched
-//! the publication, so rows inserted while the table was out of it were skipped for
-//! good with the slot confirmed past them.
+//! the partition's name) were dropped and their commits confirmed; nothing watched the
+//! publication, so rows inserted while the table was out of it were skipped for good;
+//! and then a sample once a second, which a DROP and ADD in between never showed.
 
 use crate::common;
 
@@ -191,107 +193,257 @@ async fn wal_lsn(client: &tokio_postgres::Client, sql: &str) -> i64 {
     count(client, &format!("SELECT (({sql}) - '0/0'::pg_lsn)::bigint")).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publication_altered_under_the_relay_stops_confirmation_where_the_table_left() {
+/// The relay's current `confirmed_flush_lsn` of `slot`, as bytes from 0/0.
+fn confirmed_sql(slot: &str) -> String {
+    format!("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'")
+}
+
+/// A relay tailing `public.outbox` to a fresh topic, its slot and publication made.
+struct Tailing {
+    db: common::TestDatabase,
+    topic: String,
+    slot: String,
+    relay: RelayProcess,
+    yaml: String,
+    broker: RelayBroker,
+    _guard: SlotGuard,
+}
+
+async fn tailing(name: &str, delete_after_publish: bool) -> Tailing {
     let rig = common::Rig::load();
-    let mut db = common::fresh_database().await;
+    let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, 4).await;
     let topic = common::fresh_topic(3).await;
     let broker = RelayBroker::Kafka {
         bootstrap: rig.kafka_bootstrap().to_owned(),
         topic: topic.clone(),
     };
-    let guard = SlotGuard::new(rig.pg_url(), "alter");
+    let guard = SlotGuard::new(rig.pg_url(), name);
     let slot = guard.slot.clone();
     common::create_replication(&db.client, &slot, &slot).await;
-    let relay = RelayProcess::start(
-        &common::log_tailing_yaml(&broker, &slot, true),
-        &db.url,
-        &broker,
-    );
+    let yaml = common::log_tailing_yaml(&broker, &slot, delete_after_publish);
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
     common::wait_slot_active(&db.client, &slot, &relay).await;
-    let mut written = write(&mut db.client, 30).await;
-    wait_table_empty(&db.client, &relay).await;
+    Tailing {
+        db,
+        topic,
+        slot,
+        relay,
+        yaml,
+        broker,
+        _guard: guard,
+    }
+}
 
-    // The table leaves the publication; rows written now are never streamed.
-    db.client
+async fn alter(client: &tokio_postgres::Client, slot: &str, change: &str) {
+    client
         .batch_execute(&format!(
-            "ALTER PUBLICATION {slot} DROP TABLE public.outbox"
+            "ALTER PUBLICATION {slot} {change} TABLE public.outbox"
         ))
         .await
-        .unwrap_or_else(|err| panic!("ALTER PUBLICATION: {err}"));
-    let dropped_at = wal_lsn(&db.client, "pg_current_wal_lsn()").await;
-    let skipped = write(&mut db.client, 10).await;
-    let confirmed_sql =
-        format!("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'");
-    // Heartbeats (every second) and the deletes' own WAL go on; for as long as this
-    // pause, none of it may be confirmed past the change.
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    let confirmed = wal_lsn(&db.client, &confirmed_sql).await;
-    assert!(
-        confirmed < dropped_at,
-        "the slot was confirmed ({confirmed}) past the point the table left the publication \
-         ({dropped_at}): the {} rows written since are lost for good",
-        skipped.len()
-    );
-    assert!(
-        relay
-            .log()
-            .contains("no longer publishes inserts into the outbox table"),
-        "the relay did not report the table missing from the publication:\n{}",
-        relay.log_tail(20)
-    );
-    let readyz = reqwest::Client::new()
-        .get(format!("http://{}/readyz", relay.http_addr().await))
-        .send()
-        .await
-        .unwrap_or_else(|err| panic!("GET /readyz: {err}"));
-    let ready_status = readyz.status();
-    let ready_body = readyz.text().await.unwrap_or_default();
-    println!(
-        "publication altered at WAL {dropped_at}: confirmed_flush_lsn {confirmed} after 6 s of \
-         heartbeats; /readyz {ready_status}: {}",
-        ready_body.trim()
-    );
-    assert!(
-        confirmed < dropped_at,
-        "the slot was confirmed ({confirmed}) past the point the table left the publication \
-         ({dropped_at}): the {} rows written since are lost for good",
-        skipped.len()
-    );
-    assert_eq!(
-        ready_status,
-        reqwest::StatusCode::SERVICE_UNAVAILABLE,
-        "{ready_body}"
-    );
-    assert!(ready_body.contains("no longer publishes"), "{ready_body}");
+        .unwrap_or_else(|err| panic!("ALTER PUBLICATION {change}: {err}"));
+}
 
-    // Back in the publication: later rows stream and confirmation resumes; the rows
-    // written meanwhile were never streamed and are still in the table.
-    db.client
-        .batch_execute(&format!("ALTER PUBLICATION {slot} ADD TABLE public.outbox"))
-        .await
-        .unwrap_or_else(|err| panic!("ALTER PUBLICATION: {err}"));
-    let later = write(&mut db.client, 10).await;
-    let target = wal_lsn(&db.client, "pg_current_wal_lsn()").await;
+/// Every row arrived, in per-aggregate order, and every redelivery in a replayed window.
+fn check_all(received: &[Received], written: &[(i64, String)]) -> common::DeliveryReport {
+    assert_delivered(received, written);
+    let committed = written.iter().map(|(id, _)| *id).collect();
+    let report = common::check_delivery(received, &committed, &Default::default());
+    assert!(
+        report.missing.is_empty() && report.order_violations.is_empty(),
+        "{report:?}"
+    );
+    assert!(
+        report.stale_redeliveries.is_empty(),
+        "{:?}",
+        report.stale_redeliveries
+    );
+    report
+}
+
+/// The table dropped from the publication and added again `gap` later, with rows
+/// written in between and after; deleteAfterPublish.
+async fn dropped_and_added(name: &str, gap: Duration) {
+    let mut t = tailing(name, true).await;
+    let mut written = write(&mut t.db.client, 30).await;
+    wait_table_empty(&t.db.client, &t.relay).await;
+
+    alter(&t.db.client, &t.slot, "DROP").await;
+    let dropped_at = wal_lsn(&t.db.client, "pg_current_wal_lsn()").await;
+    let skipped = write(&mut t.db.client, 10).await;
+    tokio::time::sleep(gap).await;
+    if gap >= Duration::from_secs(3) {
+        // Out of the publication for seconds: heartbeats go on, none of it confirmed.
+        let confirmed = wal_lsn(&t.db.client, &confirmed_sql(&t.slot)).await;
+        assert!(
+            confirmed < dropped_at,
+            "the slot was confirmed ({confirmed}) past the point the table left the publication ({dropped_at})"
+        );
+        let readyz = reqwest::Client::new()
+            .get(format!("http://{}/readyz", t.relay.http_addr().await))
+            .send()
+            .await
+            .unwrap_or_else(|err| panic!("GET /readyz: {err}"));
+        assert_eq!(readyz.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            readyz
+                .text()
+                .await
+                .unwrap_or_default()
+                .contains("no longer publishes")
+        );
+    }
+    alter(&t.db.client, &t.slot, "ADD").await;
+    let later = write(&mut t.db.client, 10).await;
+    wait_table_empty(&t.db.client, &t.relay).await;
+    let target = wal_lsn(&t.db.client, "pg_current_wal_lsn()").await;
     common::wait_for_relays(
-        "confirmation to resume past the re-added table's rows",
+        "confirmation past the re-added table's rows",
         Duration::from_secs(60),
-        &[&relay],
-        || async { wal_lsn(&db.client, &confirmed_sql).await >= target },
+        &[&t.relay],
+        || async { wal_lsn(&t.db.client, &confirmed_sql(&t.slot)).await >= target },
     )
     .await;
-    let left = count(&db.client, "SELECT count(*) FROM public.outbox").await;
-    assert_eq!(
-        left,
-        i64::try_from(skipped.len()).unwrap(),
-        "the rows written while the table was out of the publication stay in the table"
+    assert!(
+        t.relay
+            .log()
+            .contains("publishing every row left in the table first"),
+        "the relay did not say it back-filled:\n{}",
+        t.relay.log_tail(20)
     );
+    written.extend(skipped.iter().cloned());
     written.extend(later);
+    let topic = t.topic.clone();
     let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
         .await
         .unwrap();
-    assert_delivered(&received, &written);
+    let report = check_all(&received, &written);
+    println!(
+        "table out of the publication for {gap:?}: {} rows ({} written meanwhile), 0 lost, 0 reordered, {} duplicates",
+        written.len(),
+        skipped.len(),
+        report.duplicates
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_dropped_from_the_publication_and_added_at_once_loses_nothing() {
+    dropped_and_added("dropadd", Duration::from_millis(100)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_out_of_the_publication_for_seconds_loses_nothing_and_confirms_nothing_meanwhile() {
+    dropped_and_added("alter", Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeping_rows_a_publication_change_stops_the_relay_until_it_is_accepted() {
+    let mut t = tailing("keepgap", false).await;
+    let mut written = write(&mut t.db.client, 20).await;
+    let topic = t.topic.clone();
+    let first: Vec<i64> = written.iter().map(|(id, _)| *id).collect();
+    common::wait_for_relays(
+        "the first rows on the topic",
+        Duration::from_secs(60),
+        &[&t.relay],
+        || {
+            let topic = topic.clone();
+            let first = first.clone();
+            async move {
+                let got = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+                    .await
+                    .unwrap_or_default();
+                first.iter().all(|id| got.iter().any(|m| m.id == *id))
+            }
+        },
+    )
+    .await;
+
+    alter(&t.db.client, &t.slot, "DROP").await;
+    let skipped = write(&mut t.db.client, 10).await;
+    alter(&t.db.client, &t.slot, "ADD").await;
+    let later = write(&mut t.db.client, 10).await;
+    let held_at = wal_lsn(&t.db.client, "pg_current_wal_lsn()").await;
+    // The relay decides when the first later row reaches its gate: it says so, and
+    // from then on nothing is published or confirmed.
+    common::wait_for_relays(
+        "the relay to hold at the publication change",
+        Duration::from_secs(60),
+        &[&t.relay],
+        || async {
+            t.relay
+                .log()
+                .contains("Nothing more is published or confirmed")
+        },
+    )
+    .await;
+    let readyz = reqwest::Client::new()
+        .get(format!("http://{}/readyz", t.relay.http_addr().await))
+        .send()
+        .await
+        .unwrap_or_else(|err| panic!("GET /readyz: {err}"));
+    assert_eq!(readyz.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(readyz.text().await.unwrap_or_default().contains("holding"));
+    let topic = t.topic.clone();
+    let got = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let ids: std::collections::HashSet<i64> = got.iter().map(|m| m.id).collect();
+    assert!(
+        later.iter().all(|(id, _)| !ids.contains(id)),
+        "rows written after the change were published past the gap"
+    );
+    let confirmed = wal_lsn(&t.db.client, &confirmed_sql(&t.slot)).await;
+    assert!(confirmed < held_at, "confirmed past the hold");
+
+    // Accepted (the identity the relay logged, in its settings): later rows go on; the
+    // rows of the window are the ones that never arrive.
+    let identity = t
+        .relay
+        .log()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v["fields"]["identity"].as_str().map(str::to_owned))
+        .expect("the hold names the change's identity");
+    t.relay.terminate(Duration::from_secs(30));
+    let yaml = format!(
+        "{}\ncoverageAccepted: [\"{identity}\"]\n",
+        t.yaml.trim_end()
+    );
+    let relay = RelayProcess::start(&yaml, &t.db.url, &t.broker);
+    let later_ids: Vec<i64> = later.iter().map(|(id, _)| *id).collect();
+    let topic = t.topic.clone();
+    common::wait_for_relays(
+        "the rows written after the change on the topic",
+        Duration::from_secs(60),
+        &[&relay],
+        || {
+            let topic = topic.clone();
+            let later_ids = later_ids.clone();
+            async move {
+                let got = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+                    .await
+                    .unwrap_or_default();
+                later_ids.iter().all(|id| got.iter().any(|m| m.id == *id))
+            }
+        },
+    )
+    .await;
+    let topic = t.topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let skipped_ids: std::collections::HashSet<i64> = skipped.iter().map(|(id, _)| *id).collect();
+    assert!(
+        received.iter().all(|m| !skipped_ids.contains(&m.id)),
+        "a row of the window arrived: the window is not what the relay reported"
+    );
+    written.extend(later);
+    check_all(&received, &written);
+    println!(
+        "keeping rows, table dropped and added at once: held until accepted; {} rows of the window not published, {} others all arrived in order",
+        skipped.len(),
+        written.len()
+    );
     drop(relay);
-    drop(guard);
 }

@@ -1,6 +1,7 @@
 //! The reconciliation sweep of a log-tailing relay: rows the tail cannot see (the
-//! publication stopped publishing the table while they were written) are found in the
-//! table once older than `sweep.olderThan`, published, deleted and counted.
+//! publication stopped publishing the table while they were written, while no relay
+//! process ran to see the change) are found in the table once older than
+//! `sweep.olderThan`, published, deleted and counted.
 
 use crate::common::{self, RelayBroker, RelayProcess, SlotGuard};
 
@@ -45,11 +46,13 @@ async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
             guard.slot
         ),
     );
-    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     let mut expected = insert(&db.client, 5, "seen").await;
     // Rows written while the publication does not publish the table never reach the
-    // slot's stream.
+    // slot's stream. A running relay sees the change before it publishes anything
+    // newer (tests/relay/relay_publication.rs); one that is not running cannot.
+    relay.terminate(Duration::from_secs(30));
     db.client
         .batch_execute(&format!(
             "ALTER PUBLICATION {} DROP TABLE public.outbox",
@@ -66,6 +69,8 @@ async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
         .await
         .unwrap();
     expected.extend(&hidden);
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     expected.extend(insert(&db.client, 3, "after").await);
 
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -69,7 +69,8 @@ fn the_delivery_checker_looks_at_every_redelivery() {
     let committed = (1..=5).collect();
     let none = Default::default();
     let check = |seen: &[(i64, &str)]| {
-        common::check_delivery(&deliveries(seen), &committed, &none).order_violations
+        let report = common::check_delivery(&deliveries(seen), &committed, &none);
+        [report.order_violations, report.stale_redeliveries].concat()
     };
     let all = [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")];
     assert!(check(&all).is_empty());

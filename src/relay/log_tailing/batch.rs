@@ -246,6 +246,8 @@ impl LogTailer {
         passed: Option<f64>,
     ) -> Result<(), SessionEnd> {
         let started = Instant::now();
+        // Nothing is published before every insert preceding it is known streamed.
+        let rows = self.gate(client, rows, confirm).await?;
         let per_aggregate = self.settings.valid.per_aggregate;
         let mut pending = chains(rows, per_aggregate);
         // Keeping rows, the table cannot tell what is unpublished: the backlog metrics

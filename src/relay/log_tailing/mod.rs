@@ -67,7 +67,10 @@
 //! publishes the table (reading the WAL position first), and nothing past the last
 //! position seen covered is ever confirmed: a publication altered under the relay makes
 //! it stop confirming, log an error and report not ready, instead of confirming past
-//! rows it never saw. A partitioned outbox table is streamed under its own name
+//! rows it never saw. A change between two such looks (a DROP and ADD of the table) is
+//! caught exactly by the publication gate (`gap`) before each batch: with
+//! `deleteAfterPublish` the rows left in the table are published first; keeping rows,
+//! the relay holds until the change is accepted. A partitioned outbox table is streamed under its own name
 //! (`publish_via_partition_root`, as the operator creates publications) or, under a
 //! publication without it, under each partition's name; a relation the stream names
 //! is asked about once (`pg_partition_root`), and a partition's rows are the table's.
@@ -81,6 +84,7 @@
 
 mod batch;
 mod deleter;
+mod gap;
 mod layout;
 mod stats;
 mod sweep;
@@ -182,6 +186,8 @@ pub(super) struct LogTailer {
     attempts: HashMap<i64, u32>,
     /// The outbox table as the session inspected it (for dead-lettering).
     table: Option<OutboxTable>,
+    /// The publication gate's memory (`gap`).
+    gate: gap::Gate,
 }
 
 impl LogTailer {
@@ -215,6 +221,7 @@ impl LogTailer {
             covered_tx: Some(covered_tx),
             attempts: HashMap::new(),
             table: None,
+            gate: gap::Gate::default(),
         }
     }
 
