@@ -102,10 +102,14 @@ impl Note {
     }
 }
 
-/// Whether the relay's pods tail the log now, so that whatever replaces them must wait
-/// until they are gone ([`Decision::exclusive_rollout`]).
+/// Whether whatever replaces the relay's pods must wait until they are gone
+/// ([`Decision::exclusive_rollout`]): they tail the log, or a rollout is still under way
+/// (the Deployment may already say polling while log-tailing pods of the rollout that
+/// began with `Recreate` still run: switched back to `RollingUpdate` mid-way, the
+/// controller would start polling pods beside them).
 pub(super) fn exclusive_rollout(observed: &Observed) -> bool {
-    observed.children.deployment.is_some() && !observed.children.runs_polling
+    let children = &observed.children;
+    children.deployment.is_some() && (!children.runs_polling || !children.settled)
 }
 
 /// Decides for a relay: `parsed` is the spec's parse, `owner` who the database objects

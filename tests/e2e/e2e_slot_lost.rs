@@ -241,6 +241,26 @@ async fn a_lost_slot_is_back_filled_alone_then_tailed_again_with_nothing_lost_or
         report.order_violations.len(),
         report.duplicates
     );
+    if !(report.missing.is_empty() && report.order_violations.is_empty()) {
+        let events: Vec<String> = operator::relay_events(&s.client, &s.ns, "lost")
+            .await
+            .iter()
+            .map(|e| {
+                format!(
+                    "{:?} {:?}: {:?}",
+                    e.event_time.as_ref().map(|t| t.0.to_string()),
+                    e.reason,
+                    e.note
+                )
+            })
+            .collect();
+        println!(
+            "events:\n{}\n{}\n--- controller ---\n{}",
+            events.join("\n"),
+            s.runner.log_tails(80),
+            s.controller.log_tail(120)
+        );
+    }
     assert!(
         report.missing.is_empty(),
         "{} committed events never arrived, first {:?}",

@@ -123,15 +123,13 @@ fn a_lost_slot_with_delete_after_publish_is_back_filled_alone_before_a_new_slot(
         Some(RECOVERY_BACKFILL)
     );
 
-    // Polling pods run but a tailing pod may be left (rollout not complete): still no
-    // slot.
+    // The Deployment says polling but its rollout is not complete (a tailing pod may be
+    // left): still no slot, and the rollout stays exclusive (switched back to
+    // RollingUpdate mid-way, polling pods would start beside the tailing ones).
     o.children.runs_polling = true;
     let d = run(&relay("logTailing", 1), Some(&recorded), Some(&o));
     assert!(!creates_slot(&d) && d.backfill, "{d:?}");
-    assert!(
-        !d.exclusive_rollout,
-        "polling pods replace nothing that tails"
-    );
+    assert!(d.exclusive_rollout, "{d:?}");
 
     // Only polling pods: the slot is created and the handover from polling begins
     // (snapshot, polling keeps running until the rows before the slot are out).
@@ -209,9 +207,12 @@ fn a_rollout_replacing_tailing_pods_is_exclusive() {
     );
     assert!(run(&relay("logTailing", 1), None, Some(&o)).exclusive_rollout);
     assert!(run(&relay("polling", 1), None, Some(&o)).exclusive_rollout);
-    // Polling pods replaced by polling pods overlap (advisory locks keep them apart).
+    // Polling pods replaced by polling pods overlap (advisory locks keep them apart),
+    // once the rollout that made them polling is complete.
     let mut polling = o.clone();
     polling.children.runs_polling = true;
+    assert!(run(&relay("polling", 1), None, Some(&polling)).exclusive_rollout);
+    polling.children.settled = true;
     assert!(!run(&relay("polling", 1), None, Some(&polling)).exclusive_rollout);
     // No Deployment yet: nothing to replace.
     let fresh = observed(
