@@ -44,6 +44,26 @@ impl Snapshot {
     }
 }
 
+impl Snapshot {
+    /// Whether a committed transaction `xid` — any, however old — committed before the
+    /// snapshot, given `now_xmax`, the `xmax` of a snapshot taken later. The xids
+    /// assigned since the snapshot are exactly those from its `xmax` up to `now_xmax`
+    /// (modulo 2^32; fewer than 2^32 of them pass between the two), so a transaction
+    /// committed after it is one of those or was in progress then; every other xid is
+    /// older, also one more than 2^31 transactions old, which [`Snapshot::sees`]
+    /// would take for a future one.
+    pub fn committed_before(&self, xid: u32, now_xmax: u32) -> bool {
+        let assigned_since = now_xmax.wrapping_sub(self.xmax);
+        let after = xid.wrapping_sub(self.xmax) < assigned_since;
+        !after && !self.in_progress.contains(&xid)
+    }
+
+    /// The low 32 bits of `xmax` of a snapshot as text (`pg_current_snapshot()`).
+    pub fn xmax_of(text: &str) -> Option<u32> {
+        Snapshot::parse(text).map(|s| s.xmax)
+    }
+}
+
 /// Whether every transaction of `xids` is visible in `snapshot` (text); `None` when
 /// the text is not a snapshot.
 pub fn all_visible(snapshot: &str, xids: &[u32]) -> Option<bool> {
@@ -73,5 +93,30 @@ mod tests {
         assert_eq!(all_visible("garbage", &[1]), None);
         assert_eq!(all_visible("1:2:x", &[1]), None);
         assert_eq!(all_visible("1:2:3:4", &[1]), None);
+    }
+
+    #[test]
+    fn a_row_of_any_age_counts_as_committed_before_and_only_later_ones_after() {
+        // The slot's snapshot: xmax 3,000,000,000, 3,000,000,005 in progress; 100 xids
+        // assigned since.
+        let snap = Snapshot::parse("2999999990:3000000000:2999999995").unwrap();
+        let now = 3_000_000_100;
+        // 2.5 billion transactions older: more than 2^31 behind, which modulo-2^32
+        // comparison takes for a future xid.
+        let ancient = 500_000_000;
+        assert!(!snap.sees(ancient), "the comparison this replaces");
+        assert!(snap.committed_before(ancient, now));
+        assert!(snap.committed_before(2_999_999_999, now));
+        // In progress at the snapshot, or assigned after it: after.
+        assert!(!snap.committed_before(2_999_999_995, now));
+        assert!(!snap.committed_before(3_000_000_000, now));
+        assert!(!snap.committed_before(3_000_000_099, now));
+        // Across the 2^32 wrap: a snapshot just before it, xids just after.
+        let snap = Snapshot::parse(&format!("{}:{}:", u32::MAX - 10, u32::MAX - 5)).unwrap();
+        let now = 20;
+        assert!(!snap.committed_before(3, now));
+        assert!(snap.committed_before(u32::MAX - 6, now));
+        assert!(snap.committed_before(2_000_000_000, now));
+        assert_eq!(Snapshot::xmax_of("1:7:"), Some(7));
     }
 }

@@ -46,9 +46,13 @@ pub async fn unpublished_before(
         .iter()
         .filter_map(|r| Some((r.get::<_, String>(0).parse().ok()?, r.get(1))))
         .collect();
+    // Read after the rows: every xid they carry is below it.
+    let now = replication::current_snapshot(client).await?;
+    let now_xmax = Snapshot::xmax_of(&now)
+        .ok_or_else(|| PgError::Replication(format!("{now:?} is not a PostgreSQL snapshot")))?;
     Ok(by_xid
         .iter()
-        .filter(|(xid, _)| snapshot.sees(**xid))
+        .filter(|(xid, _)| snapshot.committed_before(**xid, now_xmax))
         .map(|(_, n)| n)
         .sum())
 }
