@@ -754,7 +754,12 @@ fn eager_config(config: &KafkaSettings) -> ClientConfig {
     client
 }
 
-/// Errors that say this message will never be accepted as it is.
+/// Errors that say this message will never be accepted as it is: its size, its
+/// record, its timestamp, a topic name its own aggregate type makes invalid. Not a
+/// topic that does not exist (yet), a partition the topic lacks, or a topic the user
+/// may not write: the cluster's configuration, which is fixed without touching the
+/// row — as outages they are retried and never count toward `maxAttempts`, so an ACL
+/// mistake does not dead-letter every row of a topic.
 fn is_row_fault(code: RDKafkaErrorCode) -> bool {
     matches!(
         code,
@@ -766,11 +771,6 @@ fn is_row_fault(code: RDKafkaErrorCode) -> bool {
             // topic's `message.timestamp.after.max.ms` allows.
             | RDKafkaErrorCode::InvalidTimestamp
             | RDKafkaErrorCode::InvalidTopic
-            | RDKafkaErrorCode::UnknownTopic
-            | RDKafkaErrorCode::UnknownTopicOrPartition
-            // A `partition` placement naming a partition the topic does not have.
-            | RDKafkaErrorCode::UnknownPartition
-            | RDKafkaErrorCode::TopicAuthorizationFailed
     )
 }
 
@@ -1849,5 +1849,25 @@ mod tests {
         assert_eq!(outcomes.len(), 1, "{outcomes:?}");
         let err = outcomes[0].as_ref().expect_err("too large");
         assert!(err.row_fault, "{err:?}");
+    }
+
+    #[test]
+    fn the_clusters_configuration_is_no_rows_fault() {
+        for code in [
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::UnknownTopic,
+            RDKafkaErrorCode::UnknownPartition,
+            RDKafkaErrorCode::ClusterAuthorizationFailed,
+        ] {
+            assert!(!is_row_fault(code), "{code:?}");
+        }
+        for code in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::InvalidTopic,
+            RDKafkaErrorCode::InvalidTimestamp,
+        ] {
+            assert!(is_row_fault(code), "{code:?}");
+        }
     }
 }
