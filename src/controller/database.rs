@@ -608,10 +608,12 @@ async fn successor(
     };
     let database = database_key(&conn.url);
     for candidate in api.list(&ListParams::default()).await?.items {
+        let namespace = relay.namespace().unwrap_or_default();
         let same_slot = candidate.uid() != relay.uid()
             && candidate.metadata.deletion_timestamp.is_none()
             && crate::spec::parse(&candidate)
                 .ok()
+                .filter(|v| v.may_take_over(&namespace))
                 .and_then(|v| Plan::for_relay(&v).log_tailing)
                 .is_some_and(|p| p.slot == lt.slot && p.publication == lt.publication);
         if !same_slot {

@@ -277,7 +277,12 @@ async fn claim(
         // Gone: with its own publication there is no marker here to take over, and the
         // slot is adopted as any slot that exists.
         Ok(_) if other_publication => Ok(Claim::Free),
-        Ok(_) => Ok(Claim::Released),
+        Ok(_) if valid.may_take_over(&marker.owner.namespace) => Ok(Claim::Released),
+        // A relay of another namespace whose default slot name is this one's too: its
+        // slot and position are not this relay's to take.
+        Ok(_) => Ok(Claim::Held(format!(
+            "OutboxRelay {other}, of another namespace, whose default slot name is this relay's too (it is gone, but its slot and position are not this relay's; to take them over, name the slot in spec.mode.logTailing.slotName)"
+        ))),
         // Not allowed to look (a namespace the operator does not watch): assume it
         // lives, the safe side for a slot.
         Err(kube::Error::Api(status)) if status.code == 403 => Ok(Claim::Held(format!(

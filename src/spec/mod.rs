@@ -204,6 +204,8 @@ pub struct Polling {
 pub struct LogTailing {
     /// Replication slot.
     pub slot: String,
+    /// The spec names the slot (`slotName`), another than the default name.
+    pub slot_named: bool,
     /// Publication.
     pub publication: String,
     /// Heartbeat period of an idle relay.
@@ -414,6 +416,16 @@ impl ValidRelay {
             ..PollingSpec::default()
         });
         parse(&relay).ok()
+    }
+
+    /// Whether this relay may take over the slot and position of another, gone relay
+    /// in `namespace` whose marker names the same slot: a rename in the same namespace,
+    /// or a slot this relay's spec names explicitly. Default slot names of two
+    /// namespaces can be alike (`team-a/orders` and `team/a-orders` both default to
+    /// `outbox_team_a_orders`), and that is no rename: the slot and its position are
+    /// another relay's.
+    pub fn may_take_over(&self, namespace: &str) -> bool {
+        self.namespace == namespace || self.mode.log_tailing().is_some_and(|l| l.slot_named)
     }
 
     /// Every Secret reference of the relay, as the catalogue in [`secrets`] describes it.

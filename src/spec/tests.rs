@@ -55,6 +55,43 @@ fn log_tailing_names_its_slot_and_the_resource_carries_it() {
     assert_eq!(valid.effective_replicas(), 1);
 }
 
+#[test]
+fn default_slot_names_of_two_namespaces_can_be_alike_and_give_no_right_to_the_other_slot() {
+    let at = |namespace: &str, name: &str, mode: &str| {
+        let yaml = BASE.replace("{polling: {}}", mode).replace(
+            "{name: orders, namespace: shop}",
+            &format!("{{name: {name}, namespace: {namespace}}}"),
+        );
+        parse(&relay(&yaml)).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let a = at("team-a", "orders", "{logTailing: {}}");
+    let b = at("team", "a-orders", "{logTailing: {}}");
+    assert_eq!(
+        a.mode.log_tailing().unwrap().slot,
+        b.mode.log_tailing().unwrap().slot,
+        "the collision this guards against"
+    );
+    // A rename keeps its namespace; another namespace's relay of the same default name
+    // takes nothing over.
+    assert!(a.may_take_over("team-a"));
+    assert!(!a.may_take_over("team"));
+    // Naming the slot says it is meant, in any namespace; naming the default name is
+    // the default (it survives the relay's own round trip through its config file).
+    let named = at(
+        "team-a",
+        "orders",
+        "{logTailing: {slotName: shared_orders}}",
+    );
+    assert!(named.may_take_over("team"));
+    let default_named = at(
+        "team-a",
+        "orders",
+        "{logTailing: {slotName: outbox_team_a_orders}}",
+    );
+    assert!(!default_named.may_take_over("team"));
+    assert_eq!(default_named.mode, a.mode);
+}
+
 /// Each case: a spec (lines under `spec:`) and the fields its problems must name.
 /// The API server refuses most of these through the CRD's schema; parse is the same
 /// rule for render, check, the controller and the relay.
