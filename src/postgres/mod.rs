@@ -471,6 +471,9 @@ pub struct OutboxTable {
     /// Every column of the table, quoted, for the dead-letter copy.
     all_columns: Vec<String>,
     after_publish: AfterPublish,
+    /// `WHERE <publishedAt> IS NULL` where the table has that column, else empty: a
+    /// row marked published is never unpublished, whatever the mode.
+    unpublished_where: String,
     partitions: i32,
     select: SelectSql,
     /// How each extra column's values go into JSON, in `columns.extra`'s order.
@@ -610,9 +613,15 @@ impl OutboxTable {
             .map(|c| crate::broker::ValueKind::of_type_name(&type_of(c).unwrap_or_default()))
             .collect();
         let qualified = format!("{}.{}", quote(schema), quote(table));
-        let unpublished = match after_publish {
-            AfterPublish::Mark => format!("{} IS NULL AND ", quote(&columns.published_at)),
-            AfterPublish::Delete => String::new(),
+        // A row marked published is published, whatever this relay does after
+        // publishing: a table that was polled with `afterPublish: mark` keeps a day of
+        // marked rows, which the back-fill relay (deleting), the sweep and a gap's
+        // back-fill of a relay switched to log tailing must not send again. The same
+        // rule as the operator's backlog and handover counts.
+        let unpublished = if type_of(&columns.published_at).is_some() {
+            format!("{} IS NULL AND ", quote(&columns.published_at))
+        } else {
+            String::new()
         };
         let pexpr = partition_expr(&columns.aggregate_id, partitions);
         // ORDER BY id: always from the oldest unpublished row, never from a remembered
@@ -677,6 +686,9 @@ impl OutboxTable {
             qualified,
             dead_letter: format!("{}.{}", quote(schema), quote(dead_letter_table)),
             all_columns: existing.iter().map(|(c, _)| quote(c)).collect(),
+            unpublished_where: unpublished
+                .strip_suffix(" AND ")
+                .map_or_else(String::new, |c| format!("WHERE {c}")),
             columns,
             after_publish,
             partitions,
@@ -901,10 +913,7 @@ impl OutboxTable {
     /// Rows waiting to be published and the age in seconds of the oldest (when the table
     /// has a created-at column).
     pub async fn backlog(&self, client: &Client) -> Result<(i64, Option<f64>), PgError> {
-        let unpublished = match self.after_publish {
-            AfterPublish::Mark => format!("WHERE {} IS NULL", quote(&self.columns.published_at)),
-            AfterPublish::Delete => String::new(),
-        };
+        let unpublished = &self.unpublished_where;
         let age = self.columns.created_at.as_deref().map_or_else(
             || "NULL::float8".to_owned(),
             |c| format!("extract(epoch FROM now() - min({}))::float8", quote(c)),

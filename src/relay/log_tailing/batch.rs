@@ -25,6 +25,9 @@ use crate::relay::backoff::Backoff;
 use crate::relay::chains::{ChainResult, chains, publish_chains};
 use crate::relay::metrics::ErrorLabels;
 
+/// How often a stream held back by the delete task says it is alive.
+const DELETE_QUEUE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Transactions received but not yet published and confirmed.
 #[derive(Default)]
 struct Batch {
@@ -329,17 +332,13 @@ impl LogTailer {
             if let Some(confirm) = confirm {
                 self.handed = self.handed.max(confirm);
             }
-            let through = self.handed;
-            if let Some(deleter) = &self.deleter {
-                // A closed channel means the delete task is gone (shutdown): nothing
-                // more is confirmed, and the server streams those commits again.
-                let _ = deleter.send(Handed {
-                    through,
-                    ids: ids.clone(),
-                    xids,
-                    passed,
-                });
-            }
+            let handed = Handed {
+                through: self.handed,
+                ids: ids.clone(),
+                xids,
+                passed,
+            };
+            self.hand_to_deleter(handed).await?;
         } else if let Some(confirm) = confirm {
             self.acked = self.acked.max(confirm);
         }
@@ -360,6 +359,40 @@ impl LogTailer {
             }
         }
         Ok(())
+    }
+
+    /// Queues a published batch for the delete task, waiting while [`super::DELETE_QUEUE`]
+    /// batches already wait (deletes failing: the stream holds back). A closed channel
+    /// means the delete task is gone (shutdown): nothing more is confirmed, and the
+    /// server streams those commits again.
+    async fn hand_to_deleter(&mut self, handed: Handed) -> Result<(), SessionEnd> {
+        let Some(deleter) = self.deleter.clone() else {
+            return Ok(());
+        };
+        let mut said = false;
+        loop {
+            self.health.turned();
+            match tokio::time::timeout(DELETE_QUEUE_WAIT, deleter.reserve()).await {
+                Ok(Ok(permit)) => {
+                    permit.send(handed);
+                    if said {
+                        tracing::info!("the delete task caught up; streaming on");
+                    }
+                    return Ok(());
+                }
+                Ok(Err(_)) => return Ok(()),
+                Err(_) if self.stopping() => return Err(SessionEnd::Abandoned),
+                Err(_) => {
+                    if !said {
+                        said = true;
+                        tracing::warn!(
+                            batches = super::DELETE_QUEUE,
+                            "published batches wait for their rows to be deleted (the deletes are failing; see the delete task's warnings): publishing holds until they are"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Counts a failed message; true when it is a row the broker refused that has

@@ -87,7 +87,7 @@ async fn wait_visible(client: &Client, xids: &[u32]) -> Result<(), crate::postgr
 /// began, after a few failed attempts.
 pub(super) async fn delete_loop(
     target: DeleteTarget,
-    mut ids_rx: mpsc::UnboundedReceiver<Handed>,
+    mut ids_rx: mpsc::Receiver<Handed>,
     deleted: watch::Sender<Lsn>,
     passed_tx: watch::Sender<f64>,
     stop: watch::Receiver<bool>,

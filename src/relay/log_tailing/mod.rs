@@ -132,6 +132,10 @@ const DELETE_CHUNK: usize = 1000;
 /// How often an idle stream looks whether the delete task has deleted more, to
 /// confirm it.
 const DELETE_POLL: Duration = Duration::from_millis(50);
+/// Published batches that may wait for the delete task: past them the stream waits, so
+/// deletes that keep failing hold publishing back instead of growing memory (and the
+/// duplicates a restart would send) without bound.
+const DELETE_QUEUE: usize = 64;
 /// How long shutdown waits for the deleter to finish the deletes it was handed.
 const DELETER_DRAIN: Duration = Duration::from_secs(10);
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
@@ -170,7 +174,7 @@ pub(super) struct LogTailer {
     columns: Columns,
     /// Published ids go here with the commit position covering them, to the delete
     /// task (with `deleteAfterPublish`).
-    deleter: Option<mpsc::UnboundedSender<deleter::Handed>>,
+    deleter: Option<mpsc::Sender<deleter::Handed>>,
     /// Through which position the delete task has deleted (what may be confirmed).
     deleted: Option<watch::Receiver<Lsn>>,
     /// The last position handed to the delete task.
@@ -267,7 +271,7 @@ impl LogTailer {
         // sweep's cutoff (0: this process has not streamed anything, a standby).
         let (passed_tx, passed_rx) = watch::channel(0.0_f64);
         let deleter = self.lt.delete_after_publish.then(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::channel(DELETE_QUEUE);
             let (deleted_tx, deleted_rx) = watch::channel(Lsn(0));
             self.deleter = Some(tx);
             self.deleted = Some(deleted_rx);
