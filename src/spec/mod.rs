@@ -204,7 +204,8 @@ pub struct Polling {
 pub struct LogTailing {
     /// Replication slot.
     pub slot: String,
-    /// The spec names the slot (`slotName`), another than the default name.
+    /// The spec names the slot (`slotName`), another than the default name (naming the
+    /// default is the default, so the relay's own config file round-trips).
     pub slot_named: bool,
     /// Publication.
     pub publication: String,

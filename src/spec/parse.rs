@@ -347,11 +347,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                     }
                 });
                 Some(ValidMode::LogTailing(LogTailing {
-                    // Naming the default name explicitly is the default (and round-trips).
-                    slot_named: l
-                        .slot_name
-                        .as_ref()
-                        .is_some_and(|s| *s != default_slot_name(&namespace, &name)),
+                    slot_named: slot != default_slot_name(&namespace, &name),
                     slot,
                     publication,
                     heartbeat: heartbeat.unwrap_or_default(),
