@@ -34,8 +34,11 @@ pub struct Coverage {
     pub identity: String,
 }
 
-/// The catalog rows that publish `$2.$3` through publication `$1`, as `oid/xmin`
-/// (PostgreSQL 15 adds publications of whole schemas).
+/// Whether publication `$1` publishes `$2.$3` ([`PUBLICATION_COVERS_TABLE`]), and the
+/// catalog rows that make it so, as `oid/xmin`, in one statement (PostgreSQL 15 adds
+/// publications of whole schemas).
+///
+/// [`PUBLICATION_COVERS_TABLE`]: super::replication::PUBLICATION_COVERS_TABLE
 fn members_sql(schemas: bool) -> String {
     let schema_rows = if schemas {
         " UNION ALL SELECT n.oid, n.xmin FROM pg_publication_namespace n, p, t \
@@ -51,8 +54,10 @@ fn members_sql(schemas: bool) -> String {
                      WHERE r.prpubid = p.oid \
                        AND (r.prrelid = t.rel \
                             OR r.prrelid IN (SELECT relid FROM pg_partition_ancestors(t.rel))){schema_rows}) \
-         SELECT coalesce((SELECT oid::text || '/' || xmin::text FROM p), '') \
-                  || coalesce((SELECT ';' || string_agg(oid::text || '/' || xmin::text, ',' ORDER BY oid) FROM m), '')"
+         SELECT {covers}, \
+                coalesce((SELECT oid::text || '/' || xmin::text FROM p), '') \
+                  || coalesce((SELECT ';' || string_agg(oid::text || '/' || xmin::text, ',' ORDER BY oid) FROM m), '')",
+        covers = super::replication::PUBLICATION_COVERS_TABLE
     )
 }
 
@@ -74,26 +79,18 @@ pub async fn coverage(
     let version: i32 = row.get(1);
     let lsn =
         Lsn::parse(&lsn).map_err(|e| PgError::Replication(format!("WAL position {lsn:?}: {e}")))?;
-    let covered: bool = client
-        .query_one(
-            &format!("SELECT {}", super::replication::PUBLICATION_COVERS_TABLE),
-            &[&publication, &schema, &table],
-        )
-        .await
-        .map_err(db(
-            "checking that the publication publishes the outbox table",
-        ))?
-        .get(0);
+    // After the position, in a statement of its own: a change committed before it is
+    // visible here.
     let row = client
         .query_one(
             &members_sql(version >= 150_000),
             &[&publication, &schema, &table],
         )
         .await
-        .map_err(db("reading what publishes the outbox table"))?;
+        .map_err(db("checking what publishes the outbox table"))?;
     Ok(Coverage {
         lsn,
-        covered,
-        identity: row.get(0),
+        covered: row.get(0),
+        identity: row.get(1),
     })
 }

@@ -12,7 +12,6 @@
 //! Formats: <https://www.postgresql.org/docs/15/protocol-logicalrep-message-formats.html>
 //! (protocol version 1, text-format column values).
 
-use pgwire_replication::Lsn;
 use tokio_postgres::Client;
 
 use super::{PgError, db, quote};
@@ -413,7 +412,7 @@ pub async fn emit_heartbeat(client: &Client) -> Result<(), PgError> {
 /// Whether publication `$1` publishes the inserts into table `$2.$3`: the table is
 /// listed, or (a partitioned table whose publication lacks `publish_via_partition_root`)
 /// its partitions are. The one definition of "covers", for the operator's checks and
-/// the relay's confirmation.
+/// the relay's confirmation ([`super::coverage::coverage`]).
 ///
 /// Listed tables are matched by name against the table and its partition tree (empty
 /// for a table that is not partitioned), never cast to
@@ -427,37 +426,6 @@ pub const PUBLICATION_COVERS_TABLE: &str = "EXISTS (SELECT 1 FROM pg_publication
      WHERE t.pubname = $1 AND p.pubinsert \
        AND (c.oid = to_regclass(format('%I.%I', $2::text, $3::text)) \
             OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass(format('%I.%I', $2::text, $3::text))))))";
-
-/// What the relay may confirm: the WAL position read first, then whether the
-/// publication still publishes the table. Anything written before that position was
-/// decoded with the table in the publication (a change to the publication committed
-/// before the position is visible to the later check), so it was streamed; a position
-/// past a change that removed the table is never confirmed.
-pub async fn publication_covers(
-    client: &Client,
-    publication: &str,
-    schema: &str,
-    table: &str,
-) -> Result<(Lsn, bool), PgError> {
-    let lsn: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .map_err(db("reading the WAL position"))?
-        .get(0);
-    let lsn =
-        Lsn::parse(&lsn).map_err(|e| PgError::Replication(format!("WAL position {lsn:?}: {e}")))?;
-    let covered: bool = client
-        .query_one(
-            &format!("SELECT {PUBLICATION_COVERS_TABLE}"),
-            &[&publication, &schema, &table],
-        )
-        .await
-        .map_err(db(
-            "checking that the publication publishes the outbox table",
-        ))?
-        .get(0);
-    Ok((lsn, covered))
-}
 
 /// Whether relation `oid` (a table the stream names) is a partition of table
 /// `schema.table`: a publication without `publish_via_partition_root` streams a

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use super::{COVERAGE_EVERY, STATS_EVERY};
+use crate::postgres::coverage::coverage;
 use crate::postgres::{self, replication as repl};
 use crate::relay::http::Health;
 use crate::relay::metrics::{WAL_STATUSES, WalStatusLabels};
@@ -59,7 +60,10 @@ pub(super) async fn slot_stats_loop(
             client = postgres::connect(&url, &env, &tls).await.ok();
         }
         if let (Some(c), Some(covered)) = (&client, &covered) {
-            match repl::publication_covers(c, &publication, &schema, &table).await {
+            match coverage(c, &publication, &schema, &table)
+                .await
+                .map(|c| (c.lsn, c.covered))
+            {
                 Ok((lsn, true)) => {
                     if health.uncovered.swap(false, Ordering::Relaxed) {
                         tracing::warn!(
