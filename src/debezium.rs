@@ -311,6 +311,7 @@ pub fn translate(
         sweep: None,
         max_retained_wal: None,
         return_after: None,
+        synchronized_standby_slots: Vec::new(),
     };
     notes.push(
         "deleteAfterPublish is false, as Debezium leaves rows in the table; set it to true to have the relay delete published rows".to_owned(),

@@ -804,6 +804,16 @@ pub struct LogTailingSpec {
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.mode.logTailing.returnAfter must be at least 1s"))]
     pub return_after: Option<String>,
+    /// Physical replication slots of standbys that must hold a commit before the relay
+    /// publishes it: an event is sent only once every named slot's `restart_lsn` (the
+    /// position its standby flushed) has passed the commit. After a failover to one of
+    /// them, no event is out for a commit the new primary lacks. PostgreSQL 17+ does
+    /// the same server-side with `synchronized_standby_slots`; on 15 and 16 this is the
+    /// way to fail over without phantom events. A named slot that is missing holds
+    /// publishing back (logged, `outbox_relay_standby_wait_bytes`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), inner(regex(pattern = SLOT_NAME_PATTERN)))]
+    pub synchronized_standby_slots: Vec<String>,
 }
 
 /// The reconciliation sweep of a log-tailing relay.
@@ -837,6 +847,7 @@ impl Default for LogTailingSpec {
             sweep: None,
             max_retained_wal: None,
             return_after: None,
+            synchronized_standby_slots: Vec::new(),
         }
     }
 }

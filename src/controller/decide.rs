@@ -370,7 +370,16 @@ pub(super) fn decide(
                 describe(planned.outcome.publication),
             ),
         ));
-        failover = Some(failover_cond(lt, facts, cluster_facts(valid, observed)));
+        let standby_slots = valid
+            .mode
+            .log_tailing()
+            .map_or(&[][..], |l| l.standby_slots.as_slice());
+        failover = Some(failover::failover_cond(
+            lt,
+            standby_slots,
+            facts,
+            cluster_facts(valid, observed),
+        ));
         slot = Some(SlotStatus {
             name: lt.slot.clone(),
             publication: Some(lt.publication.clone()),
@@ -730,103 +739,6 @@ fn cluster_facts<'a>(
     }
 }
 
-/// Whether the slot survives the promotion of a standby: a PostgreSQL 17+ failover
-/// slot that the standbys synchronise (the primary waits for the standby slots named in
-/// `synchronized_standby_slots` before logical decoding sends a change, so a promoted
-/// standby's copy of the slot is never behind what the relay confirmed). Only the
-/// primary is visible from here: the standbys' side (`sync_replication_slots`,
-/// `hot_standby_feedback`) is named in the message, not checked.
-fn failover_cond(
-    lt: &admin::SlotPlan,
-    facts: &admin::Facts,
-    cluster: Option<(&crate::api::DatabaseRef, &crate::cnpg::ClusterFacts)>,
-) -> Cond {
-    let server = &facts.server;
-    if server.has_failover_slots()
-        && let Some((reason, gap)) = cluster.and_then(|(r, f)| crate::cnpg::failover_gap(r, f))
-    {
-        // The standbys are the cluster's: its own settings say whether they keep the
-        // slot, whatever the primary shows.
-        return Cond::no(CONDITION_FAILOVER_READY, reason, gap);
-    }
-    if !server.has_failover_slots() {
-        return Cond::no(
-            CONDITION_FAILOVER_READY,
-            "FailoverSlotsUnsupported",
-            format!(
-                "PostgreSQL {} has no failover slots (17 and later): if a standby is promoted, replication slot {} is not on it and the relay cannot go on from its position; failover is not protected",
-                server.major(),
-                lt.slot
-            ),
-        );
-    }
-    if facts.slot.as_ref().and_then(|s| s.failover) == Some(false) {
-        return Cond::no(
-            CONDITION_FAILOVER_READY,
-            "SlotWithoutFailover",
-            format!(
-                "replication slot {0} was created without failover (by an older operator or by someone else), so standbys do not keep it: run ALTER_REPLICATION_SLOT {0} (FAILOVER true) on a replication connection while no relay streams it",
-                lt.slot
-            ),
-        );
-    }
-    let named = server.standby_slots();
-    let standbys = named.join(", ");
-    let missing: Vec<&str> = named
-        .iter()
-        .filter(|n| !server.physical_slots.iter().any(|(s, _)| s == *n))
-        .map(String::as_str)
-        .collect();
-    let idle: Vec<&str> = named
-        .iter()
-        .filter(|n| {
-            server
-                .physical_slots
-                .iter()
-                .any(|(s, active)| s == *n && !active)
-        })
-        .map(String::as_str)
-        .collect();
-    if !missing.is_empty() {
-        return Cond::no(
-            CONDITION_FAILOVER_READY,
-            "StandbySlotMissing",
-            format!(
-                "synchronized_standby_slots names {}, which is no physical slot on this server: logical decoding waits for it, so the relay receives nothing (after a promotion, name the new primary's standby slots, or reset it)",
-                missing.join(", ")
-            ),
-        );
-    }
-    if !idle.is_empty() {
-        return Cond::no(
-            CONDITION_FAILOVER_READY,
-            "StandbyNotStreaming",
-            format!(
-                "standby slot(s) {} named in synchronized_standby_slots have no standby streaming: the primary holds changes back from the relay until they catch up",
-                idle.join(", ")
-            ),
-        );
-    }
-    if standbys.is_empty() {
-        return Cond::no(
-            CONDITION_FAILOVER_READY,
-            "StandbySyncNotConfigured",
-            format!(
-                "replication slot {} is a failover slot, but synchronized_standby_slots is empty on the primary, so a promoted standby may lack the slot's latest position: set it to the standbys' physical slots, and on each standby sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name and a dbname in primary_conninfo",
-                lt.slot
-            ),
-        );
-    }
-    Cond::yes(
-        CONDITION_FAILOVER_READY,
-        "FailoverSlot",
-        format!(
-            "replication slot {} is a failover slot; the primary sends changes only once standby slot(s) {standbys} have them (each standby must run with sync_replication_slots = on and hot_standby_feedback = on)",
-            lt.slot
-        ),
-    )
-}
-
 /// A log-tailing slot created now (a new relay, one recreated or renamed after its slot
 /// was dropped, a slot dropped by hand) streams only what commits after it, while the
 /// table may hold rows committed before it and never published. With
@@ -1043,6 +955,7 @@ fn not_ready(
     }
 }
 
+mod failover;
 mod lost;
 #[cfg(test)]
 mod tests;

@@ -31,6 +31,7 @@ pub mod pooling;
 pub mod provision;
 pub mod replication;
 pub mod snapshot;
+pub mod standby;
 pub mod tls;
 
 use std::collections::BTreeSet;

@@ -31,6 +31,9 @@ pub struct Health {
     /// Log tailing keeping rows: what publishes the outbox table changed, and the relay
     /// holds until the change is accepted.
     pub gap_held: AtomicBool,
+    /// Log tailing with `synchronizedStandbySlots`: the next commits have waited long
+    /// for the standbys to flush them.
+    pub standby_held: AtomicBool,
     /// When each work loop last turned (Unix seconds): one, or one per polling
     /// worker, so a worker stuck beside a turning one still fails liveness (its
     /// session would hold its partitions unpublished for good).
@@ -52,6 +55,7 @@ impl Health {
             ready: AtomicBool::new(false),
             uncovered: AtomicBool::new(false),
             gap_held: AtomicBool::new(false),
+            standby_held: AtomicBool::new(false),
             turns: (0..loops.max(1)).map(|_| AtomicU64::new(now)).collect(),
         }
     }
@@ -107,6 +111,10 @@ impl crate::http::Probe for Health {
         } else if self.gap_held.load(Ordering::Relaxed) {
             Err(
                 "what publishes the outbox table changed and inserts may have been skipped: holding until the change is accepted (see the log)",
+            )
+        } else if self.standby_held.load(Ordering::Relaxed) {
+            Err(
+                "waiting for the standby slots (synchronizedStandbySlots) to flush the next commits (see the log)",
             )
         } else if self.ready.load(Ordering::Relaxed) {
             Ok(())

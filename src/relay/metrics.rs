@@ -64,6 +64,9 @@ pub struct Metrics {
     /// Log tailing keeping rows: times the relay held because what publishes the table
     /// changed.
     pub gap_held: Counter,
+    /// Log tailing with `synchronizedStandbySlots`: WAL bytes between what the standbys
+    /// flushed and the batch waiting for them (0 when none waits).
+    pub standby_wait: Gauge,
     registry: Registry,
 }
 
@@ -108,6 +111,7 @@ impl Metrics {
         let sweep_found = Counter::default();
         let gap_back_filled = Counter::default();
         let gap_held = Counter::default();
+        let standby_wait = Gauge::default();
         let slot_wal_status = Family::<WalStatusLabels, Gauge>::default();
         for status in WAL_STATUSES {
             drop(slot_wal_status.get_or_create(&WalStatusLabels { status }));
@@ -143,6 +147,11 @@ impl Metrics {
                 "outbox_relay_publication_gap_held",
                 "Times the relay (keeping rows) stopped because what publishes the table changed; it holds until the change is accepted",
                 gap_held.clone(),
+            );
+            registry.register(
+                "outbox_relay_standby_wait_bytes",
+                "WAL bytes between what the standby slots (synchronizedStandbySlots) flushed and the batch waiting for them; 0 when none waits",
+                standby_wait.clone(),
             );
         }
         // Counters get their `_total` suffix from the library.
@@ -213,6 +222,7 @@ impl Metrics {
             sweep_found,
             gap_back_filled,
             gap_held,
+            standby_wait,
             registry,
         }
     }

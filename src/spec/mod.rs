@@ -9,6 +9,7 @@
 //! with the same wording; this module holds every rule, including those.
 
 pub mod config;
+mod fields;
 mod parse;
 
 pub use parse::parse;
@@ -217,6 +218,8 @@ pub struct LogTailing {
     pub sweep: Option<Sweep>,
     /// The WAL budget, when configured.
     pub budget: Option<WalBudget>,
+    /// Physical slots whose standbys must have flushed a commit before it is published.
+    pub standby_slots: Vec<String>,
 }
 
 /// The WAL budget of a log-tailing relay: past it, the relay polls and the slot goes.

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::fields::{check_additional_fields, identifier, standby_slots};
 use super::{
     Alerting, Columns, Failure, LogTailing, Polling, Problems, Table, ValidBroker, ValidMode,
     ValidRelay,
@@ -354,6 +355,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                     delete_after_publish: l.delete_after_publish,
                     sweep,
                     budget,
+                    standby_slots: standby_slots(&mut p, &l.synchronized_standby_slots),
                 }))
             }
             None => None,
@@ -549,130 +551,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             })
         }
         _ => Err(p),
-    }
-}
-
-/// The rules of `table.additionalFields` (Debezium's
-/// `table.fields.additional.placement`), with the headers beside them.
-fn check_additional_fields(
-    p: &mut Problems,
-    t: &crate::api::TableSpec,
-    broker: Option<crate::api::Broker<'_>>,
-) {
-    use crate::api::Placement;
-    let field_name = regex_like_field_name;
-    let mut headers: Vec<&str> = t.headers.iter().map(String::as_str).collect();
-    let mut envelope: Vec<&str> = Vec::new();
-    let mut partitions = 0;
-    for (i, f) in t.additional_fields.iter().enumerate() {
-        let at = format!("spec.table.additionalFields[{i}]");
-        identifier(p, &format!("{at}.column"), &f.column);
-        let name = f.alias.as_deref().unwrap_or(&f.column);
-        if let Some(alias) = &f.alias
-            && !field_name(alias)
-        {
-            p.push(
-                format!("{at}.as"),
-                format!("`{alias}` is not a header or field name"),
-                "use letters, digits, '_', '.' and '-' (at most 100), starting with a letter, digit or '_'",
-            );
-        }
-        match f.placement {
-            Placement::Header => {
-                let lower = name.to_ascii_lowercase();
-                let bound = lower == "content-type"
-                    || ["ce_", "ce-", "cloudevents_"]
-                        .iter()
-                        .any(|p| lower.starts_with(p));
-                if bound {
-                    p.push(
-                        &at,
-                        format!("`{name}` is a header the CloudEvents bindings define"),
-                        "give the header another name with `as`",
-                    );
-                } else if RESERVED_HEADERS.contains(&name) {
-                    p.push(
-                        &at,
-                        format!("`{name}` is a header the relay sets itself"),
-                        "give the header another name with `as`",
-                    );
-                } else if headers.contains(&name) {
-                    p.push(
-                        &at,
-                        format!("header `{name}` is placed twice"),
-                        "give one of them another name with `as`",
-                    );
-                }
-                headers.push(name);
-            }
-            Placement::Envelope => {
-                if name == "payload" {
-                    p.push(
-                        &at,
-                        "`payload` is the envelope's field for the payload itself",
-                        "give the field another name with `as`",
-                    );
-                } else if envelope.contains(&name) {
-                    p.push(
-                        &at,
-                        format!("envelope field `{name}` is placed twice"),
-                        "give one of them another name with `as`",
-                    );
-                }
-                envelope.push(name);
-            }
-            Placement::Partition => {
-                partitions += 1;
-                if f.alias.is_some() {
-                    p.push(
-                        format!("{at}.as"),
-                        "a partition placement takes no alias",
-                        "remove `as`",
-                    );
-                }
-                if partitions > 1 {
-                    p.push(&at, "a second partition placement", "keep one");
-                }
-                if broker.is_some_and(|b| !matches!(b, crate::api::Broker::Kafka(_))) {
-                    p.push(
-                        &at,
-                        "only Kafka has partitions",
-                        "remove it, or place the column as a header",
-                    );
-                }
-            }
-        }
-    }
-    if t.headers.len() + t.additional_fields.len() > 32 {
-        p.push(
-            "spec.table.additionalFields",
-            format!(
-                "{} extra columns with spec.table.headers; at most 32",
-                t.headers.len() + t.additional_fields.len()
-            ),
-            "place fewer columns",
-        );
-    }
-}
-
-/// Whether `name` matches [`crate::api::FIELD_NAME_PATTERN`].
-fn regex_like_field_name(name: &str) -> bool {
-    let mut bytes = name.bytes();
-    let first_ok = bytes
-        .next()
-        .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_');
-    first_ok
-        && name.len() <= 100
-        && bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
-
-fn identifier(p: &mut Problems, field: &str, value: &str) {
-    if let Err(message) = check_identifier(value) {
-        p.push(
-            field,
-            message,
-            "use letters, digits and _ (the name is quoted in SQL exactly as written)",
-        );
     }
 }
 

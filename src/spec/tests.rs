@@ -425,3 +425,32 @@ fn a_wal_budget_parses_with_its_default_return() {
     let budget = valid.mode.log_tailing().and_then(|l| l.budget).unwrap();
     assert_eq!(budget.return_after, Duration::from_secs(30));
 }
+
+#[test]
+fn standby_slots_are_physical_slot_names_named_once() {
+    let at = |slots: &str| {
+        relay(&BASE.replace(
+            "{polling: {}}",
+            &format!("{{logTailing: {{synchronizedStandbySlots: {slots}}}}}"),
+        ))
+    };
+    let valid = parse(&at("[standby_1, standby_2]")).unwrap_or_else(|e| panic!("{e}"));
+    let ValidMode::LogTailing(l) = &valid.mode else {
+        panic!("not log tailing")
+    };
+    assert_eq!(l.standby_slots, ["standby_1", "standby_2"]);
+    assert_eq!(
+        fields(&at("[standby_1, Standby-2, standby_1]")),
+        [
+            "spec.mode.logTailing.synchronizedStandbySlots[1]",
+            "spec.mode.logTailing.synchronizedStandbySlots[2]"
+        ]
+    );
+    // None named: no wait.
+    let valid = parse(&relay(&BASE.replace("{polling: {}}", "{logTailing: {}}")))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ValidMode::LogTailing(l) = &valid.mode else {
+        panic!("not log tailing")
+    };
+    assert!(l.standby_slots.is_empty());
+}

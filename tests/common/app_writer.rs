@@ -32,6 +32,32 @@ pub struct Ledger {
     pub transactions: usize,
     /// Rolled-back transactions.
     pub rollbacks: usize,
+    /// Ids of outbox rows whose COMMIT got no answer (the server went away): committed
+    /// or not, only the server can tell (see [`WriterOptions::failover`]).
+    pub in_doubt: BTreeSet<i64>,
+}
+
+impl Ledger {
+    /// The ledger as the server that survived a failover has it: `kept` holds the ids
+    /// it has (the witness table). Committed are the rows it kept; every other row
+    /// written (rolled back, in doubt, or acknowledged by a primary that died before
+    /// its standby had them) must never arrive.
+    pub fn as_kept_by(&self, kept: &BTreeSet<i64>) -> Ledger {
+        let written: BTreeSet<i64> = self
+            .committed
+            .iter()
+            .chain(&self.aborted)
+            .chain(&self.in_doubt)
+            .copied()
+            .collect();
+        Ledger {
+            committed: written.intersection(kept).copied().collect(),
+            aborted: written.difference(kept).copied().collect(),
+            transactions: self.transactions,
+            rollbacks: self.rollbacks,
+            in_doubt: BTreeSet::new(),
+        }
+    }
 }
 
 /// How the application writes.
@@ -47,6 +73,12 @@ pub struct WriterOptions {
     pub rollback_ratio: f64,
     /// Pause between one writer's transactions.
     pub pause: Duration,
+    /// Writers outlive their server: a failed transaction is written off (its ids in
+    /// [`Ledger::in_doubt`] when its COMMIT got no answer) and the writer connects to
+    /// the same URL again until it answers (a promoted standby behind the address).
+    /// Each transaction also records its outbox ids in `public.witness`, which tells
+    /// what the surviving server has once the rows are deleted.
+    pub failover: bool,
 }
 
 impl Default for WriterOptions {
@@ -57,6 +89,7 @@ impl Default for WriterOptions {
             writers: 4,
             rollback_ratio: 0.1,
             pause: Duration::from_millis(10),
+            failover: false,
         }
     }
 }
@@ -87,7 +120,8 @@ impl AppWriter {
                 "CREATE TABLE IF NOT EXISTS public.aggregates (id text PRIMARY KEY, version bigint NOT NULL);
                  INSERT INTO public.aggregates
                    SELECT format('agg-%s', lpad(i::text, 3, '0')), 0 FROM generate_series(0, {}) AS i
-                   ON CONFLICT DO NOTHING;",
+                   ON CONFLICT DO NOTHING;
+                 CREATE TABLE IF NOT EXISTS public.witness (id bigint PRIMARY KEY);",
                 options.aggregates.saturating_sub(1)
             ))
             .await
@@ -106,6 +140,7 @@ impl AppWriter {
                 .unwrap_or_else(|e| panic!("app writer: connecting failed: {e}"));
             tasks.push(tokio::spawn(write_loop(
                 client,
+                url.to_owned(),
                 shared.clone(),
                 options.clone(),
             )));
@@ -180,6 +215,7 @@ fn claim(shared: &Shared, wanted: usize) -> usize {
 
 async fn write_loop(
     mut client: tokio_postgres::Client,
+    url: String,
     shared: Arc<Shared>,
     options: WriterOptions,
 ) {
@@ -196,8 +232,9 @@ async fn write_loop(
             events.swap(i, rng.random_range(0..=i));
         }
         let rollback = rng.random_bool(options.rollback_ratio);
+        let mut take = 0;
         if !rollback {
-            let take = claim(&shared, events.len());
+            take = claim(&shared, events.len());
             if take == 0 {
                 if shared.finishing.load(Ordering::SeqCst)
                     && shared.claimed.load(Ordering::SeqCst) >= shared.budget.load(Ordering::SeqCst)
@@ -209,57 +246,31 @@ async fn write_loop(
             }
             events.truncate(take);
         }
-        let mut aggregates: Vec<String> = events.clone();
-        aggregates.sort();
-        aggregates.dedup();
-
-        let tx = client
-            .transaction()
-            .await
-            .unwrap_or_else(|e| panic!("app writer: BEGIN failed: {e}"));
-        tx.query(
-            "SELECT id FROM public.aggregates WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-            &[&aggregates],
-        )
-        .await
-        .unwrap_or_else(|e| panic!("app writer: locking aggregates failed: {e}"));
-        tx.execute(
-            "UPDATE public.aggregates SET version = version + 1 WHERE id = ANY($1)",
-            &[&aggregates],
-        )
-        .await
-        .unwrap_or_else(|e| panic!("app writer: updating aggregates failed: {e}"));
-        let rows = tx
-            .query(
-                "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload)
-                 SELECT $1, a, 'Changed', jsonb_build_object('aggregate', a, 'n', o)
-                 FROM unnest($2::text[]) WITH ORDINALITY AS t(a, o) ORDER BY o
-                 RETURNING id",
-                &[&options.aggregate_type, &events],
-            )
-            .await
-            .unwrap_or_else(|e| panic!("app writer: inserting outbox rows failed: {e}"));
-        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-        if rollback {
-            tx.rollback()
-                .await
-                .unwrap_or_else(|e| panic!("app writer: ROLLBACK failed: {e}"));
-        } else {
-            tx.commit()
-                .await
-                .unwrap_or_else(|e| panic!("app writer: COMMIT failed: {e}"));
-        }
-        {
-            let mut ledger = shared
-                .ledger
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if rollback {
-                ledger.aborted.extend(ids);
-                ledger.rollbacks += 1;
-            } else {
-                ledger.committed.extend(ids);
-                ledger.transactions += 1;
+        match write_one(&mut client, &options, &events, rollback).await {
+            Ok(ids) => {
+                let mut ledger = shared
+                    .ledger
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if rollback {
+                    ledger.aborted.extend(ids);
+                    ledger.rollbacks += 1;
+                } else {
+                    ledger.committed.extend(ids);
+                    ledger.transactions += 1;
+                }
+            }
+            Err((ids, err)) => {
+                assert!(options.failover, "app writer: {err}");
+                shared.claimed.fetch_sub(take, Ordering::SeqCst);
+                shared
+                    .ledger
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .in_doubt
+                    .extend(ids);
+                client = reconnect(&url).await;
+                continue;
             }
         }
         if !rollback {
@@ -267,4 +278,76 @@ async fn write_loop(
         }
         tokio::time::sleep(options.pause).await;
     }
+}
+
+/// Connects to `url` again, for up to two minutes.
+async fn reconnect(url: &str) -> tokio_postgres::Client {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match super::pg_connect(url).await {
+            Ok(client) => return client,
+            Err(err) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "app writer: no server at {url} for 120 s: {err}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One transaction of `events`; on failure, the ids whose COMMIT got no answer (empty
+/// when it failed earlier: then nothing was committed) and what failed.
+async fn write_one(
+    client: &mut tokio_postgres::Client,
+    options: &WriterOptions,
+    events: &[String],
+    rollback: bool,
+) -> Result<Vec<i64>, (Vec<i64>, String)> {
+    let mut aggregates: Vec<String> = events.to_vec();
+    aggregates.sort();
+    aggregates.dedup();
+    let early = |what: &str| {
+        let what = what.to_owned();
+        move |e: tokio_postgres::Error| (Vec::new(), format!("{what} failed: {e}"))
+    };
+    let tx = client.transaction().await.map_err(early("BEGIN"))?;
+    tx.query(
+        "SELECT id FROM public.aggregates WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        &[&aggregates],
+    )
+    .await
+    .map_err(early("locking aggregates"))?;
+    tx.execute(
+        "UPDATE public.aggregates SET version = version + 1 WHERE id = ANY($1)",
+        &[&aggregates],
+    )
+    .await
+    .map_err(early("updating aggregates"))?;
+    let rows = tx
+        .query(
+            "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload)
+             SELECT $1, a, 'Changed', jsonb_build_object('aggregate', a, 'n', o)
+             FROM unnest($2::text[]) WITH ORDINALITY AS t(a, o) ORDER BY o
+             RETURNING id",
+            &[&options.aggregate_type, &events],
+        )
+        .await
+        .map_err(early("inserting outbox rows"))?;
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    if options.failover {
+        tx.execute(
+            "INSERT INTO public.witness SELECT unnest($1::int8[])",
+            &[&ids],
+        )
+        .await
+        .map_err(early("recording the witness rows"))?;
+    }
+    if rollback {
+        tx.rollback().await.map_err(early("ROLLBACK"))?;
+    } else {
+        tx.commit()
+            .await
+            .map_err(|e| (ids.clone(), format!("COMMIT failed: {e}")))?;
+    }
+    Ok(ids)
 }

@@ -173,6 +173,17 @@ impl PrivatePostgres {
     /// `slot` (a physical slot on the primary), then started with `settings` and the
     /// primary's connection (with a `dbname`, which slot synchronisation needs).
     pub fn standby_of(primary: &PrivatePostgres, slot: &str, settings: &[&str]) -> PrivatePostgres {
+        Self::standby_via(primary, primary.port, slot, settings)
+    }
+
+    /// [`PrivatePostgres::standby_of`], reaching the primary at `port` on loopback (a
+    /// proxy in front of it, to stall the standby's link).
+    pub fn standby_via(
+        primary: &PrivatePostgres,
+        port: u16,
+        slot: &str,
+        settings: &[&str],
+    ) -> PrivatePostgres {
         let dir = shared_tempdir("outbox-private-pg-");
         run_ok(
             Command::new("chown")
@@ -181,10 +192,7 @@ impl PrivatePostgres {
             "chown postgres on the standby's folder",
         );
         let data = dir.path().join("data");
-        let conninfo = format!(
-            "host=127.0.0.1 port={} user=postgres dbname=postgres",
-            primary.port
-        );
+        let conninfo = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
         run_ok(
             primary
                 .tool("pg_basebackup")

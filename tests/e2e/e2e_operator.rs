@@ -321,6 +321,7 @@ async fn body(
             writers: 4,
             rollback_ratio: 0.1,
             pause: Duration::from_millis(10),
+            failover: false,
         },
     )
     .await;

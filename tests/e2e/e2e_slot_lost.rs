@@ -29,7 +29,7 @@ use common::operator;
 const WAIT: Duration = Duration::from_secs(120);
 const STEP: usize = 600;
 
-fn manifest(name: &str, topic: &str, delete_after_publish: bool) -> Value {
+pub(crate) fn manifest(name: &str, topic: &str, delete_after_publish: bool) -> Value {
     json!({
         "apiVersion": "outbox.dev/v1alpha1",
         "kind": "OutboxRelay",
@@ -51,33 +51,47 @@ fn manifest(name: &str, topic: &str, delete_after_publish: bool) -> Value {
 }
 
 /// What a test needs beside its writer: database, topic, namespace, pods and controller.
-struct Setup {
-    db: common::TestDatabase,
-    topic: String,
-    client: kube::Client,
-    ns: String,
-    runner: RelayPods,
-    controller: operator::ControllerProcess,
+pub(crate) struct Setup {
+    pub(crate) db: common::TestDatabase,
+    pub(crate) topic: String,
+    pub(crate) client: kube::Client,
+    pub(crate) ns: String,
+    pub(crate) runner: RelayPods,
+    pub(crate) controller: operator::ControllerProcess,
 }
 
 async fn setup() -> (Setup, AppWriter) {
     let db = common::fresh_database().await;
-    let topic = common::fresh_topic(4).await;
     common::create_outbox_table(&db.client, 4).await;
-    let writer = AppWriter::start(
-        &db.url,
-        WriterOptions {
-            aggregates: 40,
-            writers: 2,
-            pause: Duration::from_millis(5),
-            ..WriterOptions::default()
-        },
-    )
-    .await;
+    let options = WriterOptions {
+        aggregates: 40,
+        writers: 2,
+        pause: Duration::from_millis(5),
+        ..WriterOptions::default()
+    };
+    setup_on(db, options, false).await
+}
+
+/// The setup on `db` (its outbox table created), with the application writing as
+/// `options` say; `runner_only`: relay pods are local processes even when the rig has
+/// a node (for servers only this host reaches).
+pub(crate) async fn setup_on(
+    db: common::TestDatabase,
+    options: WriterOptions,
+    runner_only: bool,
+) -> (Setup, AppWriter) {
+    let topic = common::fresh_topic(4).await;
+    let writer = AppWriter::start(&db.url, options).await;
     let client = common::kube_client().await;
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
-    let runner = RelayPods::start(&client, &ns).await;
+    let runner = if runner_only {
+        RelayPods::Runner(
+            common::pod_runner::PodRunner::start(&client, &ns, &operator::operator_binary()).await,
+        )
+    } else {
+        RelayPods::start(&client, &ns).await
+    };
     // Figures every second: status shows the slot's confirmed position soon.
     let controller = runner.controller(&ns, &[("OUTBOX_STATUS_INTERVAL", "1")]);
     operator::create_secret(&client, &ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
@@ -93,7 +107,7 @@ async fn setup() -> (Setup, AppWriter) {
 }
 
 impl Setup {
-    fn context(&self) -> String {
+    pub(crate) fn context(&self) -> String {
         format!(
             "{}\n--- controller ---\n{}",
             self.runner.log_tails(30),
@@ -101,14 +115,14 @@ impl Setup {
         )
     }
 
-    async fn relay(&self, name: &str) -> Option<OutboxRelay> {
+    pub(crate) async fn relay(&self, name: &str) -> Option<OutboxRelay> {
         let relays: Api<OutboxRelay> = Api::namespaced(self.client.clone(), &self.ns);
         relays.get_opt(name).await.ok().flatten()
     }
 
     /// Waits until the relay tails the log: Ready, its slot streamed, and status shows
     /// the slot existed with a confirmed position.
-    async fn wait_tailing(&self, name: &str) {
+    pub(crate) async fn wait_tailing(&self, name: &str) {
         let slot = outbox_operator::relay::config::default_slot_name(&self.ns, name);
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), &self.ns);
         common::wait_for_some_or(
@@ -130,14 +144,15 @@ impl Setup {
                     && shown.existed
                     && shown.confirmed_flush_lsn.is_some()
                     && mode.as_deref() == Some("logTailing")
-                    && common::slot_active(&self.db.client, &slot).await)
+                    && common::slot_active(&common::pg_connect(&self.db.url).await.ok()?, &slot)
+                        .await)
                     .then_some(())
             },
         )
         .await;
     }
 
-    async fn wait_event(&self, name: &str, reason: &str) {
+    pub(crate) async fn wait_event(&self, name: &str, reason: &str) {
         common::wait_for_some_or(
             &format!("a {reason} Event"),
             WAIT,
@@ -165,10 +180,11 @@ impl Setup {
         );
     }
 
-    async fn slot_exists(&self, name: &str) -> bool {
+    pub(crate) async fn slot_exists(&self, name: &str) -> bool {
         let slot = outbox_operator::relay::config::default_slot_name(&self.ns, name);
-        self.db
-            .client
+        common::pg_connect(&self.db.url)
+            .await
+            .unwrap()
             .query_one(
                 "SELECT count(*) > 0 FROM pg_replication_slots WHERE slot_name = $1",
                 &[&slot],
@@ -179,7 +195,7 @@ impl Setup {
     }
 
     /// Completed reconciles so far, from the controller's own metrics.
-    async fn passes(&self) -> f64 {
+    pub(crate) async fn passes(&self) -> f64 {
         common::wait_for_some_or(
             "the controller's metrics",
             WAIT,

@@ -11,6 +11,7 @@ mod common;
 mod demo_run;
 mod e2e_backfill;
 mod e2e_examples;
+mod e2e_failover;
 mod e2e_kubelet;
 mod e2e_node;
 mod e2e_operator;

@@ -25,6 +25,7 @@ mod relay_partitioning;
 mod relay_pooler;
 mod relay_publication;
 mod relay_records;
+mod relay_standby;
 mod relay_sweep;
 mod relay_tls;
 mod relay_tracing;

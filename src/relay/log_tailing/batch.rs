@@ -249,8 +249,12 @@ impl LogTailer {
         passed: Option<f64>,
     ) -> Result<(), SessionEnd> {
         let started = Instant::now();
-        // Nothing is published before every insert preceding it is known streamed.
+        // Nothing is published before every insert preceding it is known streamed, and
+        // (with standby slots named) before the standbys hold its commit.
         let rows = self.gate(client, rows, confirm).await?;
+        if !rows.is_empty() {
+            self.wait_for_standbys(client, confirm).await?;
+        }
         let per_aggregate = self.settings.valid.per_aggregate;
         let mut pending = chains(rows, per_aggregate);
         // Keeping rows, the table cannot tell what is unpublished: the backlog metrics

@@ -86,6 +86,7 @@ mod batch;
 mod deleter;
 mod gap;
 mod layout;
+mod standby;
 mod stats;
 mod sweep;
 
@@ -192,6 +193,8 @@ pub(super) struct LogTailer {
     table: Option<OutboxTable>,
     /// The publication gate's memory (`gap`).
     gate: gap::Gate,
+    /// The least position the standby slots were seen to have flushed (`standby`).
+    standby_flushed: Lsn,
 }
 
 impl LogTailer {
@@ -226,6 +229,7 @@ impl LogTailer {
             attempts: HashMap::new(),
             table: None,
             gate: gap::Gate::default(),
+            standby_flushed: Lsn(0),
         }
     }
 

@@ -1,0 +1,145 @@
+//! `synchronizedStandbySlots` on PostgreSQL 15, which has no failover slots: the relay
+//! publishes a commit only once the named standby has flushed it, so a promotion of
+//! that standby can never leave an event out for a commit the new primary lacks.
+//! Proven directly: with the standby stopped the primary goes on committing, the relay
+//! receives those commits (its wait gauge says so) and sends none of them; once the
+//! standby is back and has flushed them, all go out, in order.
+
+use crate::common::{self, RelayBroker, RelayProcess};
+use common::private::PrivatePostgres;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn ids_on(topic: &str) -> BTreeSet<i64> {
+    common::consume_kafka(topic).iter().map(|r| r.id).collect()
+}
+
+async fn insert(client: &tokio_postgres::Client, n: usize) -> Vec<i64> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let aggregate = format!("agg-{}", i % 4);
+        ids.push(
+            common::insert_row(client, "order", &aggregate, &serde_json::json!({"i": i})).await,
+        );
+    }
+    ids
+}
+
+async fn wait_on_topic(topic: &str, ids: &[i64], relay: &RelayProcess) {
+    let want: BTreeSet<i64> = ids.iter().copied().collect();
+    common::wait_for_relays("the rows on the topic", WAIT, &[relay], || {
+        let topic = topic.to_owned();
+        let want = want.clone();
+        async move {
+            let got = tokio::task::spawn_blocking(move || ids_on(&topic))
+                .await
+                .unwrap_or_default();
+            want.is_subset(&got)
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
+    let primary = PrivatePostgres::start_with(&["max_replication_slots=10", "max_wal_senders=10"]);
+    let admin = common::pg_connect(&primary.url()).await.unwrap();
+    let version: i32 = admin
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        version < 170_000,
+        "the rig's first server is the one without failover slots"
+    );
+    common::create_outbox_table(&admin, 4).await;
+    admin
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby_1')")
+        .await
+        .unwrap();
+    let mut standby =
+        PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
+    let slot = format!("standby_{}", common::unique_suffix());
+    common::create_replication(&admin, &slot, &slot).await;
+    let topic = common::fresh_topic(4).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: common::Rig::load().kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let yaml = common::with_spec_line(
+        &common::relay_config_yaml(&broker, &common::RelayOptions::default()),
+        "mode",
+        &format!(
+            "{{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, \
+             deleteAfterPublish: false, synchronizedStandbySlots: [standby_1]}}}}"
+        ),
+    );
+    let relay = RelayProcess::start(&yaml, &primary.url(), &broker);
+    common::wait_slot_active(&admin, &slot, &relay).await;
+
+    // With the standby streaming, rows go out.
+    let first = insert(&admin, 20).await;
+    wait_on_topic(&topic, &first, &relay).await;
+
+    // The standby stops: the primary commits on, the standby has none of it.
+    standby.stop();
+    let held = insert(&admin, 20).await;
+    // The relay has received them and waits for the standby (its gauge moves) …
+    common::wait_for_relays(
+        "the relay waiting for the standby",
+        WAIT,
+        &[&relay],
+        || async {
+            relay
+                .metric("outbox_relay_standby_wait_bytes")
+                .await
+                .is_some_and(|bytes| bytes > 0.0)
+        },
+    )
+    .await;
+    // … and has sent none of them.
+    let got = {
+        let topic = topic.clone();
+        tokio::task::spawn_blocking(move || ids_on(&topic))
+            .await
+            .unwrap()
+    };
+    let early: Vec<i64> = held.iter().filter(|id| got.contains(id)).copied().collect();
+    assert!(
+        early.is_empty(),
+        "published before the standby had them: {early:?}"
+    );
+    // The wait is reported after a while: not ready, with the reason in the log.
+    common::wait_for_relays(
+        "the relay reporting the wait in its log",
+        WAIT,
+        &[&relay],
+        || async { relay.log_tail(50).contains("waiting for the standbys") },
+    )
+    .await;
+
+    // The standby comes back and catches up: everything goes out, in order.
+    standby.start();
+    wait_on_topic(&topic, &held, &relay).await;
+    common::wait_for_relays("the wait gauge back at 0", WAIT, &[&relay], || async {
+        relay.metric("outbox_relay_standby_wait_bytes").await == Some(0.0)
+    })
+    .await;
+    let received = {
+        let topic = topic.clone();
+        tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+            .await
+            .unwrap()
+    };
+    let mut last: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    for r in &received {
+        if let Some(before) = last.insert(r.aggregate.clone(), r.id) {
+            assert!(before < r.id, "{}: {} after {before}", r.aggregate, r.id);
+        }
+    }
+    drop(relay);
+}
