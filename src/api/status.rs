@@ -97,6 +97,13 @@ pub struct SlotStatus {
     /// The slot vanished under the relay: what was lost, and how the relay goes on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<SlotLoss>,
+    /// What published the outbox table when the operator first saw this slot and its
+    /// publication (the catalog rows, as `oid/xmin`): a relay that starts and finds
+    /// another one knows that inserts in between may not have been streamed, and holds
+    /// (keeping rows) or back-fills (deleting) as it does for a change while it runs.
+    /// Cleared when the slot goes; a new slot records its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage_baseline: Option<String>,
 }
 
 /// A replication slot that vanished after the relay had streamed it. Commits after its

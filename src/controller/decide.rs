@@ -384,6 +384,7 @@ pub(super) fn decide(
             name: lt.slot.clone(),
             publication: Some(lt.publication.clone()),
             existed: facts.slot.is_some(),
+            coverage_baseline: coverage_baseline(&lt.slot, last_slot, facts),
             ..SlotStatus::default()
         });
         actions = planned.actions;
@@ -707,6 +708,27 @@ fn return_due(
         None => b.rows == 0,
     });
     fallback.slot_dropped && facts.slot.is_none() && waited && drained
+}
+
+/// What published the table when this slot was first seen with its publication: kept
+/// for the slot's life, so that a relay that starts after a DROP and ADD of the table
+/// (or a recreated publication) sees the change it did not witness.
+fn coverage_baseline(
+    slot: &str,
+    last_slot: Option<&SlotStatus>,
+    facts: &admin::Facts,
+) -> Option<String> {
+    facts.slot.as_ref()?;
+    last_slot
+        .filter(|s| s.name == slot)
+        .and_then(|s| s.coverage_baseline.clone())
+        .or_else(|| {
+            facts
+                .publication
+                .as_ref()
+                .filter(|p| p.has_table && !p.identity.is_empty())
+                .map(|p| p.identity.clone())
+        })
 }
 
 /// Bytes for messages: `512 B`, `8.0 MiB`, `1.5 GiB`.

@@ -401,6 +401,7 @@ mod tests {
                 handover_snapshot: None,
                 existed: true,
                 lost: None,
+                coverage_baseline: None,
             }),
             ..OutboxRelayStatus::default()
         };

@@ -222,6 +222,16 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
         last_slot.as_ref(),
         observed.as_ref(),
     );
+    // The coverage baseline as decided now, for relays that start from here on.
+    if let Some(desired) = built.as_mut() {
+        crate::resources::with_coverage_baseline(
+            &mut desired.config_map,
+            decision
+                .slot
+                .as_ref()
+                .and_then(|s| s.coverage_baseline.as_deref()),
+        );
+    }
 
     // Secrets that lost the finalizer (removed by hand) get it back.
     let finalized: Vec<String> = observed
@@ -857,6 +867,7 @@ async fn update_status(
             handover_snapshot: s.handover_snapshot,
             existed: s.existed,
             lost: s.lost,
+            coverage_baseline: s.coverage_baseline,
             ..SlotStatus::default()
         }),
         fallback,
@@ -872,6 +883,7 @@ async fn update_status(
                 s.handover_snapshot.clone(),
                 s.existed,
                 s.lost.clone(),
+                s.coverage_baseline.clone(),
             )
         })
     };

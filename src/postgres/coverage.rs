@@ -10,9 +10,11 @@
 //! one means that inserts between the two looks may not have been streamed, however
 //! short the change. (Adding or dropping *other* tables changes none of these.)
 //!
-//! What a process cannot see is a change made before its first look (while no relay
-//! ran): the slot's `catalog_xmin` does not date the catalog rows, as any transaction
-//! open on the server holds it back past changes made long before the slot.
+//! A change made while no relay ran is not in the catalog's history (the slot's
+//! `catalog_xmin` does not date the catalog rows, as any transaction open on the server
+//! holds it back past changes made long before the slot): so the operator records the
+//! identity when it first sees the slot (`status.slot.coverageBaseline`), and a relay's
+//! first look compares with that.
 
 use pgwire_replication::Lsn;
 use tokio_postgres::Client;
@@ -81,6 +83,24 @@ pub async fn coverage(
         Lsn::parse(&lsn).map_err(|e| PgError::Replication(format!("WAL position {lsn:?}: {e}")))?;
     // After the position, in a statement of its own: a change committed before it is
     // visible here.
+    let (covered, identity) = members(client, version, publication, schema, table).await?;
+    Ok(Coverage {
+        lsn,
+        covered,
+        identity,
+    })
+}
+
+/// Whether publication `publication` publishes the table, and its [`Coverage::identity`],
+/// on a server of `version` (`server_version_num`); needs no WAL position, so a
+/// standby answers too.
+pub async fn members(
+    client: &Client,
+    version: i32,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<(bool, String), PgError> {
     let row = client
         .query_one(
             &members_sql(version >= 150_000),
@@ -88,9 +108,5 @@ pub async fn coverage(
         )
         .await
         .map_err(db("checking what publishes the outbox table"))?;
-    Ok(Coverage {
-        lsn,
-        covered: row.get(0),
-        identity: row.get(1),
-    })
+    Ok((row.get(0), row.get(1)))
 }

@@ -325,6 +325,7 @@ mod tests {
                 publishes_insert: true,
                 has_table: true,
                 comment,
+                identity: "16391/732;16394/730".into(),
             }),
             unpublished_before_slot: None,
             other_markers: Vec::new(),

@@ -47,6 +47,9 @@ pub struct Settings {
     pub log_tailing: Option<LogTailing>,
     /// Accepted changes of what publishes the outbox table (log tailing keeping rows).
     pub coverage_accepted: Vec<String>,
+    /// What published the outbox table when the operator first saw the slot
+    /// (`status.slot.coverageBaseline`, from the file beside the config file).
+    pub coverage_baseline: Option<String>,
 }
 
 impl Settings {
@@ -136,6 +139,7 @@ impl Settings {
             broker: resolved.broker,
             log_tailing: valid.mode.log_tailing().cloned(),
             coverage_accepted: config.coverage_accepted.clone(),
+            coverage_baseline: None,
             valid,
         })
     }

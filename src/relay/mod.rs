@@ -85,7 +85,14 @@ pub enum RelayError {
 pub async fn run(path: &Path) -> Result<(), RelayError> {
     crate::telemetry::init_logging();
     let config = RelayConfig::load(path)?;
-    let settings = Settings::from_config(&config)?;
+    let mut settings = Settings::from_config(&config)?;
+    // Beside the config file, where the operator's ConfigMap puts it (absent or empty:
+    // none recorded).
+    settings.coverage_baseline =
+        std::fs::read_to_string(path.with_file_name(crate::resources::COVERAGE_BASELINE_KEY))
+            .ok()
+            .map(|text| text.trim().to_owned())
+            .filter(|text| !text.is_empty());
     let identity = config.relay.clone();
     let health = Arc::new(http::Health::with_loops(
         metrics::Metrics::new(

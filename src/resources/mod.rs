@@ -27,7 +27,7 @@ pub use monitoring::{
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,
-    pod_disruption_budget, roll_out_exclusively,
+    pod_disruption_budget, roll_out_exclusively, with_coverage_baseline,
 };
 
 /// The field manager of every server-side apply the operator makes.
@@ -52,6 +52,10 @@ pub const MODE_POLLING: &str = "polling";
 pub const MODE_LOG_TAILING: &str = "logTailing";
 /// The key of the config file in the ConfigMap.
 pub const CONFIG_KEY: &str = "relay.yaml";
+/// Key (and file, beside the config file) of the publication's coverage baseline
+/// (`status.slot.coverageBaseline`): read by the relay at start, left out of the config
+/// hash so that recording it never restarts the pods.
+pub const COVERAGE_BASELINE_KEY: &str = "coverage-baseline";
 /// The API group and version of the Prometheus operator's CRDs.
 pub const MONITORING_API_VERSION: &str = "monitoring.coreos.com/v1";
 

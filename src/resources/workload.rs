@@ -19,9 +19,9 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
 use super::{
-    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, MODE_ANNOTATION,
-    MODE_LOG_TAILING, MODE_POLLING, SECRETS_VERSION_ANNOTATION, child_meta, config_map_name,
-    labels, relay_object_name, selector_labels,
+    BuildError, BuildOptions, CONFIG_HASH_ANNOTATION, CONFIG_KEY, COVERAGE_BASELINE_KEY,
+    MODE_ANNOTATION, MODE_LOG_TAILING, MODE_POLLING, SECRETS_VERSION_ANNOTATION, child_meta,
+    config_map_name, labels, relay_object_name, selector_labels,
 };
 use crate::secrets::Delivery;
 use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
@@ -44,9 +44,18 @@ fn config_dir() -> &'static str {
 pub fn config_map(valid: &ValidRelay) -> Result<ConfigMap, BuildError> {
     let relay = valid.relay();
     let text = RelayConfig::for_relay(valid).to_yaml()?;
+    let baseline = relay
+        .status
+        .as_ref()
+        .and_then(|s| s.slot.as_ref())
+        .and_then(|s| s.coverage_baseline.clone())
+        .unwrap_or_default();
     Ok(ConfigMap {
         metadata: child_meta(relay, config_map_name(relay), "relay"),
-        data: Some(BTreeMap::from([(CONFIG_KEY.to_owned(), text)])),
+        data: Some(BTreeMap::from([
+            (CONFIG_KEY.to_owned(), text),
+            (COVERAGE_BASELINE_KEY.to_owned(), baseline),
+        ])),
         ..ConfigMap::default()
     })
 }
@@ -80,10 +89,24 @@ pub fn annotate_secret_versions(deployment: &mut Deployment, versions: &[(String
     }
 }
 
-/// A stable hash of the config file text, for the pod-template annotation.
+/// The coverage baseline the decision recorded (`None`: none), into the ConfigMap.
+pub fn with_coverage_baseline(config_map: &mut ConfigMap, baseline: Option<&str>) {
+    config_map.data.get_or_insert_with(BTreeMap::new).insert(
+        COVERAGE_BASELINE_KEY.to_owned(),
+        baseline.unwrap_or_default().to_owned(),
+    );
+}
+
+/// A stable hash of the config file text, for the pod-template annotation (the coverage
+/// baseline aside: the relay reads it only when it starts).
 pub fn config_hash(config_map: &ConfigMap) -> String {
     let mut hasher = Sha256::new();
-    for (key, value) in config_map.data.iter().flatten() {
+    for (key, value) in config_map
+        .data
+        .iter()
+        .flatten()
+        .filter(|(key, _)| key.as_str() != COVERAGE_BASELINE_KEY)
+    {
         hasher.update(key.as_bytes());
         hasher.update([0]);
         hasher.update(value.as_bytes());
@@ -136,11 +159,18 @@ pub fn deployment(
     let mut sources = vec![VolumeProjection {
         config_map: Some(ConfigMapProjection {
             name: config_map_name(relay),
-            items: Some(vec![KeyToPath {
-                key: CONFIG_KEY.to_owned(),
-                path: relative(CONFIG_PATH, dir),
-                mode: None,
-            }]),
+            items: Some(vec![
+                KeyToPath {
+                    key: CONFIG_KEY.to_owned(),
+                    path: relative(CONFIG_PATH, dir),
+                    mode: None,
+                },
+                KeyToPath {
+                    key: COVERAGE_BASELINE_KEY.to_owned(),
+                    path: COVERAGE_BASELINE_KEY.to_owned(),
+                    mode: None,
+                },
+            ]),
             optional: Some(false),
         }),
         ..VolumeProjection::default()

@@ -932,6 +932,20 @@ pub fn log_tailing_yaml(broker: &RelayBroker, slot: &str, delete_after_publish: 
     )
 }
 
+/// What makes publication `publication` publish `public.outbox` now (the identity the
+/// relay's publication gate compares, and the operator records as the baseline).
+pub async fn publication_identity(client: &tokio_postgres::Client, publication: &str) -> String {
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap_or_else(|err| panic!("PostgreSQL: server_version_num: {err}"))
+        .get(0);
+    outbox_operator::postgres::coverage::members(client, version, publication, "public", "outbox")
+        .await
+        .unwrap_or_else(|err| panic!("{err}"))
+        .1
+}
+
 /// Waits until `relay` streams `slot` (created beforehand, e.g. by
 /// [`create_replication`]): rows committed before that are streamed too, but a test
 /// that writes afterwards knows the stream is up.
@@ -980,9 +994,25 @@ impl RelayProcess {
         broker: &RelayBroker,
         env: &[(&str, &str)],
     ) -> RelayProcess {
+        Self::start_with_files(yaml, database_url, broker, env, &[])
+    }
+
+    /// [`RelayProcess::start_with_env`] with more files beside the config file, as the
+    /// operator's ConfigMap puts them (`coverage-baseline`).
+    pub fn start_with_files(
+        yaml: &str,
+        database_url: &str,
+        broker: &RelayBroker,
+        env: &[(&str, &str)],
+        files: &[(&str, &str)],
+    ) -> RelayProcess {
         let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("tempdir: {err}"));
         let config = dir.path().join("relay.yaml");
         std::fs::write(&config, yaml).unwrap_or_else(|err| panic!("write config: {err}"));
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text)
+                .unwrap_or_else(|err| panic!("write {name}: {err}"));
+        }
         let stderr_path = dir.path().join("relay.log");
         let stderr = std::fs::File::create(&stderr_path)
             .unwrap_or_else(|err| panic!("create log file: {err}"));

@@ -217,7 +217,7 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_recreating_starts_clean()
  {
-    with_controller(|client, ns, _metrics| async move {
+    with_controller(|client, ns, metrics| async move {
         let db = outbox_database().await;
         operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
@@ -278,6 +278,85 @@ async fn deleting_a_log_tailing_relay_drops_its_slot_even_while_streamed_and_rec
         assert_eq!(
             (marker.publication, marker.slot_origin),
             (Origin::Created, Origin::Created)
+        );
+
+        // What publishes the table is recorded once for the slot (status, and the
+        // file beside the relay's config), and kept when the publication changes: a
+        // relay that starts after a DROP and ADD compares with it and sees the change.
+        let baseline = common::publication_identity(&db.client, &slot).await;
+        let relay = wait_relay(&relays, "orders", "status.slot.coverageBaseline", |r| {
+            r.status
+                .as_ref()
+                .and_then(|s| s.slot.as_ref())
+                .is_some_and(|s| s.coverage_baseline.is_some())
+        })
+        .await;
+        let recorded = relay.status.unwrap().slot.unwrap().coverage_baseline;
+        assert_eq!(recorded.as_deref(), Some(baseline.as_str()));
+        let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+        let file = || async {
+            config_maps
+                .get("orders-relay-config")
+                .await
+                .unwrap()
+                .data
+                .unwrap_or_default()
+                .get("coverage-baseline")
+                .cloned()
+        };
+        common::wait_for_some("the baseline in the relay's ConfigMap", WAIT, || async {
+            (file().await.as_deref() == Some(baseline.as_str())).then_some(())
+        })
+        .await;
+        let hash = |d: &Deployment| {
+            d.spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.as_ref())
+                .and_then(|a| a.get("outbox.dev/config-hash").cloned())
+        };
+        let hash_before = hash(&deployments.get("orders-relay").await.unwrap());
+        db.client
+            .batch_execute(&format!(
+                "ALTER PUBLICATION {slot} DROP TABLE public.outbox; \
+                 ALTER PUBLICATION {slot} ADD TABLE public.outbox"
+            ))
+            .await
+            .unwrap();
+        assert_ne!(
+            common::publication_identity(&db.client, &slot).await,
+            baseline
+        );
+        // Two more passes of the controller (a change of the relay's labels makes one).
+        let passes = metrics.reconciles_total();
+        relays
+            .patch(
+                "orders",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+            )
+            .await
+            .unwrap();
+        common::wait_for_some("two more passes of the controller", WAIT, || async {
+            (metrics.reconciles_total() >= passes + 2).then_some(())
+        })
+        .await;
+        let relay = relays.get("orders").await.unwrap();
+        assert_eq!(
+            relay
+                .status
+                .unwrap()
+                .slot
+                .unwrap()
+                .coverage_baseline
+                .as_deref(),
+            Some(baseline.as_str())
+        );
+        assert_eq!(file().await.as_deref(), Some(baseline.as_str()));
+        // Recording it never rolled the pods.
+        assert_eq!(
+            hash(&deployments.get("orders-relay").await.unwrap()),
+            hash_before
         );
 
         // A consumer streams the slot while the relay is deleted: the finalizer stops

@@ -206,7 +206,22 @@ struct Tailing {
     relay: RelayProcess,
     yaml: String,
     broker: RelayBroker,
+    /// What published the table when the slot was made, as the operator records it.
+    baseline: String,
     _guard: SlotGuard,
+}
+
+impl Tailing {
+    /// A relay on the same config, with the operator's coverage baseline beside it.
+    fn start_relay(&self, yaml: &str) -> RelayProcess {
+        RelayProcess::start_with_files(
+            yaml,
+            &self.db.url,
+            &self.broker,
+            &[],
+            &[("coverage-baseline", &self.baseline)],
+        )
+    }
 }
 
 async fn tailing(name: &str, delete_after_publish: bool) -> Tailing {
@@ -222,7 +237,14 @@ async fn tailing(name: &str, delete_after_publish: bool) -> Tailing {
     let slot = guard.slot.clone();
     common::create_replication(&db.client, &slot, &slot).await;
     let yaml = common::log_tailing_yaml(&broker, &slot, delete_after_publish);
-    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    let baseline = common::publication_identity(&db.client, &slot).await;
+    let relay = RelayProcess::start_with_files(
+        &yaml,
+        &db.url,
+        &broker,
+        &[],
+        &[("coverage-baseline", &baseline)],
+    );
     common::wait_slot_active(&db.client, &slot, &relay).await;
     Tailing {
         db,
@@ -231,6 +253,7 @@ async fn tailing(name: &str, delete_after_publish: bool) -> Tailing {
         relay,
         yaml,
         broker,
+        baseline,
         _guard: guard,
     }
 }
@@ -336,6 +359,42 @@ async fn a_table_out_of_the_publication_for_seconds_loses_nothing_and_confirms_n
     dropped_and_added("alter", Duration::from_secs(5)).await;
 }
 
+/// The change happens while no relay runs (a rollout, a crash loop): the relay that
+/// starts compares with the operator's baseline, sees it, and publishes the rows left
+/// in the table first. Without the baseline its first look would take the changed
+/// publication as given and the rows of the window would never arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_change_while_no_relay_runs_is_back_filled_when_one_starts() {
+    let mut t = tailing("downgap", true).await;
+    let mut written = write(&mut t.db.client, 20).await;
+    wait_table_empty(&t.db.client, &t.relay).await;
+    t.relay.terminate(Duration::from_secs(30));
+
+    alter(&t.db.client, &t.slot, "DROP").await;
+    let skipped = write(&mut t.db.client, 10).await;
+    alter(&t.db.client, &t.slot, "ADD").await;
+    let later = write(&mut t.db.client, 10).await;
+    assert_ne!(
+        common::publication_identity(&t.db.client, &t.slot).await,
+        t.baseline
+    );
+
+    let relay = t.start_relay(&t.yaml);
+    wait_table_empty(&t.db.client, &relay).await;
+    written.extend(skipped);
+    written.extend(later);
+    let topic = t.topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    check_all(&received, &written);
+    let back_filled = relay
+        .metric("outbox_relay_publication_gap_back_filled_total")
+        .await
+        .unwrap_or_default();
+    assert!(back_filled >= 10.0, "{back_filled} rows back-filled");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keeping_rows_a_publication_change_stops_the_relay_until_it_is_accepted() {
     let mut t = tailing("keepgap", false).await;
@@ -405,12 +464,35 @@ async fn keeping_rows_a_publication_change_stops_the_relay_until_it_is_accepted(
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find_map(|v| v["fields"]["identity"].as_str().map(str::to_owned))
         .expect("the hold names the change's identity");
+    // A restart does not release the hold: the new process compares with the
+    // operator's baseline, not with what it first sees.
     t.relay.terminate(Duration::from_secs(30));
+    let restarted = t.start_relay(&t.yaml);
+    common::wait_for_relays(
+        "the restarted relay to hold at the same change",
+        Duration::from_secs(60),
+        &[&restarted],
+        || async {
+            restarted
+                .log()
+                .contains("Nothing more is published or confirmed")
+        },
+    )
+    .await;
+    let topic = t.topic.clone();
+    let got = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    assert!(
+        later.iter().all(|(id, _)| !got.iter().any(|m| m.id == *id)),
+        "a restarted relay published past the gap"
+    );
+    drop(restarted);
     let yaml = format!(
         "{}\ncoverageAccepted: [\"{identity}\"]\n",
         t.yaml.trim_end()
     );
-    let relay = RelayProcess::start(&yaml, &t.db.url, &t.broker);
+    let relay = t.start_relay(&yaml);
     let later_ids: Vec<i64> = later.iter().map(|(id, _)| *id).collect();
     let topic = t.topic.clone();
     common::wait_for_relays(

@@ -92,6 +92,7 @@ pub(super) fn facts(
             publishes_insert: true,
             has_table: true,
             comment,
+            identity: "16391/732;16394/730".into(),
         }),
         unpublished_before_slot: None,
         other_markers: Vec::new(),
@@ -131,9 +132,11 @@ pub(super) fn slot_status(name: &str) -> SlotStatus {
 }
 
 /// The status of a slot the decision saw exist.
+/// The slot status of an existing slot first seen with the test publication.
 fn existing(name: &str) -> SlotStatus {
     SlotStatus {
         existed: true,
+        coverage_baseline: Some("16391/732;16394/730".into()),
         ..slot_status(name)
     }
 }
@@ -616,6 +619,37 @@ fn the_failover_condition_follows_the_server_and_the_slot() {
             .iter()
             .all(|c| c.type_ != CONDITION_FAILOVER_READY)
     );
+}
+
+#[test]
+fn the_coverage_baseline_is_recorded_once_per_slot_and_kept_through_publication_changes() {
+    let run_with = |last: Option<&SlotStatus>, identity: &str, slot: bool| {
+        let mut database = facts("logical", Some(Some(our_marker())), slot);
+        if let DatabaseSeen::Seen(f) = &mut database {
+            f.unpublished_before_slot = Some(0);
+            if let Some(p) = &mut f.publication {
+                p.identity = identity.into();
+            }
+        }
+        let o = observed(secrets_ok(), database, 1);
+        run(&relay("logTailing", 1), last, Some(&o))
+            .slot
+            .and_then(|s| s.coverage_baseline)
+    };
+    // First seen: what publishes the table now.
+    let first = run_with(None, "1/2;3/4", true);
+    assert_eq!(first.as_deref(), Some("1/2;3/4"));
+    // A DROP and ADD later: the baseline stays, so a relay starting now sees the change.
+    let last = SlotStatus {
+        coverage_baseline: first,
+        ..existing("outbox_shop_orders")
+    };
+    assert_eq!(
+        run_with(Some(&last), "1/2;5/6", true).as_deref(),
+        Some("1/2;3/4")
+    );
+    // The slot gone: no baseline until a new slot is seen with its publication.
+    assert_eq!(run_with(Some(&last), "1/2;5/6", false), None);
 }
 
 #[test]

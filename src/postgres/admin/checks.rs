@@ -417,6 +417,7 @@ mod tests {
             publishes_insert: true,
             has_table: false,
             comment: None,
+            identity: String::new(),
         });
         assert_eq!(
             first_failure(&evaluate(&plan, &f), Scope::Slot)

@@ -139,7 +139,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 retained_wal_bytes: r.get(4),
                 active: r.get(5),
             });
-        publication = read_publication(client, &lt.publication, plan).await?;
+        publication = read_publication(client, &lt.publication, plan, server.version_num).await?;
         other_markers = super::list_marked(client)
             .await?
             .into_iter()
@@ -162,8 +162,9 @@ async fn read_publication(
     client: &Client,
     publication: &str,
     plan: &Plan,
+    version: i32,
 ) -> Result<Option<PublicationFacts>, PgError> {
-    Ok(client
+    let found = client
         .query_opt(
             &format!(
                 "SELECT p.pubinsert, {}, obj_description(p.oid, 'pg_publication') \
@@ -178,5 +179,14 @@ async fn read_publication(
             publishes_insert: r.get(0),
             has_table: r.get(1),
             comment: r.get(2),
-        }))
+            identity: String::new(),
+        });
+    let Some(mut found) = found else {
+        return Ok(None);
+    };
+    found.identity =
+        crate::postgres::coverage::members(client, version, publication, &plan.schema, &plan.table)
+            .await?
+            .1;
+    Ok(Some(found))
 }

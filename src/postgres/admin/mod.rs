@@ -409,6 +409,8 @@ pub struct PublicationFacts {
     pub has_table: bool,
     /// Its comment.
     pub comment: Option<String>,
+    /// What makes it publish the table ([`crate::postgres::coverage::Coverage::identity`]).
+    pub identity: String,
 }
 
 /// Everything the checks look at.

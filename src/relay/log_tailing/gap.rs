@@ -8,7 +8,10 @@
 //!   relay publishes every row left in it, oldest first, per aggregate in order, and
 //!   deletes them, before the batch; rows of the batch (and those the stream will
 //!   still deliver) that it published are skipped when they stream, until the stream
-//!   passes the position read after the back-fill;
+//!   passes the position read after the back-fill, and transactions committed before
+//!   it began are not sent again at all (each of their rows was back-filled, or
+//!   published before: a replay after a restart would otherwise put old events after
+//!   the newer ones the back-fill sent);
 //! - keeping rows, the rows of the window cannot be told apart from the published
 //!   ones: the relay publishes nothing further, confirms nothing, reports not ready
 //!   and names the window, until the change is accepted in its settings
@@ -42,6 +45,22 @@ pub(super) struct Gate {
     skip: HashSet<i64>,
     /// … until the stream passes this position.
     skip_until: Lsn,
+    /// The WAL position read before the last back-fill began: a streamed transaction
+    /// that ends at or before it committed before the back-fill's first read, so each
+    /// of its rows was either still in the table (back-filled) or already deleted
+    /// (published earlier, by this relay or the one before it). Sending those again
+    /// would put old events after the newer ones the back-fill just sent.
+    replayed_until: Lsn,
+}
+
+impl Gate {
+    /// A gate whose first look compares with `baseline` (`None`: takes what it sees).
+    pub(super) fn from_baseline(baseline: Option<String>) -> Self {
+        Self {
+            seen: baseline.map(|identity| (identity, Lsn(0))),
+            ..Self::default()
+        }
+    }
 }
 
 impl LogTailer {
@@ -57,8 +76,9 @@ impl LogTailer {
         loop {
             let t = &self.settings.valid.table;
             let cov = coverage(client, &self.lt.publication, &t.schema, &t.name).await?;
-            // A process's first look has nothing to compare with: it takes what it
-            // sees (the slot's `catalog_xmin` cannot tell, as a transaction open
+            // A process's first look compares with the operator's baseline (what
+            // published the table when the slot was first seen); without one it takes
+            // what it sees (the slot's `catalog_xmin` cannot tell, as a transaction open
             // elsewhere on the server holds it back past changes made before the slot).
             let changed = self
                 .gate
@@ -77,11 +97,11 @@ impl LogTailer {
                 }
                 return Ok(self.not_back_filled(rows, confirm));
             }
-            let since = self
-                .gate
-                .seen
-                .as_ref()
-                .map_or_else(String::new, |(_, lsn)| lsn.to_string());
+            let since = match &self.gate.seen {
+                Some((_, lsn)) if lsn.0 > 0 => lsn.to_string(),
+                Some(_) => "the slot's start (the operator's baseline)".to_owned(),
+                None => String::new(),
+            };
             if self.lt.delete_after_publish {
                 tracing::warn!(
                     publication = %self.lt.publication,
@@ -100,6 +120,7 @@ impl LogTailer {
                 );
                 self.gate.skip.extend(published);
                 self.gate.skip_until = self.gate.skip_until.max(after);
+                self.gate.replayed_until = self.gate.replayed_until.max(cov.lsn);
                 self.gate.seen = Some((cov.identity, cov.lsn));
                 return Ok(self.not_back_filled(rows, confirm));
             }
@@ -135,6 +156,9 @@ impl LogTailer {
     /// `rows` without those a back-fill published; forgets them once the stream passed
     /// the back-fill.
     fn not_back_filled(&mut self, rows: Vec<OutboxRow>, confirm: Option<Lsn>) -> Vec<OutboxRow> {
+        if confirm.is_some_and(|c| c <= self.gate.replayed_until) {
+            return Vec::new();
+        }
         if self.gate.skip.is_empty() {
             return rows;
         }

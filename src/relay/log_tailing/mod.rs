@@ -212,6 +212,7 @@ impl LogTailer {
             ..Columns::of(&settings.valid.table)
         };
         let (covered_tx, covered) = watch::channel(Lsn(0));
+        let baseline = settings.coverage_baseline.clone();
         Self {
             settings,
             lt,
@@ -228,7 +229,7 @@ impl LogTailer {
             covered_tx: Some(covered_tx),
             attempts: HashMap::new(),
             table: None,
-            gate: gap::Gate::default(),
+            gate: gap::Gate::from_baseline(baseline),
             standby_flushed: Lsn(0),
         }
     }
