@@ -18,12 +18,16 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tracing::debug;
 
+/// How a relay's `/readyz` begins when the broker is the reason it is not ready: the
+/// controller, which asks unready relay pods why, reports `BrokerUnavailable` then.
+pub const BROKER_DOWN_PREFIX: &str = "the broker takes no message: ";
+
 /// What a role exposes over HTTP.
 pub trait Probe: Send + Sync + 'static {
     /// Current metrics, OpenMetrics text.
     fn metrics(&self) -> String;
     /// `Ok` when ready for traffic/work; otherwise why not, as the `/readyz` body.
-    fn readiness(&self) -> Result<(), &'static str>;
+    fn readiness(&self) -> Result<(), String>;
     /// `Ok` while the role's work loop turns; otherwise why not, as the `/healthz` body
     /// (a failing liveness probe has the kubelet restart the container).
     fn liveness(&self) -> Result<(), String> {

@@ -211,7 +211,7 @@ impl crate::http::Probe for Metrics {
     }
 
     /// A standby replica is as ready as the leader: it takes over when the Lease frees.
-    fn readiness(&self) -> Result<(), &'static str> {
+    fn readiness(&self) -> Result<(), String> {
         Ok(())
     }
 }

@@ -18,6 +18,7 @@ mod metrics;
 mod observe;
 mod pods;
 mod protect;
+mod readyz;
 mod reconcile;
 mod status;
 mod triggers;

@@ -523,7 +523,22 @@ async fn pod_trouble(relay: &OutboxRelay, ctx: &Context) -> Option<super::pods::
     let pods: Api<Pod> =
         Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
     match pods.list(&ListParams::default().labels(&selector)).await {
-        Ok(list) => super::pods::diagnose(&list.items, k8s_openapi::jiff::Timestamp::now()),
+        Ok(list) => {
+            if let Some(found) =
+                super::pods::diagnose(&list.items, k8s_openapi::jiff::Timestamp::now())
+            {
+                return Some(found);
+            }
+            // Running but not ready: the relay says why.
+            for (pod, ip) in super::pods::running_unready(&list.items) {
+                if let Some(why) =
+                    super::readyz::why_not_ready(&ip, crate::spec::config::HTTP_PORT).await
+                {
+                    return Some(super::pods::PodTrouble::NotReady { pod, why });
+                }
+            }
+            None
+        }
         Err(err) => {
             tracing::warn!(
                 relay = %relay.name_any(),

@@ -11,6 +11,8 @@
 //! broker names go on later lines, or only to its log).
 
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+
+use crate::http::BROKER_DOWN_PREFIX;
 use k8s_openapi::jiff::Timestamp;
 
 /// The container the operator's relay pods run.
@@ -35,6 +37,9 @@ pub(super) enum PodTrouble {
     },
     /// No node takes the pod.
     Unschedulable { pod: String, message: String },
+    /// The relay runs but is not ready; `why` is what its `/readyz` answers (the broker
+    /// takes no message, the publication gate holds, …).
+    NotReady { pod: String, why: String },
 }
 
 impl PodTrouble {
@@ -46,6 +51,10 @@ impl PodTrouble {
             Self::ConfigError { .. } => "RelayConfigError",
             Self::CrashLooping { .. } => "RelayCrashLooping",
             Self::Unschedulable { .. } => "RelayUnschedulable",
+            Self::NotReady { why, .. } if why.starts_with(BROKER_DOWN_PREFIX) => {
+                "BrokerUnavailable"
+            }
+            Self::NotReady { .. } => "RelayNotReady",
         }
     }
 
@@ -82,6 +91,7 @@ impl PodTrouble {
             Self::Unschedulable { pod, message } => {
                 format!("pod {pod}: no node takes it: {message}")
             }
+            Self::NotReady { pod, why } => format!("pod {pod}: {why}"),
         }
     }
 
@@ -92,6 +102,7 @@ impl PodTrouble {
             Self::ConfigError { .. } => 2,
             Self::CrashLooping { .. } => 3,
             Self::Unschedulable { .. } => 4,
+            Self::NotReady { .. } => 5,
         }
     }
 }
@@ -111,6 +122,28 @@ pub(super) fn diagnose(pods: &[Pod], now: Timestamp) -> Option<PodTrouble> {
     pods.into_iter()
         .filter_map(|p| trouble(p, now))
         .min_by_key(PodTrouble::rank)
+}
+
+/// The pods whose relay runs but is not ready, by name, with their IPs (those being
+/// deleted aside): the ones to ask why.
+pub(super) fn running_unready(pods: &[Pod]) -> Vec<(String, String)> {
+    let mut found: Vec<(String, String)> = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| {
+            let status = p.status.as_ref()?;
+            let relay = status
+                .container_statuses
+                .iter()
+                .flatten()
+                .find(|c| c.name == RELAY_CONTAINER)?;
+            let running = relay.state.as_ref().and_then(|s| s.running.as_ref());
+            (running.is_some() && !relay.ready).then_some(())?;
+            Some((p.metadata.name.clone()?, status.pod_ip.clone()?))
+        })
+        .collect();
+    found.sort();
+    found
 }
 
 fn trouble(pod: &Pod, now: Timestamp) -> Option<PodTrouble> {
@@ -466,6 +499,53 @@ mod tests {
         assert_eq!(
             diagnose(&[crash, starting, killed], now()).map(|t| t.reason()),
             Some("RelayOOMKilled")
+        );
+    }
+
+    #[test]
+    fn running_unready_pods_are_asked_and_the_broker_is_named_as_the_reason() {
+        let running = |ready: bool, ip: Option<&str>| {
+            let mut status = relay(
+                json!({"running": {"startedAt": "2026-12-05T09:00:00Z"}}),
+                json!({}),
+                ready,
+            );
+            if let Some(ip) = ip {
+                status["podIP"] = json!(ip);
+            }
+            status
+        };
+        let pods = [
+            pod("r-2", running(false, Some("10.0.0.2"))),
+            pod("r-1", running(false, Some("10.0.0.1"))),
+            pod("r-3", running(true, Some("10.0.0.3"))),
+            pod("r-4", running(false, None)),
+        ];
+        assert_eq!(
+            running_unready(&pods),
+            [
+                ("r-1".to_owned(), "10.0.0.1".to_owned()),
+                ("r-2".to_owned(), "10.0.0.2".to_owned())
+            ]
+        );
+        let broker = PodTrouble::NotReady {
+            pod: "r-1".into(),
+            why: format!("{BROKER_DOWN_PREFIX}RabbitMQ: NOT_FOUND - no exchange 'x'"),
+        };
+        assert_eq!(broker.reason(), "BrokerUnavailable");
+        assert!(broker.message().contains("NOT_FOUND"));
+        let held = PodTrouble::NotReady {
+            pod: "r-1".into(),
+            why: "waiting for the standby slots".into(),
+        };
+        assert_eq!(held.reason(), "RelayNotReady");
+        assert!(
+            held.rank()
+                > PodTrouble::Unschedulable {
+                    pod: String::new(),
+                    message: String::new()
+                }
+                .rank()
         );
     }
 }

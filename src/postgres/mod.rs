@@ -27,6 +27,7 @@
 
 pub mod admin;
 pub mod coverage;
+pub mod hosts;
 pub mod pooling;
 pub mod provision;
 pub mod replication;
@@ -242,6 +243,7 @@ pub fn client_config(
         .keepalives_retries(3)
         .tcp_user_timeout(Duration::from_secs(30))
         .application_name(application_name);
+    hosts::prefer_primary(&mut config);
     Ok(config)
 }
 

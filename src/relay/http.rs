@@ -11,6 +11,10 @@ use super::metrics::Metrics;
 /// timeouts, TCP keepalive and user timeouts on PostgreSQL connections), so a loop this
 /// late is stuck, and a restart is the cure. An outage does not count: retrying turns
 /// the loop.
+/// How long every round of publishing must have failed for the broker's reasons
+/// before the relay reports not ready (a broker restart or a leader election passes
+/// well within it).
+pub const BROKER_DOWN_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 pub const STUCK_AFTER_SECONDS: u64 = 120;
 
 fn now_seconds() -> u64 {
@@ -34,6 +38,11 @@ pub struct Health {
     /// Log tailing with `synchronizedStandbySlots`: the next commits have waited long
     /// for the standbys to flush them.
     pub standby_held: AtomicBool,
+    /// Since when (Unix seconds) every round of publishing has failed for the broker's
+    /// reasons (unreachable, refusing the client); 0 while it takes messages.
+    broker_down_since: AtomicU64,
+    /// The broker's reason, from the first failure of the latest round.
+    broker_reason: std::sync::Mutex<String>,
     /// When each work loop last turned (Unix seconds): one, or one per polling
     /// worker, so a worker stuck beside a turning one still fails liveness (its
     /// session would hold its partitions unpublished for good).
@@ -56,8 +65,50 @@ impl Health {
             uncovered: AtomicBool::new(false),
             gap_held: AtomicBool::new(false),
             standby_held: AtomicBool::new(false),
+            broker_down_since: AtomicU64::new(0),
+            broker_reason: std::sync::Mutex::new(String::new()),
             turns: (0..loops.max(1)).map(|_| AtomicU64::new(now)).collect(),
         }
+    }
+
+    /// A round of publishing failed, for the broker's reason `why`, and published
+    /// nothing.
+    pub fn broker_failed(&self, why: &str) {
+        let now = now_seconds();
+        if self
+            .broker_down_since
+            .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            #[allow(clippy::cast_precision_loss)]
+            self.metrics.broker_down_since.set(now as f64);
+        }
+        let steady = steady_reason(why);
+        let mut reason = self
+            .broker_reason
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *reason = steady;
+    }
+
+    /// The broker took a message.
+    pub fn broker_took(&self) {
+        if self.broker_down_since.swap(0, Ordering::Relaxed) != 0 {
+            self.metrics.broker_down_since.set(0.0);
+        }
+    }
+
+    /// The broker's reason, once every round has failed for [`BROKER_DOWN_AFTER`].
+    fn broker_down(&self) -> Option<String> {
+        let since = self.broker_down_since.load(Ordering::Relaxed);
+        (since != 0 && now_seconds().saturating_sub(since) >= BROKER_DOWN_AFTER.as_secs()).then(
+            || {
+                self.broker_reason
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone()
+            },
+        )
     }
 
     /// The (first) work loop turned.
@@ -83,6 +134,30 @@ impl Health {
     }
 }
 
+/// The first line of a broker's reason without the client's counters and times
+/// (librdkafka's `(after 3ms in state CONNECT, 4 identical error(s) suppressed)`): it
+/// goes into a condition, which must not change with every retry.
+fn steady_reason(why: &str) -> String {
+    let mut line = why.lines().next().unwrap_or_default().to_owned();
+    while let Some(start) = line.find(" (after ") {
+        // The matching parenthesis: librdkafka's text nests one ("error(s)").
+        let mut depth = 0_usize;
+        let end = line[start + 1..].char_indices().find_map(|(i, c)| {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(start + 1 + i)
+        });
+        let Some(end) = end else {
+            break;
+        };
+        line.replace_range(start..=end, "");
+    }
+    line
+}
+
 impl crate::http::Probe for Health {
     fn metrics(&self) -> String {
         self.metrics.encode()
@@ -105,22 +180,21 @@ impl crate::http::Probe for Health {
         }
     }
 
-    fn readiness(&self) -> Result<(), &'static str> {
-        if self.uncovered.load(Ordering::Relaxed) {
-            Err("the publication no longer publishes the outbox table")
+    fn readiness(&self) -> Result<(), String> {
+        let why = if self.uncovered.load(Ordering::Relaxed) {
+            "the publication no longer publishes the outbox table"
         } else if self.gap_held.load(Ordering::Relaxed) {
-            Err(
-                "what publishes the outbox table changed and inserts may have been skipped: holding until the change is accepted (see the log)",
-            )
+            "what publishes the outbox table changed and inserts may have been skipped: holding until the change is accepted (see the log)"
         } else if self.standby_held.load(Ordering::Relaxed) {
-            Err(
-                "waiting for the standby slots (synchronizedStandbySlots) to flush the next commits (see the log)",
-            )
+            "waiting for the standby slots (synchronizedStandbySlots) to flush the next commits (see the log)"
+        } else if let Some(reason) = self.broker_down() {
+            return Err(format!("{}{reason}", crate::http::BROKER_DOWN_PREFIX));
         } else if self.ready.load(Ordering::Relaxed) {
-            Ok(())
+            return Ok(());
         } else {
-            Err("not connected to PostgreSQL")
-        }
+            "not connected to PostgreSQL"
+        };
+        Err(why.to_owned())
     }
 }
 
@@ -128,6 +202,29 @@ impl crate::http::Probe for Health {
 mod tests {
     use super::*;
     use crate::http::Probe;
+
+    #[test]
+    fn the_broker_reason_is_kept_steady_and_readiness_waits_before_failing() {
+        assert_eq!(
+            steady_reason(
+                "Kafka: message timed out (last client error: b:9092/bootstrap: Failed to resolve 'b:9092': Name or service not known (after 2ms in state CONNECT, 3 identical error(s) suppressed))\nmore"
+            ),
+            "Kafka: message timed out (last client error: b:9092/bootstrap: Failed to resolve 'b:9092': Name or service not known)"
+        );
+        let health = Health::new(Metrics::new("n", "r", false));
+        health.ready.store(true, Ordering::Relaxed);
+        health.broker_failed("RabbitMQ: NOT_FOUND - no exchange 'x'");
+        // Within BROKER_DOWN_AFTER: still ready.
+        assert_eq!(health.readiness(), Ok(()));
+        health.broker_down_since.store(1, Ordering::Relaxed);
+        let why = health.readiness().unwrap_err();
+        assert!(
+            why.starts_with(crate::http::BROKER_DOWN_PREFIX) && why.contains("NOT_FOUND"),
+            "{why}"
+        );
+        health.broker_took();
+        assert_eq!(health.readiness(), Ok(()));
+    }
 
     #[test]
     fn liveness_fails_only_when_the_loop_stopped_turning() {

@@ -50,6 +50,9 @@ pub struct Metrics {
     pub partitions_blocked: Gauge,
     /// Unix time of the last successful batch.
     pub last_success: Gauge<f64, AtomicU64>,
+    /// Unix time since which every round of publishing has failed for the broker's
+    /// reasons; 0 while the broker takes messages.
+    pub broker_down_since: Gauge<f64, AtomicU64>,
     /// Log tailing: WAL the replication slot retains (`pg_current_wal_lsn() - restart_lsn`).
     pub slot_retained_wal: Gauge,
     /// Log tailing: 1 while a walsender streams the slot.
@@ -106,6 +109,7 @@ impl Metrics {
         let partitions_owned = Gauge::default();
         let partitions_blocked = Gauge::default();
         let last_success = Gauge::<f64, AtomicU64>::default();
+        let broker_down_since = Gauge::<f64, AtomicU64>::default();
         let slot_retained_wal = Gauge::default();
         let slot_active = Gauge::default();
         let sweep_found = Counter::default();
@@ -205,6 +209,11 @@ impl Metrics {
             "Unix time of the last successful batch",
             last_success.clone(),
         );
+        registry.register(
+            "outbox_relay_broker_down_since_timestamp_seconds",
+            "Unix time since which every round of publishing has failed for the broker's reasons (unreachable, refusing the client); 0 while it takes messages",
+            broker_down_since.clone(),
+        );
         Self {
             published,
             publish_errors,
@@ -216,6 +225,7 @@ impl Metrics {
             partitions_owned,
             partitions_blocked,
             last_success,
+            broker_down_since,
             slot_retained_wal,
             slot_active,
             slot_wal_status,

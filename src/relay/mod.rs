@@ -267,9 +267,16 @@ impl Outage {
         }
     }
 
-    /// One warning for the round, if anything failed.
-    pub(crate) fn log(&self) {
+    /// One warning for the round, if anything failed; `health` hears whether the
+    /// broker took anything this round (`published` rows) or failed all of it.
+    pub(crate) fn report(&self, health: &http::Health, published: usize) {
+        if published > 0 {
+            health.broker_took();
+        }
         if let Some((row, error)) = &self.first {
+            if published == 0 && !error.held_back {
+                health.broker_failed(&error.message);
+            }
             tracing::warn!(
                 rows = self.rows,
                 first_row = row,

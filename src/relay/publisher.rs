@@ -643,13 +643,13 @@ impl Worker {
                     Ok(false) => {}
                     Err(failed) => {
                         // What failed for no fault of its own before this is still said.
-                        outage.log();
+                        outage.report(&self.health, ids.len());
                         return Err(failed.into());
                     }
                 }
             }
         }
-        outage.log();
+        outage.report(&self.health, ids.len());
         table.finish_published(&tx, &ids).await?;
         tx.commit().await.map_err(|source| PgError::Db {
             what: "committing a batch",

@@ -87,6 +87,7 @@ pub const RUNBOOK_BASE_URL: &str =
 const METRIC_BACKLOG: &str = "outbox_relay_backlog_rows";
 const METRIC_OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
 const METRIC_PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";
+const METRIC_BROKER_DOWN_SINCE: &str = "outbox_relay_broker_down_since_timestamp_seconds";
 const METRIC_PARTITIONS_OWNED: &str = "outbox_relay_partitions_owned";
 const METRIC_PARTITIONS_BLOCKED: &str = "outbox_relay_partitions_blocked";
 /// Exported in log-tailing mode only (the log-tailing relay reads them from
@@ -228,6 +229,19 @@ pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
         summary: format!("{who} keeps failing to publish ({{{{ $labels.kind }}}} errors)"),
         description: format!(
             "{who} has failed to publish for 15 minutes: {{{{ $value | humanize }}}} {{{{ $labels.kind }}}} errors per second (row: the broker refused a message; unavailable: outage or timeout)."
+        ),
+    });
+    alerts.push(Alert {
+        name: "OutboxRelayBrokerUnavailable",
+        // The gauge holds since when every round failed (0 while the broker takes
+        // messages); `min` over the failing pods: the longest outage. Fires on the first
+        // evaluation past 30 seconds, so within a minute of the first failure.
+        expr: format!("time() - min({METRIC_BROKER_DOWN_SINCE}{{{own}}} > 0) > 30"),
+        for_: "0m",
+        severity: Severity::Critical,
+        summary: format!("The broker takes no message from {who}"),
+        description: format!(
+            "Every attempt of {who} to publish has failed for {{{{ $value | humanizeDuration }}}}, for the broker's reasons (unreachable, refusing the client, topic or permission missing): nothing is published and rows wait. The OutboxRelay's Ready condition (BrokerUnavailable) names the broker's reason."
         ),
     });
     let polling = matches!(valid.mode, ValidMode::Polling(_));

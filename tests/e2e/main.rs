@@ -10,6 +10,7 @@ mod common;
 
 mod demo_run;
 mod e2e_backfill;
+mod e2e_broker_down;
 mod e2e_examples;
 mod e2e_failover;
 mod e2e_kubelet;

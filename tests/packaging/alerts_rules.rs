@@ -136,6 +136,7 @@ fn each_mode_renders_the_alerts_that_apply_to_it() {
         "OutboxRelayOldestUnpublishedTooOld",
         "OutboxRelayBacklogHigh",
         "OutboxRelayPublishErrors",
+        "OutboxRelayBrokerUnavailable",
     ];
     let partitions = [
         "OutboxRelayPartitionsUnowned",

@@ -143,3 +143,38 @@ async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
     }
     drop(relay);
 }
+
+/// A URL naming several hosts, the standby first (as after a switchover): the relay's
+/// sessions and its replication stream reach the primary, and rows go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_host_url_streams_from_the_primary_whichever_host_comes_first() {
+    let primary = PrivatePostgres::start_with(&["max_replication_slots=10", "max_wal_senders=10"]);
+    let admin = common::pg_connect(&primary.url()).await.unwrap();
+    common::create_outbox_table(&admin, 4).await;
+    admin
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby_1')")
+        .await
+        .unwrap();
+    let standby = PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
+    let slot = format!("multihost_{}", common::unique_suffix());
+    common::create_replication(&admin, &slot, &slot).await;
+    let topic = common::fresh_topic(4).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: common::Rig::load().kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres",
+        standby.port, primary.port
+    );
+    let relay = RelayProcess::start(
+        &common::log_tailing_yaml(&broker, &slot, false),
+        &url,
+        &broker,
+    );
+    common::wait_slot_active(&admin, &slot, &relay).await;
+    let ids = insert(&admin, 12).await;
+    wait_on_topic(&topic, &ids, &relay).await;
+    drop(relay);
+    drop(standby);
+}

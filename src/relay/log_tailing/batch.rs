@@ -290,6 +290,7 @@ impl LogTailer {
                 publish_chains(broker, &self.shape, std::mem::take(&mut pending), None).await;
             let now_unix = unix_now();
             let mut outage = Outage::default();
+            let before = ids.len();
             for result in results {
                 for (id, created) in result.published {
                     ids.push(id);
@@ -312,7 +313,7 @@ impl LogTailer {
                     }
                 }
             }
-            outage.log();
+            outage.report(&self.health, ids.len() - before);
             if pending.is_empty() {
                 break;
             }

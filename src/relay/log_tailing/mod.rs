@@ -392,7 +392,7 @@ impl LogTailer {
                 "{missing}; the operator creates them once its database checks pass (see the OutboxRelay's SlotReady condition)"
             ))));
         }
-        let config = repl::replication_config(
+        let mut config = repl::replication_config(
             &self.settings.database_url,
             &self.settings.url_env,
             crate::postgres::tls::replication_tls(
@@ -407,6 +407,18 @@ impl LogTailer {
             &self.lt.publication,
             CONFIRM_EVERY,
         )?;
+        // A URL naming several hosts: stream from the one the session reached (the
+        // primary), not the first written.
+        if let Ok(parsed) = postgres::client_config(
+            &self.settings.database_url,
+            &self.settings.url_env,
+            &self.settings.pg_tls,
+            "outbox-relay",
+        ) && let Some((host, port)) = postgres::hosts::connected_host(&client, &parsed).await
+        {
+            config.host = host;
+            config.port = port;
+        }
         let mut stream = ReplicationClient::connect(config)
             .await
             .map_err(stream_error)?;
