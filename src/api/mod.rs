@@ -24,7 +24,9 @@ pub use broker::{
 };
 pub use duration::{DurationError, parse_duration};
 pub use quantity::{QuantityError, parse_bytes};
-pub use status::{FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLoss, SlotStatus};
+pub use status::{
+    FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLeftBehind, SlotLoss, SlotStatus,
+};
 
 /// The API group of every outbox-operator resource.
 pub const GROUP: &str = "outbox.dev";
@@ -35,6 +37,10 @@ pub const GROUP: &str = "outbox.dev";
 /// loss does not match a later one, so an annotation left behind never accepts a loss
 /// nobody looked at.
 pub const RECREATE_LOST_SLOT_ANNOTATION: &str = "outbox.dev/recreate-lost-slot";
+
+/// The annotation that clears `status.slot.leftBehind` once the slot left in the database
+/// the Secret no longer reaches is dropped there: set to its `detectedAt`.
+pub const LEFT_BEHIND_SLOT_DROPPED_ANNOTATION: &str = "outbox.dev/left-behind-slot-dropped";
 
 /// The annotation that lets a log-tailing relay without `deleteAfterPublish` go on after
 /// what publishes its table changed (inserts in between may not have been streamed):

@@ -104,6 +104,29 @@ pub struct SlotStatus {
     /// Cleared when the slot goes; a new slot records its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coverage_baseline: Option<String>,
+    /// Where the slot lives: `host:port/database` of the connection Secret's URL when
+    /// the slot was made or last seen (no credentials).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// A slot the relay streamed in a database its Secret no longer reaches (the Secret
+    /// was pointed at another host or database): the operator cannot drop it, and it
+    /// retains WAL there until someone does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub left_behind: Option<SlotLeftBehind>,
+}
+
+/// A replication slot left in a database the relay's Secret no longer reaches.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotLeftBehind {
+    /// The slot's name.
+    pub slot: String,
+    /// Where it lives (`host:port/database`).
+    pub location: String,
+    /// When the operator found the Secret pointing elsewhere (RFC 3339). Annotating the
+    /// OutboxRelay with `outbox.dev/left-behind-slot-dropped` set to this value, once the
+    /// slot is dropped there, clears the record.
+    pub detected_at: String,
 }
 
 /// A replication slot that vanished after the relay had streamed it. Commits after its

@@ -268,7 +268,8 @@ impl Pools {
 }
 
 /// A stable key for a database, without credentials: `host:port/database`.
-fn database_key(url: &str) -> String {
+/// Where `url` leads, `host:port/database`, without credentials.
+pub(super) fn database_key(url: &str) -> String {
     let Ok(config) = url.parse::<tokio_postgres::Config>() else {
         return "<unparseable>".to_owned();
     };
@@ -683,6 +684,14 @@ pub(super) async fn drop_external(
             lt.publication
         )));
     };
+    if let Some(why) = super::location::drop_elsewhere(
+        relay,
+        &lt.slot,
+        &database_key(&conn.url),
+        ABANDON_SLOT_ANNOTATION,
+    ) {
+        return Ok(Cleanup::Retry(why));
+    }
     let client = match connect(relay, &conn).await {
         Ok(c) => c,
         Err(err) if admin::database_is_gone(&err) => {
@@ -766,11 +775,21 @@ pub(super) async fn drop_external(
                     "no replication slot or publication of this relay was left to drop".to_owned(),
                 ));
             }
-            Ok(Cleanup::Done(
-                EventType::Normal,
-                "SlotDropped",
-                parts.join("; "),
-            ))
+            match super::location::still_left_behind(relay) {
+                Some(left) => {
+                    parts.push(left);
+                    Ok(Cleanup::Done(
+                        EventType::Warning,
+                        "SlotDropped",
+                        parts.join("; "),
+                    ))
+                }
+                None => Ok(Cleanup::Done(
+                    EventType::Normal,
+                    "SlotDropped",
+                    parts.join("; "),
+                )),
+            }
         }
         Err(err) => Ok(Cleanup::Retry(format!(
             "dropping replication slot {} failed: {err}",

@@ -121,6 +121,30 @@ pub(super) fn decide(
     last_slot: Option<&SlotStatus>,
     observed: Option<&Observed>,
 ) -> Decision {
+    let mut decision = decide_pass(parsed, owner, last_slot, observed);
+    if let Ok(valid) = parsed {
+        wal::settle(&mut decision, valid, last_slot);
+    }
+    if let (Ok(valid), Some(observed)) = (parsed, observed)
+        && let Some(lt) = valid.mode.log_tailing()
+    {
+        moved::settle(
+            &mut decision,
+            (&valid.namespace, &valid.name, &lt.slot),
+            last_slot,
+            observed,
+        );
+    }
+    decision
+}
+
+/// [`decide`] before where the slot lives and what was left behind are settled.
+fn decide_pass(
+    parsed: Result<&ValidRelay, &Problems>,
+    owner: &Owner,
+    last_slot: Option<&SlotStatus>,
+    observed: Option<&Observed>,
+) -> Decision {
     let valid = match (parsed, observed) {
         (Ok(valid), Some(observed)) => (valid, observed),
         (Err(problems), _) => return invalid(&problems.0, last_slot.cloned(), Next::AwaitChange),
@@ -979,5 +1003,7 @@ fn not_ready(
 
 mod failover;
 mod lost;
+mod moved;
 #[cfg(test)]
 mod tests;
+mod wal;

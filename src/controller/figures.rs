@@ -402,6 +402,8 @@ mod tests {
                 existed: true,
                 lost: None,
                 coverage_baseline: None,
+                location: None,
+                left_behind: None,
             }),
             ..OutboxRelayStatus::default()
         };

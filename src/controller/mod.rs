@@ -14,6 +14,7 @@
 mod database;
 mod decide;
 mod figures;
+mod location;
 mod metrics;
 mod observe;
 mod pods;

@@ -108,6 +108,11 @@ pub(super) struct Observed {
     /// The CloudNativePG cluster `spec.database.databaseRef` names (`None`: no
     /// reference).
     pub cluster: Option<crate::cnpg::ClusterSeen>,
+    /// Where the connection Secret's URL leads (`host:port/database`; `None` without a
+    /// usable connection).
+    pub location: Option<String>,
+    /// The value of [`crate::api::LEFT_BEHIND_SLOT_DROPPED_ANNOTATION`].
+    pub left_behind_dropped: Option<String>,
 }
 
 /// Reads everything a parsed relay's decision needs. Writes nothing.
@@ -141,6 +146,7 @@ pub(super) async fn observe(
         }
     }
     let secrets_ms = started.elapsed().as_millis();
+    let location = conn.as_ref().map(|c| database::database_key(&c.url));
     let database = match conn {
         Some(conn) if secrets.problems.is_empty() => {
             database::observe(relay, valid, &conn, fallback.is_some(), ctx).await
@@ -170,6 +176,11 @@ pub(super) async fn observe(
             .get(crate::api::RECREATE_LOST_SLOT_ANNOTATION)
             .cloned(),
         cluster,
+        location,
+        left_behind_dropped: relay
+            .annotations()
+            .get(crate::api::LEFT_BEHIND_SLOT_DROPPED_ANNOTATION)
+            .cloned(),
     })
 }
 

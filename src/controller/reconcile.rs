@@ -159,6 +159,8 @@ async fn apply(relay: &OutboxRelay, ctx: &Context) -> Result<Action, Error> {
     {
         slot.existed = written.existed;
         slot.lost = written.lost;
+        slot.location = written.location;
+        slot.left_behind = written.left_behind;
     }
     // The fall back as last recorded: this controller's own last write when the cache
     // does not hold it yet (a pass triggered by a child right after the write).
@@ -868,6 +870,8 @@ async fn update_status(
             existed: s.existed,
             lost: s.lost,
             coverage_baseline: s.coverage_baseline,
+            location: s.location,
+            left_behind: s.left_behind,
             ..SlotStatus::default()
         }),
         fallback,
@@ -884,6 +888,8 @@ async fn update_status(
                 s.existed,
                 s.lost.clone(),
                 s.coverage_baseline.clone(),
+                s.location.clone(),
+                s.left_behind.clone(),
             )
         })
     };

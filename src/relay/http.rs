@@ -43,6 +43,9 @@ pub struct Health {
     broker_down_since: AtomicU64,
     /// The broker's reason, from the first failure of the latest round.
     broker_reason: std::sync::Mutex<String>,
+    /// Log tailing: a row that exhausted its attempts holds the stream (`onExhausted:
+    /// block`), and why.
+    blocked: std::sync::Mutex<Option<String>>,
     /// When each work loop last turned (Unix seconds): one, or one per polling
     /// worker, so a worker stuck beside a turning one still fails liveness (its
     /// session would hold its partitions unpublished for good).
@@ -67,6 +70,7 @@ impl Health {
             standby_held: AtomicBool::new(false),
             broker_down_since: AtomicU64::new(0),
             broker_reason: std::sync::Mutex::new(String::new()),
+            blocked: std::sync::Mutex::new(None),
             turns: (0..loops.max(1)).map(|_| AtomicU64::new(now)).collect(),
         }
     }
@@ -96,6 +100,15 @@ impl Health {
         if self.broker_down_since.swap(0, Ordering::Relaxed) != 0 {
             self.metrics.broker_down_since.set(0.0);
         }
+    }
+
+    /// The stream waits for a row that exhausted its attempts (`why`), or (`None`) no
+    /// longer does.
+    pub fn blocked_by(&self, why: Option<String>) {
+        *self
+            .blocked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = why;
     }
 
     /// The broker's reason, once every round has failed for [`BROKER_DOWN_AFTER`].
@@ -187,6 +200,13 @@ impl crate::http::Probe for Health {
             "what publishes the outbox table changed and inserts may have been skipped: holding until the change is accepted (see the log)"
         } else if self.standby_held.load(Ordering::Relaxed) {
             "waiting for the standby slots (synchronizedStandbySlots) to flush the next commits (see the log)"
+        } else if let Some(why) = self
+            .blocked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+        {
+            return Err(why);
         } else if let Some(reason) = self.broker_down() {
             return Err(format!("{}{reason}", crate::http::BROKER_DOWN_PREFIX));
         } else if self.ready.load(Ordering::Relaxed) {

@@ -44,6 +44,10 @@ pub fn service(relay: &OutboxRelay) -> Service {
                 protocol: Some("TCP".to_owned()),
                 ..ServicePort::default()
             }]),
+            // The Service carries no traffic, only scrapes: a relay that is not ready
+            // (its broker takes nothing, the publication gate holds) is the one whose
+            // metrics matter most, so its address is published all the same.
+            publish_not_ready_addresses: Some(true),
             ..ServiceSpec::default()
         }),
         status: None,

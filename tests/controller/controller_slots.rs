@@ -1353,3 +1353,142 @@ async fn slots_are_failover_slots_on_postgresql_18_and_the_condition_says_what_p
     db18.drop_database().await;
     db15.drop_database().await;
 }
+
+/// The connection Secret pointed at another database while the relay tails the log: the
+/// slot there is made as for a new relay (no `SlotLost`), the old one is reported where
+/// it lives until the user says it is dropped, and the finalizer neither reads a Secret
+/// leading nowhere as "database gone" nor forgets the slot left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_pointed_at_another_database_leaves_no_slot_unreported() {
+    with_controller(|client, ns, _metrics| async move {
+        // Another server: slot names are a server's, so the second database is on the
+        // rig's other PostgreSQL.
+        let first = outbox_database().await;
+        let second = common::fresh_database_18().await;
+        common::create_outbox_table(&second.client, 4).await;
+        operator::create_secret(&client, &ns, "db", &[("uri", &first.url)]).await;
+        let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+        let slot = outbox_operator::relay::config::default_slot_name(&ns, "moved");
+        let repoint = |url: String| {
+            let secrets = secrets.clone();
+            async move {
+                secrets
+                    .patch(
+                        "db",
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"stringData": {"uri": url}})),
+                    )
+                    .await
+                    .unwrap();
+            }
+        };
+        operator::apply_relay(&client, &ns, &manifest("moved", json!({"logTailing": {}}))).await;
+        let location = |r: &OutboxRelay| {
+            r.status
+                .as_ref()
+                .and_then(|s| s.slot.as_ref())
+                .and_then(|s| s.location.clone())
+        };
+        // host:port/database, as status records it.
+        let first_key = format!(
+            "{}/{}",
+            first
+                .url
+                .split('@')
+                .nth(1)
+                .unwrap()
+                .split('/')
+                .next()
+                .unwrap(),
+            first.name
+        );
+        wait_relay(
+            &relays,
+            "moved",
+            "the slot made where the Secret leads",
+            |r| {
+                condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+                    && r.status
+                        .as_ref()
+                        .and_then(|s| s.slot.as_ref())
+                        .is_some_and(|s| s.existed)
+                    && location(r).as_deref() == Some(first_key.as_str())
+            },
+        )
+        .await;
+        assert_eq!(slot_count(&first.client, &slot).await, 1);
+
+        repoint(second.url.clone()).await;
+        let relay = wait_relay(
+            &relays,
+            "moved",
+            "Degraded=True SlotLeftBehind and a slot in the second database",
+            |r| {
+                condition(r, "Degraded")
+                    .is_some_and(|c| c.status == "True" && c.reason == "SlotLeftBehind")
+                    && condition(r, "SlotReady").is_some_and(|c| c.status == "True")
+            },
+        )
+        .await;
+        assert_ne!(
+            condition(&relay, "Ready").map(|c| c.reason),
+            Some("SlotLost".to_owned()),
+            "{}",
+            describe(&relay)
+        );
+        let left = relay
+            .status
+            .clone()
+            .unwrap()
+            .slot
+            .unwrap()
+            .left_behind
+            .expect("recorded");
+        assert_eq!(
+            (left.slot.as_str(), left.location.as_str()),
+            (slot.as_str(), first_key.as_str())
+        );
+        let message = condition(&relay, "Degraded").unwrap().message;
+        assert!(
+            message.contains(&first_key) && message.contains("pg_drop_replication_slot"),
+            "{message}"
+        );
+        wait_event(&client, &ns, "moved", "SlotLeftBehind").await;
+        // The operator cannot drop it there: it is still in the first database.
+        assert_eq!(slot_count(&first.client, &slot).await, 1);
+        assert_eq!(slot_count(&second.client, &slot).await, 1);
+
+        // A Secret leading to a database that does not exist is no "database gone" for
+        // the finalizer: the slot lives elsewhere.
+        let nowhere = second.url.replace(&second.name, "no_such_database");
+        repoint(nowhere).await;
+        relays
+            .delete("moved", &DeleteParams::default())
+            .await
+            .unwrap();
+        let retrying = wait_event(&client, &ns, "moved", "CleanupRetrying").await;
+        let note = retrying.note.unwrap_or_default();
+        assert!(
+            note.contains("lives in") && note.contains(&second.name),
+            "{note}"
+        );
+        assert!(
+            relays.get_opt("moved").await.unwrap().is_some(),
+            "deleted with its slot"
+        );
+        // Back where the slot lives: dropped there, and the one left behind is named.
+        repoint(second.url.clone()).await;
+        common::wait_for_some("the relay gone", WAIT, || async {
+            relays.get_opt("moved").await.ok()?.is_none().then_some(())
+        })
+        .await;
+        let dropped = wait_event(&client, &ns, "moved", "SlotDropped").await;
+        assert_eq!(dropped.type_.as_deref(), Some("Warning"));
+        assert!(dropped.note.unwrap_or_default().contains(&first_key));
+        assert_eq!(slot_count(&second.client, &slot).await, 0);
+        assert_eq!(slot_count(&first.client, &slot).await, 1);
+        assert!(common::drop_slot(&first.client, &slot).await);
+    })
+    .await;
+}

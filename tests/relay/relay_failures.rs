@@ -317,6 +317,64 @@ async fn log_tailing_dead_letters_refused_rows_and_streams_on() {
     drop(guard);
 }
 
+/// Under `onExhausted: block` a refused row holds the log-tailing stream once its
+/// attempts are spent: the relay says so in its readiness (the operator shows it as
+/// `Ready=False`), with the row and the broker's reason, instead of looking healthy
+/// while the slot retains WAL.
+#[tokio::test]
+async fn log_tailing_blocked_by_an_exhausted_row_is_not_ready_and_says_which() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    let guard = common::SlotGuard::new(rig.pg_url(), "blocked");
+    let (broker, rows) = setup_with_slot(&db, Some(&guard.slot)).await;
+    let yaml = common::with_spec_line(
+        &common::relay_config_yaml(&broker, &options("block")),
+        "mode",
+        &common::log_tailing_mode(&guard.slot, true),
+    );
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    let readyz = || async {
+        let response = reqwest::Client::new()
+            .get(format!("http://{}/readyz", relay.http_addr().await))
+            .send()
+            .await
+            .ok()?;
+        (response.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE).then_some(())?;
+        response.text().await.ok()
+    };
+    let why = common::wait_for_some_or(
+        "the relay not ready for the row it waits for",
+        Duration::from_secs(90),
+        || relay.log_tail(30),
+        || async { readyz().await.filter(|t| t.contains("onExhausted: block")) },
+    )
+    .await;
+    // Either refused row may spend its attempts first (their chains run side by side).
+    assert!(
+        [rows.oversized, rows.bad_topic]
+            .iter()
+            .any(|id| why.contains(&format!("row {id} was refused by the broker 3 times"))),
+        "{why}"
+    );
+    // The refused rows and their aggregates' next ones wait in the table.
+    for id in [
+        rows.oversized,
+        rows.bad_topic,
+        rows.followers[0],
+        rows.followers[1],
+    ] {
+        let left: i64 = db
+            .client
+            .query_one("SELECT count(*) FROM public.outbox WHERE id = $1", &[&id])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(left, 1, "row {id} left the table");
+    }
+    drop(relay);
+    drop(guard);
+}
+
 /// A dead-letter table that refuses the row (here a CHECK no row passes; in life a
 /// dropped table or a revoked privilege) blocks the row's partition with an error
 /// counted as `kind="dead_letter"`, while rows written meanwhile in other partitions

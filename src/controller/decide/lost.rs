@@ -58,8 +58,12 @@ pub(super) fn slot_lost(
     let Some(last) = last_slot.filter(|s| s.name == lt.slot) else {
         return LostSlot::NotLost;
     };
-    // The operator drops the slot itself past the WAL budget: that is no loss.
-    if facts.slot.is_some() || observed.fallback.is_some() || !(last.existed || last.lost.is_some())
+    // The operator drops the slot itself past the WAL budget: that is no loss; nor is a
+    // slot that lives in a database the Secret no longer reaches (`moved`).
+    if facts.slot.is_some()
+        || observed.fallback.is_some()
+        || !(last.existed || last.lost.is_some())
+        || super::moved::moved(last, facts, observed)
     {
         return LostSlot::NotLost;
     }

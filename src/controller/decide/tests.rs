@@ -120,6 +120,8 @@ pub(super) fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: 
         now: "2026-12-05T10:00:00Z".parse().unwrap(),
         recreate_lost_slot: None,
         cluster: None,
+        location: None,
+        left_behind_dropped: None,
     }
 }
 

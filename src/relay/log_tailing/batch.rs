@@ -331,6 +331,7 @@ impl LogTailer {
             }
             tokio::time::sleep(backoff.step()).await;
         }
+        self.health.blocked_by(None);
         // Every message of every transaction up to `confirm` is acknowledged: confirm
         // it now, or, deleting what is published, once its rows are deleted.
         if self.deleter.is_some() {
@@ -421,7 +422,17 @@ impl LogTailer {
             }
             // The stream does not go past a refused row before it is published (or,
             // under `onExhausted: deadLetter`, dead-lettered): a position is confirmed
-            // only once everything before it is, so the whole stream waits.
+            // only once everything before it is, so the whole stream waits. Once its
+            // attempts are spent, the relay says so in its readiness (and the operator
+            // in the OutboxRelay's Ready): the slot retains WAL until then.
+            if attempts >= self.settings.max_attempts {
+                self.health.blocked_by(Some(format!(
+                    "row {} was refused by the broker {} times (spec.failure.maxAttempts) and the stream waits for it (onExhausted: block), retaining WAL on the server: fix what the broker refuses (the row stays in the stream whatever happens to the table), or set spec.failure.deadLetterTable; the broker said: {}",
+                    row.id,
+                    self.settings.max_attempts,
+                    err.message.lines().next().unwrap_or_default()
+                )));
+            }
             tracing::error!(
                 row = row.id,
                 attempts,
