@@ -27,6 +27,7 @@
 
 pub mod admin;
 pub mod coverage;
+pub mod horizon;
 pub mod hosts;
 pub mod pooling;
 pub mod provision;
@@ -669,11 +670,14 @@ impl OutboxTable {
                  ORDER BY {id} FOR UPDATE SKIP LOCKED",
                 id = quote(&columns.id),
             ),
-            // The sweep's: rows inserted before $1 (Unix seconds), oldest first.
+            // The sweep's: rows inserted before $1 (Unix seconds) by a transaction that
+            // precedes xid $3 (`age` compares xids as the server does, modulo 2^32; a
+            // frozen xmin is the oldest of all), oldest first.
             stale: columns.created_at.as_deref().map(|c| {
                 format!(
                     "SELECT {row_list} FROM {qualified} \
                      WHERE {unpublished}extract(epoch FROM {created_at}) < $1::float8 \
+                       AND age(xmin) > age($3::text::xid) \
                      ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
                     created_at = quote(c),
                     id = quote(&columns.id),
@@ -727,13 +731,15 @@ impl OutboxTable {
         Ok(rows.iter().map(|r| self.row_of(r)).collect())
     }
 
-    /// Rows inserted before `cutoff` (Unix seconds) that are still in the table, oldest
-    /// first, at most `limit`, locked for this transaction (the log-tailing relay's
-    /// reconciliation sweep); an error when the table has no created-at column.
+    /// Rows inserted before `cutoff` (Unix seconds) by a transaction older than `xid`
+    /// ([`horizon::Horizon`]) that are still in the table, oldest first, at most
+    /// `limit`, locked for this transaction (the log-tailing relay's reconciliation
+    /// sweep); an error when the table has no created-at column.
     pub async fn select_stale(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
         cutoff: f64,
+        xid: u32,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
         let sql = self.select.stale.as_deref().ok_or_else(|| {
@@ -743,7 +749,7 @@ impl OutboxTable {
             ))
         })?;
         let rows = tx
-            .query(sql, &[&cutoff, &limit])
+            .query(sql, &[&cutoff, &limit, &xid.to_string()])
             .await
             .map_err(db("sweeping for missed rows"))?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())

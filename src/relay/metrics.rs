@@ -61,6 +61,8 @@ pub struct Metrics {
     pub slot_wal_status: Family<WalStatusLabels, Gauge>,
     /// Log tailing: rows the reconciliation sweep found (missed by the tail) and published.
     pub sweep_found: Counter,
+    /// Log tailing: sweeps that looked at the table.
+    pub sweeps: Counter,
     /// Log tailing with `deleteAfterPublish`: rows published from the table because
     /// what publishes it changed (inserts in between may not have been streamed).
     pub gap_back_filled: Counter,
@@ -113,6 +115,7 @@ impl Metrics {
         let slot_retained_wal = Gauge::default();
         let slot_active = Gauge::default();
         let sweep_found = Counter::default();
+        let sweeps = Counter::default();
         let gap_back_filled = Counter::default();
         let gap_held = Counter::default();
         let standby_wait = Gauge::default();
@@ -141,6 +144,11 @@ impl Metrics {
                 "outbox_relay_sweep_found",
                 "Rows the reconciliation sweep found still in the table long after their insert (missed by the log tail) and published",
                 sweep_found.clone(),
+            );
+            registry.register(
+                "outbox_relay_sweeps",
+                "Reconciliation sweeps that looked at the table (rows of transactions the log tail has surely streamed)",
+                sweeps.clone(),
             );
             registry.register(
                 "outbox_relay_publication_gap_back_filled",
@@ -230,6 +238,7 @@ impl Metrics {
             slot_active,
             slot_wal_status,
             sweep_found,
+            sweeps,
             gap_back_filled,
             gap_held,
             standby_wait,

@@ -104,7 +104,9 @@ async fn a_relay_whose_broker_takes_no_message_is_not_ready_with_the_brokers_rea
             &manifest(
                 "kafka",
                 "orders-db",
-                json!({"kafka": {"bootstrapServers": unresolvable, "topic": topic}}),
+                // A message fails after 5 s (not the default 20 s), so the test waits less.
+                json!({"kafka": {"bootstrapServers": unresolvable, "topic": topic,
+                    "properties": {"message.timeout.ms": "5000"}}}),
             ),
         )
         .await;

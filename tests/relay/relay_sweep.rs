@@ -126,3 +126,105 @@ async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
     drop(guard);
     db.drop_database().await;
 }
+
+/// A long transaction that commits while the tail lags behind a large one: its row is
+/// older than `olderThan` by `createdAt` (the transaction's start), yet the tail has not
+/// missed it, only not reached it. The sweep leaves it to the tail: it finds nothing,
+/// over sweeps that run until after the tail has passed it, and the row arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_transaction_committing_while_the_tail_lags_is_left_to_the_tail() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let guard = SlotGuard::new(rig.pg_url(), "sweeplag");
+    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
+    let topic = common::fresh_topic(4).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: rig.kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let yaml = common::with_spec_line(
+        &common::log_tailing_yaml(&broker, &guard.slot, true),
+        "mode",
+        &format!(
+            "{{logTailing: {{slotName: {0}, publicationName: {0}, heartbeatInterval: 1s, \
+             deleteAfterPublish: true, sweep: {{interval: 1s, olderThan: 1s}}}}}}",
+            guard.slot
+        ),
+    );
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
+    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
+    let sweeps = || async {
+        relay
+            .metric("outbox_relay_sweeps_total")
+            .await
+            .unwrap_or(0.0)
+    };
+    // The long transaction starts: its row's createdAt is now.
+    let mut long = common::pg_connect(&db.url).await.unwrap();
+    let tx = long.transaction().await.unwrap();
+    let late: i64 = tx
+        .query_one(
+            "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload) \
+             VALUES ('order', 'agg-late', 'Happened', '{}') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Meanwhile the tail streams newer commits (its position passes the row's
+    // createdAt by more than olderThan) and sweeps run.
+    let before = sweeps().await;
+    common::wait_for_relays("two sweeps", Duration::from_secs(60), &[&relay], || async {
+        insert(&db.client, 1, "meanwhile").await;
+        sweeps().await >= before + 2.0
+    })
+    .await;
+    // A large transaction holds the tail back, and the long one commits behind it.
+    db.client
+        .batch_execute(
+            "INSERT INTO public.outbox (aggregatetype, aggregateid, type, payload) \
+             SELECT 'order', 'agg-bulk-' || (i % 50), 'Bulk', '{}' FROM generate_series(1, 60000) i",
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // Until the tail has passed it, sweeps go on and find nothing; then it is the tail's.
+    common::wait_for_relays(
+        "the tail through everything (the table empty)",
+        Duration::from_secs(180),
+        &[&relay],
+        || async {
+            db.client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
+        },
+    )
+    .await;
+    let after = sweeps().await;
+    common::wait_for_relays(
+        "two more sweeps",
+        Duration::from_secs(60),
+        &[&relay],
+        || async { sweeps().await >= after + 2.0 },
+    )
+    .await;
+    assert_eq!(
+        relay.metric("outbox_relay_sweep_found_total").await,
+        Some(0.0),
+        "the sweep took a row the tail had not missed:\n{}",
+        relay.log_tail(20)
+    );
+    let topic = topic.clone();
+    let received = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+        .await
+        .unwrap();
+    let late_copies = received.iter().filter(|r| r.id == late).count();
+    assert_eq!(
+        late_copies, 1,
+        "the long transaction's row arrived {late_copies} times"
+    );
+    drop(relay);
+    drop(guard);
+}

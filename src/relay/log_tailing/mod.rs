@@ -296,7 +296,8 @@ impl LogTailer {
                 self.stop.clone(),
             ))
         });
-        let sweeper = self.lt.sweep.map(|sweep| {
+        let deleted_rx = self.deleted.clone();
+        let sweeper = self.lt.sweep.zip(deleted_rx).map(|(sweep, deleted)| {
             tokio::spawn(sweep::sweep_loop(sweep::SweepTarget {
                 settings: self.settings.clone(),
                 sweep,
@@ -305,6 +306,7 @@ impl LogTailer {
                 health: self.health.clone(),
                 stop: self.stop.clone(),
                 passed: passed_rx.clone(),
+                deleted,
             }))
         });
         let mut backoff = Backoff::new();

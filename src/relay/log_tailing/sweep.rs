@@ -6,21 +6,27 @@
 //! metric and, through the `OutboxRelaySweepFoundRows` alert, a page.
 //!
 //! Rows count as missed only when inserted `olderThan` before the newest commit the tail
-//! has streamed, published and deleted (or a heartbeat it has seen come back): a tail
-//! catching up on a backlog, or stalled by a broker outage, has not missed the rows it
-//! has not reached, and a standby replica sweeps nothing.
+//! has streamed, published and deleted (or a heartbeat it has seen come back), and only
+//! when their transaction had ended before a [`Horizon`] the tail has passed (deleted
+//! through): a tail catching up on a backlog, or stalled by a broker outage, has not
+//! missed the rows it has not reached, a long transaction that commits while the tail
+//! lags is not missed however old its `createdAt` (the transaction's start), and a
+//! standby replica sweeps nothing.
 //!
 //! A row the tail is about to publish anyway may be published twice (at least once,
 //! deduplicated by id downstream); a missed row reaches consumers after later rows of
 //! its aggregate, which the tail already sent: the best order left for it.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
+use pgwire_replication::Lsn;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::api::AfterPublish;
 use crate::broker::{Broker, Shape};
+use crate::postgres::horizon::{Horizon, horizon};
 use crate::postgres::{self, Columns, OutboxTable, PgError};
 use crate::relay::chains::{chains, publish_chains};
 use crate::relay::config::Settings;
@@ -41,15 +47,16 @@ pub(super) struct SweepTarget {
     /// Unix time up to which the tail has streamed and deleted everything (0 until
     /// this process streams the slot).
     pub passed: watch::Receiver<f64>,
+    /// The WAL position through which the tail has streamed and deleted everything.
+    pub deleted: watch::Receiver<Lsn>,
 }
 
 /// Sweeps every `sweep.interval` until shutdown.
 pub(super) async fn sweep_loop(target: SweepTarget) {
     let mut session: Option<(Client, OutboxTable)> = None;
-    // Rows stale at the last sweep: a row is published only when stale in two sweeps
-    // in a row, so one committed by a transaction that stayed open longer than
-    // olderThan (createdAt is its start) reaches the tail first.
-    let mut candidates: std::collections::HashSet<i64> = std::collections::HashSet::new();
+    // Horizons read at earlier sweeps, oldest first: the newest one the tail has passed
+    // says which transactions it has surely streamed.
+    let mut horizons: VecDeque<Horizon> = VecDeque::new();
     loop {
         crate::relay::nap(&target.stop, &target.health, target.sweep.interval).await;
         if *target.stop.borrow() {
@@ -80,7 +87,24 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
         let Some((client, table)) = session.as_mut() else {
             continue;
         };
-        match sweep_once(client, table, &target, cutoff, &mut candidates).await {
+        match horizon(client).await {
+            Ok(now) => horizons.push_back(now),
+            Err(err) => {
+                tracing::warn!(error = %err, "sweep failed; trying again at the next sweep");
+                session = None;
+                continue;
+            }
+        }
+        let deleted = *target.deleted.borrow();
+        let Some(passed_horizon) = horizons.iter().rev().find(|h| h.lsn <= deleted).copied() else {
+            continue;
+        };
+        horizons.retain(|h| h.lsn > passed_horizon.lsn);
+        let swept = sweep_once(client, table, &target, cutoff, passed_horizon.xid).await;
+        if swept.is_ok() {
+            target.health.metrics.sweeps.inc();
+        }
+        match swept {
             Ok(0) => {}
             Ok(found) => {
                 target
@@ -126,28 +150,21 @@ async fn sweep_once(
     table: &OutboxTable,
     target: &SweepTarget,
     cutoff: f64,
-    candidates: &mut std::collections::HashSet<i64>,
+    xid: u32,
 ) -> Result<usize, PgError> {
     let mut found = 0;
-    let mut stale_now = std::collections::HashSet::new();
     loop {
         let tx = client.transaction().await.map_err(|source| PgError::Db {
             what: "starting a sweep",
             source,
         })?;
-        let rows = table.select_stale(&tx, cutoff, SWEEP_BATCH).await?;
+        let rows = table.select_stale(&tx, cutoff, xid, SWEEP_BATCH).await?;
         let selected = rows.len();
-        stale_now.extend(rows.iter().map(|r| r.id));
-        let rows: Vec<_> = rows
-            .into_iter()
-            .filter(|r| candidates.contains(&r.id))
-            .collect();
         if rows.is_empty() {
             tx.commit().await.map_err(|source| PgError::Db {
                 what: "ending a sweep",
                 source,
             })?;
-            *candidates = stale_now;
             return Ok(found);
         }
         let results = publish_chains(
@@ -178,7 +195,6 @@ async fn sweep_once(
             .published
             .inc_by(u64::try_from(ids.len()).unwrap_or(0));
         if failed || i64::try_from(selected).unwrap_or(0) < SWEEP_BATCH {
-            *candidates = stale_now;
             return Ok(found);
         }
     }
