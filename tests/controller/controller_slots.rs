@@ -751,7 +751,7 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
     use k8s_openapi::api::core::v1::Pod;
     const HOLD: &str = "outbox.dev/test-hold";
 
-    with_controller(|client, ns, _metrics| async move {
+    with_controller(|client, ns, metrics| async move {
         let db = outbox_database().await;
         operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
@@ -791,7 +791,12 @@ async fn the_finalizer_keeps_the_slot_until_the_relay_pods_are_gone() {
                 .is_some_and(|p| p.metadata.deletion_timestamp.is_some())
         })
         .await;
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // The controller's next passes would drop the slot too early: two of them.
+        let passes = metrics.reconciles_total();
+        common::wait_for("two more passes of the controller", WAIT, || async {
+            metrics.reconciles_total() >= passes + 2
+        })
+        .await;
         assert!(
             matches!(relays.get_opt("held").await, Ok(Some(_))),
             "the OutboxRelay went while its pod was still there"
@@ -879,7 +884,7 @@ async fn a_secret_deleted_before_its_relay_stays_until_the_slot_is_dropped() {
 /// gone" and the relay went with its slot left behind.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unresolvable_database_host_blocks_the_delete_until_it_resolves() {
-    with_controller(|client, ns, _metrics| async move {
+    with_controller(|client, ns, metrics| async move {
         let db = outbox_database().await;
         operator::create_secret(&client, &ns, "db", &[("uri", &db.url)]).await;
         let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
@@ -901,7 +906,12 @@ async fn an_unresolvable_database_host_blocks_the_delete_until_it_resolves() {
             event.note.unwrap_or_default().contains("abandon-slot"),
             "the Warning names the way out"
         );
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // The finalizer's next passes would let the relay go: two of them.
+        let passes = metrics.reconciles_total();
+        common::wait_for("two more passes of the controller", WAIT, || async {
+            metrics.reconciles_total() >= passes + 2
+        })
+        .await;
         assert!(
             relays.get_opt("dns").await.unwrap().is_some(),
             "the relay went"

@@ -188,7 +188,26 @@ async fn budget_scenario(pg: Pg) {
     writer
         .wait_committed(writer.committed() + STEP / 2, WAIT)
         .await;
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // A return would be decided by the controller's next passes: wait for two.
+    let passes = common::wait_for_some_or(
+        "the controller's metrics",
+        WAIT,
+        || runner.log_tails(30),
+        || controller.counter("outbox_operator_reconciles_total"),
+    )
+    .await;
+    common::wait_for_some_or(
+        "two more passes of the controller",
+        WAIT,
+        || runner.log_tails(30),
+        || async {
+            let now = controller
+                .counter("outbox_operator_reconciles_total")
+                .await?;
+            (now >= passes + 2.0).then_some(())
+        },
+    )
+    .await;
     assert_eq!(
         slot_row(&db.client, &slot).await,
         None,
