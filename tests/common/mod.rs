@@ -1539,6 +1539,28 @@ pub struct DeliveryReport {
 }
 
 impl DeliveryReport {
+    /// Asserts that every delivery kept per-aggregate order, redeliveries included, and
+    /// that nothing arrived for a row never committed (rolled back, or lost with a
+    /// primary that died before its standby had it: a phantom).
+    #[track_caller]
+    pub fn assert_ordered_without_orphans(&self) {
+        assert!(
+            self.orphans.is_empty(),
+            "events for rows never committed (rolled back, or phantoms of a failover): {:?}",
+            self.orphans
+        );
+        assert!(
+            self.order_violations.is_empty(),
+            "per-aggregate order broken, first {:?}",
+            &self.order_violations[..self.order_violations.len().min(10)]
+        );
+        assert!(
+            self.stale_redeliveries.is_empty(),
+            "redeliveries outside a replayed window, first {:?}",
+            &self.stale_redeliveries[..self.stale_redeliveries.len().min(10)]
+        );
+    }
+
     /// Asserts that no committed row is missing, no rolled-back row arrived, and every
     /// aggregate's rows came in order.
     #[track_caller]

@@ -172,24 +172,6 @@ fn print_report(what: &str, ledger: &Ledger, report: &common::DeliveryReport) {
     );
 }
 
-fn assert_no_phantom_or_reorder(report: &common::DeliveryReport) {
-    assert!(
-        report.orphans.is_empty(),
-        "events for commits the promoted server lacks (phantoms): {:?}",
-        report.orphans
-    );
-    assert!(
-        report.order_violations.is_empty(),
-        "per-aggregate order broken, first {:?}",
-        &report.order_violations[..report.order_violations.len().min(10)]
-    );
-    assert!(
-        report.stale_redeliveries.is_empty(),
-        "redeliveries outside a replayed window, first {:?}",
-        &report.stale_redeliveries[..report.stale_redeliveries.len().min(10)]
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_on_postgres_15_with_delete_after_publish_loses_nothing_and_sends_no_phantom() {
     let (mut cluster, db) = Cluster::start().await;
@@ -254,7 +236,7 @@ async fn a_failover_on_postgres_15_with_delete_after_publish_loses_nothing_and_s
         report.missing.len(),
         &report.missing[..report.missing.len().min(20)]
     );
-    assert_no_phantom_or_reorder(&report);
+    report.assert_ordered_without_orphans();
     s.controller.stop(Duration::from_secs(30)).unwrap();
     drop(cluster);
 }
@@ -360,7 +342,7 @@ async fn a_failover_on_postgres_15_keeping_rows_names_the_window_and_loses_only_
             &inside[..inside.len().min(10)]
         );
     }
-    assert_no_phantom_or_reorder(&report);
+    report.assert_ordered_without_orphans();
     s.controller.stop(Duration::from_secs(30)).unwrap();
     drop(cluster);
 }

@@ -283,17 +283,7 @@ async fn a_lost_slot_is_back_filled_alone_then_tailed_again_with_nothing_lost_or
         report.missing.len(),
         &report.missing[..report.missing.len().min(20)]
     );
-    assert!(
-        report.order_violations.is_empty(),
-        "per-aggregate order broken, first {:?}",
-        &report.order_violations[..report.order_violations.len().min(10)]
-    );
-    assert!(
-        report.stale_redeliveries.is_empty(),
-        "redeliveries outside a replayed window, first {:?}",
-        &report.stale_redeliveries[..report.stale_redeliveries.len().min(10)]
-    );
-    assert!(report.orphans.is_empty(), "rolled-back events arrived");
+    report.assert_ordered_without_orphans();
     s.controller.stop(Duration::from_secs(30)).unwrap();
 }
 
@@ -468,16 +458,6 @@ async fn a_lost_slot_without_delete_after_publish_waits_for_the_choice_and_names
         window.len(),
         "the rows committed while no slot existed are the ones lost, all of them"
     );
-    assert!(
-        report.order_violations.is_empty(),
-        "per-aggregate order broken, first {:?}",
-        &report.order_violations[..report.order_violations.len().min(10)]
-    );
-    assert!(
-        report.stale_redeliveries.is_empty(),
-        "redeliveries outside a replayed window, first {:?}",
-        &report.stale_redeliveries[..report.stale_redeliveries.len().min(10)]
-    );
-    assert!(report.orphans.is_empty(), "rolled-back events arrived");
+    report.assert_ordered_without_orphans();
     s.controller.stop(Duration::from_secs(30)).unwrap();
 }

@@ -25,12 +25,22 @@ async fn insert(client: &tokio_postgres::Client, n: usize, tag: &str) -> Vec<i64
     ids
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
+/// A log-tailing relay with a sweep every second for rows `older_than`, on a fresh
+/// database and topic, streaming.
+struct Sweeping {
+    db: common::TestDatabase,
+    guard: SlotGuard,
+    topic: String,
+    broker: RelayBroker,
+    yaml: String,
+    relay: RelayProcess,
+}
+
+async fn sweeping(name: &str, older_than: &str) -> Sweeping {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, 4).await;
-    let guard = SlotGuard::new(rig.pg_url(), "sweep");
+    let guard = SlotGuard::new(rig.pg_url(), name);
     common::create_replication(&db.client, &guard.slot, &guard.slot).await;
     let topic = common::fresh_topic(4).await;
     let broker = RelayBroker::Kafka {
@@ -42,12 +52,32 @@ async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
         "mode",
         &format!(
             "{{logTailing: {{slotName: {0}, publicationName: {0}, heartbeatInterval: 1s, \
-             deleteAfterPublish: true, sweep: {{interval: 1s, olderThan: 3s}}}}}}",
+             deleteAfterPublish: true, sweep: {{interval: 1s, olderThan: {older_than}}}}}}}",
             guard.slot
         ),
     );
-    let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
+    let relay = RelayProcess::start(&yaml, &db.url, &broker);
     common::wait_slot_active(&db.client, &guard.slot, &relay).await;
+    Sweeping {
+        db,
+        guard,
+        topic,
+        broker,
+        yaml,
+        relay,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
+    let Sweeping {
+        db,
+        guard,
+        topic,
+        broker,
+        yaml,
+        mut relay,
+    } = sweeping("sweep", "3s").await;
     let mut expected = insert(&db.client, 5, "seen").await;
     // Rows written while the publication does not publish the table never reach the
     // slot's stream. A running relay sees the change before it publishes anything
@@ -133,27 +163,13 @@ async fn rows_hidden_from_the_tail_are_found_published_and_counted() {
 /// over sweeps that run until after the tail has passed it, and the row arrives once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_transaction_committing_while_the_tail_lags_is_left_to_the_tail() {
-    let rig = common::Rig::load();
-    let db = common::fresh_database().await;
-    common::create_outbox_table(&db.client, 4).await;
-    let guard = SlotGuard::new(rig.pg_url(), "sweeplag");
-    common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-    let topic = common::fresh_topic(4).await;
-    let broker = RelayBroker::Kafka {
-        bootstrap: rig.kafka_bootstrap().to_owned(),
-        topic: topic.clone(),
-    };
-    let yaml = common::with_spec_line(
-        &common::log_tailing_yaml(&broker, &guard.slot, true),
-        "mode",
-        &format!(
-            "{{logTailing: {{slotName: {0}, publicationName: {0}, heartbeatInterval: 1s, \
-             deleteAfterPublish: true, sweep: {{interval: 1s, olderThan: 1s}}}}}}",
-            guard.slot
-        ),
-    );
-    let relay = RelayProcess::start(&yaml, &db.url, &broker);
-    common::wait_slot_active(&db.client, &guard.slot, &relay).await;
+    let Sweeping {
+        db,
+        guard,
+        topic,
+        relay,
+        ..
+    } = sweeping("sweeplag", "1s").await;
     let sweeps = || async {
         relay
             .metric("outbox_relay_sweeps_total")
