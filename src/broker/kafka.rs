@@ -91,7 +91,7 @@ use rdkafka::producer::{
 
 use super::probe::{Probe, TIMEOUT, templated};
 use super::tls::{self, TlsFiles};
-use super::{Broker, Delivered, Message, PublishError, Step};
+use super::{Broker, Clearance, Delivered, Message, PublishError, Step};
 use crate::api::{KafkaSpec, SaslMechanism};
 use crate::rules::{
     BrokerKind, Problems, check_secret_ref, check_template_into, is_fixed_kafka_property,
@@ -858,6 +858,8 @@ impl Broker for KafkaBroker {
         messages: &'a [Message],
         after: Delivered,
         crowded: bool,
+        // Asked by the caller just before: the lot is queued at once.
+        _clearance: &'a dyn Clearance,
     ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
         Box::pin(async move {
             match messages {
@@ -1830,7 +1832,7 @@ mod tests {
         let before = broker.batching.get().expect("made");
         let rest: Vec<Message> = (0..5).map(|_| message(b"{}")).collect();
         let outcomes = broker
-            .publish_rest(&rest, Delivered::default(), false)
+            .publish_rest(&rest, Delivered::default(), false, &crate::broker::Clear)
             .await;
         assert_eq!(outcomes.len(), 1, "the rest ends with its first failure");
         let err = outcomes[0].as_ref().expect_err("nothing listens on port 9");
@@ -1844,7 +1846,7 @@ mod tests {
         // (tests/relay/relay_partitioning.rs sends one refused in the middle to Kafka).
         let rest = [message(&[b'x'; 2000]), message(b"{}")];
         let outcomes = broker
-            .publish_rest(&rest, Delivered::default(), false)
+            .publish_rest(&rest, Delivered::default(), false, &crate::broker::Clear)
             .await;
         assert_eq!(outcomes.len(), 1, "{outcomes:?}");
         let err = outcomes[0].as_ref().expect_err("too large");

@@ -278,6 +278,24 @@ impl BrokerSettings {
     }
 }
 
+/// Whether messages may still go out, asked before each one is sent. The polling
+/// relay's batch may send only while the database session holding its partition locks
+/// is open and was last heard within its fence (`relay::chains::Fence`); log tailing
+/// sends under [`Clear`].
+pub trait Clearance: Sync {
+    /// `Err` (held back, saying why) once no more messages may be sent.
+    fn check(&self) -> Result<(), PublishError>;
+}
+
+/// Always clear to send.
+pub struct Clear;
+
+impl Clearance for Clear {
+    fn check(&self) -> Result<(), PublishError> {
+        Ok(())
+    }
+}
+
 /// A broker the relay publishes to. `publish` returns once the broker has
 /// acknowledged the message durably (Kafka acks=all, JetStream PubAck, AMQP confirm).
 pub trait Broker: Send + Sync {
@@ -310,19 +328,25 @@ pub trait Broker: Send + Sync {
     /// failure keeps the aggregate's order. `crowded` as in [`Step`].
     ///
     /// By default each message waits for its predecessor's acknowledgement (a round
-    /// trip per event). A broker whose client keeps a partition in send order and
-    /// writes no message after one it gave up on sends them all at once instead (Kafka,
-    /// see its module's notes).
+    /// trip per event), and `clearance` is asked before each one goes out. A broker
+    /// whose client keeps a partition in send order and writes no message after one it
+    /// gave up on sends them all at once instead (Kafka, see its module's notes): the
+    /// caller asked `clearance` just before.
     fn publish_rest<'a>(
         &'a self,
         messages: &'a [Message],
         after: Delivered,
         crowded: bool,
+        clearance: &'a dyn Clearance,
     ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
         Box::pin(async move {
             let mut outcomes = Vec::with_capacity(messages.len());
             let mut after = after;
             for message in messages {
+                if let Err(err) = clearance.check() {
+                    outcomes.push(Err(err));
+                    break;
+                }
                 let sent = self.publish_next(message, Step { after, crowded }).await;
                 let failed = sent.is_err();
                 if let Ok(delivered) = &sent {

@@ -253,8 +253,8 @@ pub fn client_config(
 /// about 25 s instead of the system default of hours; the relay's fence is shorter.
 pub const SERVER_KEEPALIVES: (u32, u32, u32) = (10, 5, 3);
 
-/// Applies [`SERVER_KEEPALIVES`] to this session (plain `SET`s: they work through
-/// connection poolers, unlike startup options).
+/// Applies [`SERVER_KEEPALIVES`] to a polling relay's lock session, and
+/// [`keep_open_while_publishing`].
 pub async fn tighten_server_keepalives(client: &Client) -> Result<(), PgError> {
     let (idle, interval, count) = SERVER_KEEPALIVES;
     client
@@ -263,7 +263,27 @@ pub async fn tighten_server_keepalives(client: &Client) -> Result<(), PgError> {
              SET tcp_keepalives_count = {count}"
         ))
         .await
-        .map_err(db("setting the session's TCP keepalives"))
+        .map_err(db("setting the session's TCP keepalives"))?;
+    keep_open_while_publishing(client).await
+}
+
+/// Turns off, for this session only, the server's idle timeouts
+/// (`idle_in_transaction_session_timeout`, and `idle_session_timeout` where the server
+/// has it) that a role or database may set. A relay's transaction stays open, idle,
+/// while the broker acknowledges what it selected: ended by such a timeout, it would
+/// release the partition locks (and row locks) it publishes under, and another replica
+/// would publish the same aggregates at the same time. The relay bounds its own
+/// transactions (the fence, the broker's message timeout). Plain `set_config` calls,
+/// not startup options, so they pass session-mode poolers; settings the server does
+/// not know are skipped.
+pub async fn keep_open_while_publishing(client: &Client) -> Result<(), PgError> {
+    client
+        .batch_execute(
+            "SELECT set_config(name, '0', false) FROM pg_settings \
+             WHERE name IN ('idle_in_transaction_session_timeout', 'idle_session_timeout')",
+        )
+        .await
+        .map_err(db("turning the session's idle timeouts off"))
 }
 
 /// Session settings of the operator's own connections: a DDL statement waiting behind

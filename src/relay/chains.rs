@@ -12,8 +12,43 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use crate::broker::{Broker, PublishError, Shape};
+use tokio_postgres::Client;
+
+use crate::broker::{Broker, Clearance, PublishError, Shape};
 use crate::postgres::OutboxRow;
+
+/// A batch's right to send (see publisher.rs, "Fencing"): the session that holds its
+/// locks (polling's partition locks; the row locks of log tailing's sweep and
+/// back-fill) is still open, and, for polling, its last round trip was less than the
+/// fence ago. A session the server or a pooler ended (`pg_terminate_backend`, a
+/// timeout, a restart) released the locks at that instant and another replica may
+/// already publish the partition: its connection task has seen the end, so nothing
+/// more is sent from then on. A session cut off without a word is covered by `until`.
+pub(super) struct Fence<'a> {
+    /// No message goes out at or after this instant.
+    pub until: Option<Instant>,
+    /// The session whose locks the rows are published under; `None` in tests of the
+    /// deadline alone.
+    pub session: Option<&'a Client>,
+}
+
+/// Why a message was not sent once the lock session ended.
+pub(crate) const SESSION_ENDED: &str =
+    "the database session that held this partition's lock ended, and the lock with it";
+
+impl Clearance for Fence<'_> {
+    fn check(&self) -> Result<(), PublishError> {
+        if self.session.is_some_and(Client::is_closed) {
+            return Err(PublishError::held_back(SESSION_ENDED));
+        }
+        if self.until.is_some_and(|until| Instant::now() >= until) {
+            return Err(PublishError::held_back(
+                "the database session that holds this partition was last seen alive too long ago (fence)",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// One chain's outcome.
 pub(super) struct ChainResult {
@@ -60,14 +95,14 @@ pub(crate) const CROWD: usize = 32;
 /// polling relay to a fraction of the broker's produce rate (see the README's
 /// Performance section). Order is unaffected: it is kept inside each chain.
 ///
-/// With a `fence`, no message is sent after it: the polling relay's partition locks
-/// are only known to be held up to then (see publisher.rs, "Fencing"); the rest of each
-/// chain comes back unsent, as after an outage.
+/// No message is sent once `fence` says no (the polling relay's [`Fence`]: its
+/// partition locks are only known to be held up to then); the rest of each chain comes
+/// back unsent, as after an outage.
 pub(super) async fn publish_chains(
     broker: &dyn Broker,
     shape: &Shape,
     chains: Vec<Vec<OutboxRow>>,
-    fence: Option<Instant>,
+    fence: &dyn Clearance,
 ) -> Vec<ChainResult> {
     let sending = AtomicUsize::new(chains.len());
     let sending = &sending;
@@ -87,7 +122,7 @@ async fn publish_chain(
     broker: &dyn Broker,
     shape: &Shape,
     chain: Vec<OutboxRow>,
-    fence: Option<Instant>,
+    fence: &dyn Clearance,
     sending: &AtomicUsize,
 ) -> ChainResult {
     let mut published = Vec::with_capacity(chain.len());
@@ -98,9 +133,9 @@ async fn publish_chain(
             failed: None,
         };
     };
-    let first_sent = match past(fence) {
-        Some(err) => Err(err),
-        None => match shape.build(&first) {
+    let first_sent = match fence.check() {
+        Err(err) => Err(err),
+        Ok(()) => match shape.build(&first) {
             Ok(message) => broker.publish(&message).await,
             Err(err) => Err(err),
         },
@@ -110,7 +145,7 @@ async fn publish_chain(
         Err(err) => return failed_from(published, first, rows, err),
     };
     published.push((first.id, first.created_at));
-    if let Some(err) = past(fence)
+    if let Err(err) = fence.check()
         && let Some(row) = rows.next()
     {
         return failed_from(published, row, rows, err);
@@ -133,7 +168,7 @@ async fn publish_chain(
     let outcomes = if messages.is_empty() {
         Vec::new()
     } else {
-        broker.publish_rest(&messages, after, crowded).await
+        broker.publish_rest(&messages, after, crowded, fence).await
     };
     // The unbuildable row comes right after the messages; with fewer outcomes than
     // messages the broker stopped before it.
@@ -161,15 +196,6 @@ async fn publish_chain(
 /// Why a chain's message after a failed one was not sent.
 pub(crate) const BEHIND_A_FAILURE: &str =
     "an earlier message of its aggregate was not acknowledged";
-
-/// The fence's error once it has passed.
-fn past(fence: Option<Instant>) -> Option<PublishError> {
-    fence.filter(|f| Instant::now() >= *f).map(|_| {
-        PublishError::held_back(
-            "the database session that holds this partition was last seen alive too long ago (fence)",
-        )
-    })
-}
 
 /// A chain that stopped at `row` with `err`: `row` and the rows after it come back
 /// unsent.
@@ -268,6 +294,7 @@ pub(crate) mod recording {
             messages: &'a [Message],
             after: Delivered,
             crowded: bool,
+            _clearance: &'a dyn crate::broker::Clearance,
         ) -> futures::future::BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
             self.rests
                 .lock()
@@ -311,14 +338,36 @@ mod tests {
         }
     }
 
-    /// Publishes `rows` as per-aggregate chains to `broker`, as a NATS relay would.
+    /// Publishes `rows` as per-aggregate chains to `broker`, as a NATS relay would,
+    /// under a fence that passes at `fence` (none: always clear).
     async fn publish(
-        broker: &Recorder,
+        broker: &dyn Broker,
         rows: Vec<OutboxRow>,
         fence: Option<Instant>,
     ) -> Vec<ChainResult> {
         let shape = Shape::new(crate::broker::BrokerKind::Nats, "s");
-        publish_chains(broker, &shape, chains(rows, true), fence).await
+        let clearance: &dyn Clearance = match fence {
+            Some(until) => &Fence {
+                until: Some(until),
+                session: None,
+            },
+            None => &crate::broker::Clear,
+        };
+        publish_chains(broker, &shape, chains(rows, true), clearance).await
+    }
+
+    /// A [`Recorder`] that sends a chain's rest as brokers do by default (NATS,
+    /// RabbitMQ): each message after its predecessor's acknowledgement.
+    struct OneByOne(Recorder);
+
+    impl Broker for OneByOne {
+        fn publish<'a>(
+            &'a self,
+            message: &'a crate::broker::Message,
+        ) -> futures::future::BoxFuture<'a, Result<crate::broker::Delivered, PublishError>>
+        {
+            self.0.publish(message)
+        }
     }
 
     /// The ids a chain published.
@@ -391,7 +440,7 @@ mod tests {
             &broker,
             &Shape::new(crate::broker::BrokerKind::Nats, "e.{aggregateType}"),
             chains(rows, true),
-            None,
+            &crate::broker::Clear,
         )
         .await;
         // 1 alone, then only 2: the rest stops before row 3.
@@ -446,6 +495,23 @@ mod tests {
         assert!(err.message.contains("fence"), "{err}");
         assert_eq!(broker.sent.lock().unwrap().len(), 1);
         assert!(broker.rests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_rest_sent_one_by_one_stops_where_the_fence_passes() {
+        let broker = OneByOne(Recorder {
+            ack_after: std::time::Duration::from_millis(100),
+            ..Recorder::default()
+        });
+        let rows = (1..=8).map(|i| row(i, "a")).collect();
+        // Sent at about 0, 100 and 200 ms; the fourth would go at 300.
+        let fence = Instant::now() + std::time::Duration::from_millis(250);
+        let results = publish(&broker, rows, Some(fence)).await;
+        assert_eq!(published(&results[0]), vec![1, 2, 3]);
+        let (unsent, err) = failed(&results[0]);
+        assert_eq!(unsent, vec![4, 5, 6, 7, 8]);
+        assert!(err.held_back && err.message.contains("fence"), "{err}");
+        assert_eq!(broker.0.sent.lock().unwrap().len(), 3);
     }
 
     #[tokio::test]

@@ -32,6 +32,14 @@
 //! [`FENCE`] (15 s) of the round trip that selected it; what is left goes back
 //! unpublished, as after an outage, and the next batch needs a fresh round trip.
 //!
+//! A session the server or a pooler ends on purpose (`pg_terminate_backend`, a
+//! pooler's `KILL`, a restart) releases the locks at once, well inside the fence, so
+//! the fence also asks whether the session is still open: its connection task sees the
+//! server's goodbye and the close as they arrive, and no message goes out after that
+//! (`chains::Fence`). The server's idle timeouts, which a role or database may set, are
+//! turned off on the session (`postgres::keep_open_while_publishing`): the batch's
+//! transaction is idle while the broker confirms, by design.
+//!
 //! # Order inside a batch
 //!
 //! Rows of one aggregate form a chain: its first row goes out with the batch, and once
@@ -65,7 +73,7 @@ use tracing::Instrument;
 use super::MAX_BATCH_BYTES;
 use super::RelayError;
 use super::backoff::{Backoff, MAX_BACKOFF};
-use super::chains::{ChainResult, chains, publish_chains};
+use super::chains::{ChainResult, Fence, chains, publish_chains};
 use super::config::Settings;
 use super::http::Health;
 use super::metrics::ErrorLabels;
@@ -614,8 +622,11 @@ impl Worker {
         }
         let chains = chains(rows, self.per_aggregate());
         let broker = self.broker.as_ref();
-        let results: Vec<ChainResult> =
-            publish_chains(broker, &self.shape, chains, Some(fence)).await;
+        let fence = Fence {
+            until: Some(fence),
+            session: Some(tx.client()),
+        };
+        let results: Vec<ChainResult> = publish_chains(broker, &self.shape, chains, &fence).await;
         let mut ids = Vec::with_capacity(selected);
         let mut lags = Vec::new();
         let mut unavailable = false;

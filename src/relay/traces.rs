@@ -16,7 +16,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, Span as SdkSpan};
 
-use crate::broker::{Broker, BrokerKind, Delivered, Message, PublishError, Step};
+use crate::broker::{Broker, BrokerKind, Clearance, Delivered, Message, PublishError, Step};
 
 /// The exporter of a relay's spans; [`Traces::shutdown`] sends what is left.
 pub struct Traces {
@@ -199,11 +199,15 @@ impl Broker for TracedBroker {
         messages: &'a [Message],
         after: Delivered,
         crowded: bool,
+        clearance: &'a dyn Clearance,
     ) -> BoxFuture<'a, Vec<Result<Delivered, PublishError>>> {
         Box::pin(async move {
             let (spans, sent): (Vec<SdkSpan>, Vec<Message>) =
                 messages.iter().map(|m| self.start(m)).unzip();
-            let outcomes = self.inner.publish_rest(&sent, after, crowded).await;
+            let outcomes = self
+                .inner
+                .publish_rest(&sent, after, crowded, clearance)
+                .await;
             for (i, (span, message)) in spans.into_iter().zip(messages).enumerate() {
                 Self::finish(span, message, outcomes.get(i));
             }
@@ -245,7 +249,7 @@ mod tests {
         // The rest of a chain reaches the inner broker together, as it was given.
         let rest = [message("3"), message("4")];
         let outcomes = traced
-            .publish_rest(&rest, Delivered::default(), false)
+            .publish_rest(&rest, Delivered::default(), false, &crate::broker::Clear)
             .await;
         assert_eq!(outcomes.len(), 2);
         assert_eq!(*inner.rests.lock().unwrap(), vec![2]);

@@ -79,7 +79,10 @@ async fn each_codec_is_stored_as_set_and_read_back_whole() {
             .collect();
         // A chain: the first alone, the rest together once it is acknowledged.
         let after = broker.publish(&messages[0]).await.unwrap();
-        for outcome in broker.publish_rest(&messages[1..], after, true).await {
+        for outcome in broker
+            .publish_rest(&messages[1..], after, true, &outbox_operator::broker::Clear)
+            .await
+        {
             outcome.unwrap();
         }
         let read: Vec<(i64, String)> = tokio::task::spawn_blocking({

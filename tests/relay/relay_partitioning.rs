@@ -270,7 +270,9 @@ async fn a_chains_rest_goes_out_at_once_in_order_to_its_first_messages_partition
     let rest: Vec<_> = (2..=300)
         .map(|id| keyed_message(&topic, id, &key))
         .collect();
-    let outcomes = broker.publish_rest(&rest, first, false).await;
+    let outcomes = broker
+        .publish_rest(&rest, first, false, &outbox_operator::broker::Clear)
+        .await;
     assert_eq!(outcomes.len(), rest.len());
     for outcome in &outcomes {
         assert_eq!(outcome.as_ref().unwrap().partition, Some(natural));
@@ -284,7 +286,9 @@ async fn a_chains_rest_goes_out_at_once_in_order_to_its_first_messages_partition
     let after = outbox_operator::broker::Delivered {
         partition: Some(elsewhere),
     };
-    let outcomes = broker.publish_rest(&rest, after, false).await;
+    let outcomes = broker
+        .publish_rest(&rest, after, false, &outbox_operator::broker::Clear)
+        .await;
     assert!(
         outcomes
             .iter()
@@ -338,13 +342,17 @@ async fn nothing_queued_behind_a_refused_message_of_a_chains_rest_is_written() {
             message
         })
         .collect();
-    let outcomes = broker.publish_rest(&rest, first, false).await;
+    let outcomes = broker
+        .publish_rest(&rest, first, false, &outbox_operator::broker::Clear)
+        .await;
     // 2, 3 and 4 written; 5 refused as the row's fault; nothing after it.
     assert_refused_after(&topic, &outcomes, 3);
     // The relay goes on with a new producer: the chain again from the refused message,
     // now acceptable.
     let rest: Vec<_> = (5..=40).map(|id| keyed_message(&topic, id, &key)).collect();
-    let outcomes = broker.publish_rest(&rest, first, false).await;
+    let outcomes = broker
+        .publish_rest(&rest, first, false, &outbox_operator::broker::Clear)
+        .await;
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
     assert_eq!(broker.broken(), None);
     let found = records(&topic, 40, Duration::ZERO);
@@ -366,7 +374,9 @@ async fn a_chains_rest_stops_queueing_at_a_message_the_producer_refuses() {
         .unwrap();
     let mut rest: Vec<_> = (2..=6).map(|id| keyed_message(&topic, id, &key)).collect();
     rest[2].payload = Some(bytes::Bytes::from(vec![b'x'; 2000]));
-    let outcomes = broker.publish_rest(&rest, first, false).await;
+    let outcomes = broker
+        .publish_rest(&rest, first, false, &outbox_operator::broker::Clear)
+        .await;
     // 2 and 3 written; 4 refused as the row's fault; 5 and 6 never queued.
     assert_refused_after(&topic, &outcomes, 2);
 }

@@ -16,6 +16,7 @@ use super::{
     SessionEnd, stream_error,
 };
 use crate::api::OnExhausted;
+use crate::broker::Clear;
 use crate::broker::PublishError;
 use crate::postgres::replication::{self as repl, HEARTBEAT_PREFIX, PgOutput};
 use crate::postgres::{OutboxRow, PgError};
@@ -287,7 +288,7 @@ impl LogTailer {
             self.health.turned();
             let broker = self.broker.as_ref();
             let results: Vec<ChainResult> =
-                publish_chains(broker, &self.shape, std::mem::take(&mut pending), None).await;
+                publish_chains(broker, &self.shape, std::mem::take(&mut pending), &Clear).await;
             let now_unix = unix_now();
             let mut outage = Outage::default();
             let before = ids.len();

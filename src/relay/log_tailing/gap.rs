@@ -29,7 +29,7 @@ use crate::api::AfterPublish;
 use crate::postgres::coverage::{Coverage, coverage};
 use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError};
 use crate::relay::backoff::Backoff;
-use crate::relay::chains::{chains, publish_chains};
+use crate::relay::chains::{Fence, chains, publish_chains};
 
 /// Rows per back-fill transaction.
 const FILL_BATCH: i64 = 500;
@@ -206,6 +206,7 @@ impl LogTailer {
         let s = &self.settings;
         let t = &s.valid.table;
         let mut client = postgres::connect(&s.database_url, &s.url_env, &s.pg_tls).await?;
+        postgres::keep_open_while_publishing(&client).await?;
         let table = OutboxTable::inspect(
             &client,
             &t.schema,
@@ -236,7 +237,10 @@ impl LogTailer {
                 self.broker.as_ref(),
                 &self.shape,
                 chains(rows, s.valid.per_aggregate),
-                None,
+                &Fence {
+                    until: None,
+                    session: Some(tx.client()),
+                },
             )
             .await;
             let mut ids = Vec::new();

@@ -28,7 +28,7 @@ use crate::api::AfterPublish;
 use crate::broker::{Broker, Shape};
 use crate::postgres::horizon::{Horizon, horizon};
 use crate::postgres::{self, Columns, OutboxTable, PgError};
-use crate::relay::chains::{chains, publish_chains};
+use crate::relay::chains::{Fence, chains, publish_chains};
 use crate::relay::config::Settings;
 use crate::relay::http::Health;
 use crate::spec::Sweep;
@@ -129,6 +129,7 @@ pub(super) async fn sweep_loop(target: SweepTarget) {
 async fn open(settings: &Settings) -> Result<(Client, OutboxTable), PgError> {
     let client =
         postgres::connect(&settings.database_url, &settings.url_env, &settings.pg_tls).await?;
+    postgres::keep_open_while_publishing(&client).await?;
     let t = &settings.valid.table;
     let table = OutboxTable::inspect(
         &client,
@@ -171,7 +172,10 @@ async fn sweep_once(
             target.broker.as_ref(),
             &target.shape,
             chains(rows, target.settings.valid.per_aggregate),
-            None,
+            &Fence {
+                until: None,
+                session: Some(tx.client()),
+            },
         )
         .await;
         let mut ids = Vec::with_capacity(selected);
