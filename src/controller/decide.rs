@@ -1,6 +1,10 @@
-//! The decide step of a reconcile: a pure function from the parsed spec and what was
-//! observed to the conditions, the SQL to run, whether to apply the children, the slot
-//! status shows, and when to look again. No client, no clock: tested as a table.
+//! The decide step of a reconcile: pure functions from the parsed spec and what was
+//! observed to everything the pass does. `decide` gives the conditions, the SQL to run,
+//! whether to apply the children, the slot status and when to look again; `effects`
+//! turns that into every effect in the order `apply` carries it out (Secrets, Events
+//! with their wording, the back-fill and hand-over, metrics, status), and takes back
+//! what the SQL and the hand-over snapshot returned; `deletion` decides the finalizer
+//! step by step. No client, no clock: tested as tables.
 
 use super::database::DatabaseSeen;
 use super::observe::{Claim, Observed};
@@ -14,6 +18,13 @@ use crate::postgres::admin::{self, Origin, Owner, Plan, Scope};
 use crate::postgres::provision::{self, Action};
 use crate::resources::MONITORING_API_VERSION;
 use crate::spec::{Problem, Problems, ValidRelay, WalBudget};
+
+use available::{availability, monitoring_cond};
+pub(super) use effects::{
+    Children, Effects, Seen, guard, plan, provisioned, ready_transition, snapshot_taken,
+};
+use fallback::{bytes_for_people, coverage_baseline, fall_back, return_due};
+use handover::{backfill_first, handover_pending};
 
 /// A relay that fell back to polling returns to log tailing only once no row older than
 /// this waits (and none committed before the fall back).
@@ -524,252 +535,6 @@ fn decide_pass(
     }
 }
 
-/// `Ready` from the Deployment's available pods.
-fn availability(valid: &ValidRelay, observed: &Observed) -> Cond {
-    let wanted = valid.effective_replicas();
-    let available = observed
-        .children
-        .deployment
-        .as_ref()
-        .and_then(|d| d.status.as_ref())
-        .and_then(|s| s.available_replicas)
-        .unwrap_or(0);
-    if wanted == 0 {
-        Cond::no(
-            CONDITION_READY,
-            "ScaledToZero",
-            "spec.replicas is 0: no relay runs and nothing is published",
-        )
-    } else if available > 0 {
-        let trouble = observed
-            .children
-            .pod_trouble
-            .as_ref()
-            .map(|t| format!("; {}", t.message()))
-            .unwrap_or_default();
-        Cond::yes(
-            CONDITION_READY,
-            "RelayAvailable",
-            format!("{available} of {wanted} relay pods available{trouble}"),
-        )
-    } else if let Some(trouble) = &observed.children.pod_trouble {
-        Cond::no(
-            CONDITION_READY,
-            trouble.reason(),
-            format!("0 of {wanted} relay pods available; {}", trouble.message()),
-        )
-    } else {
-        Cond::no(
-            CONDITION_READY,
-            "RelayUnavailable",
-            format!(
-                "0 of {wanted} relay pods available (Deployment {}-relay)",
-                valid.name
-            ),
-        )
-    }
-}
-
-/// `MonitoringReady`.
-fn monitoring_cond(valid: &ValidRelay, observed: &Observed) -> Cond {
-    if observed.monitoring {
-        let what = if valid.alerting.enabled {
-            "ServiceMonitor and PrometheusRule applied"
-        } else {
-            "ServiceMonitor applied; alerting is disabled in spec.alerting"
-        };
-        Cond::yes(CONDITION_MONITORING_READY, "Applied", what)
-    } else {
-        Cond::no(
-            CONDITION_MONITORING_READY,
-            "PrometheusOperatorNotInstalled",
-            format!(
-                "the {MONITORING_API_VERSION} ServiceMonitor and PrometheusRule CRDs are not installed: no scrape config or alerts were created (`outbox-operator render` prints them)"
-            ),
-        )
-    }
-}
-
-/// A log-tailing relay whose slot passed its WAL budget, while it polls: the back-fill
-/// relay (polling the same table, which with `deleteAfterPublish` holds exactly the rows
-/// not yet published) replaces the log-tailing one, and once no pod tails the log any
-/// more the slot is dropped, so it retains nothing. The publication and its marker stay
-/// (the slot name stays claimed, and the finalizer still finds what to drop).
-#[allow(clippy::too_many_arguments)]
-fn fall_back(
-    valid: &ValidRelay,
-    lt: &admin::SlotPlan,
-    owner: &Owner,
-    facts: &admin::Facts,
-    observed: &Observed,
-    mut fallback: FallbackStatus,
-    budget: &WalBudget,
-    mut provision: Vec<Action>,
-    last_slot: Option<&SlotStatus>,
-    conds: [&Cond; 2],
-) -> Decision {
-    let children = &observed.children;
-    // Only once every pod polls and no walsender streams the slot any more: a
-    // log-tailing pod still terminating (its grace period, a broker it waits on) must
-    // not be cut mid-stream and retry against a slot that is gone.
-    let streamed = facts.slot.as_ref().is_some_and(|s| s.active);
-    let polling_only = children.runs_polling && children.settled && !streamed;
-    let slot_exists = facts.slot.is_some();
-    fallback.slot_dropped = !slot_exists;
-    if slot_exists && polling_only {
-        provision.push(Action::DropSlotOverBudget {
-            slot: lt.slot.clone(),
-            publication: lt.publication.clone(),
-            owner: owner.clone(),
-        });
-    }
-    let retained = bytes_for_people(u64::try_from(fallback.retained_wal_bytes).unwrap_or(0));
-    let max = bytes_for_people(budget.max_retained_wal);
-    let (slot_reason, slot_message) = match (slot_exists, polling_only) {
-        (false, _) => (
-            "DroppedOverBudget",
-            format!(
-                "replication slot {} was dropped after it retained {retained} of WAL (budget {max}); it is created again when the relay returns to log tailing",
-                lt.slot
-            ),
-        ),
-        (true, true) => (
-            "DroppingOverBudget",
-            format!(
-                "replication slot {} retained {retained} of WAL (budget {max}); no pod tails the log any more, so it is dropped now",
-                lt.slot
-            ),
-        ),
-        (true, false) => (
-            "DroppingOverBudget",
-            format!(
-                "replication slot {} retained {retained} of WAL (budget {max}); it is dropped once the polling relay has replaced the log-tailing one and no pod streams the slot any more",
-                lt.slot
-            ),
-        ),
-    };
-    let return_after = humantime::format_duration(budget.return_after);
-    let message = format!(
-        "replication slot {} retained {retained} of WAL at {}, above spec.mode.logTailing.maxRetainedWal ({max}): the relay polls the table instead, with per-aggregate order, and returns to log tailing once the rows committed before the fall back are published, none older than {DRAINED_AGE_SECONDS}s waits, and at least {return_after} have passed",
-        lt.slot, fallback.since
-    );
-    let conditions = vec![
-        availability(valid, observed),
-        Cond::yes(CONDITION_DEGRADED, "FellBackToPolling", message.clone()),
-        conds[0].clone(),
-        conds[1].clone(),
-        monitoring_cond(valid, observed),
-        Cond::no(CONDITION_SLOT_READY, slot_reason, slot_message),
-        Cond::yes(CONDITION_POLLING_FALLBACK, "WalBudgetExceeded", message),
-    ];
-    let slot = last_slot.cloned().unwrap_or_else(|| SlotStatus {
-        name: lt.slot.clone(),
-        publication: Some(lt.publication.clone()),
-        ..SlotStatus::default()
-    });
-    Decision {
-        conditions,
-        provision,
-        apply_children: true,
-        // Keep the names for the finalizer (the publication stays); no handover is
-        // under way.
-        slot: Some(SlotStatus {
-            handover_snapshot: None,
-            // The operator drops this slot itself: its absence is no loss.
-            existed: false,
-            lost: None,
-            ..slot
-        }),
-        take_snapshot: false,
-        backfill: true,
-        exclusive_rollout: exclusive_rollout(observed),
-        events: Vec::new(),
-        next: if slot_exists {
-            Next::Soon
-        } else {
-            Next::Refresh
-        },
-        fallback: FallbackWrite::Set(fallback),
-    }
-}
-
-/// Whether a relay that fell back to polling may return to log tailing: its slot is
-/// gone (the fall back completed), `returnAfter` has passed since, and the backlog is
-/// drained: no row committed before the fall back waits any more (the polling relay
-/// published what the stuck one left, so the broker takes events again) and none older
-/// than [`DRAINED_AGE_SECONDS`] (polling keeps up); where the table has no `createdAt`
-/// column, no row at all. The return is
-/// the switch from polling to log tailing: the slot is created while the polling relay
-/// runs, and log tailing starts once every row committed before it is published.
-fn return_due(
-    fallback: &FallbackStatus,
-    budget: &WalBudget,
-    facts: &admin::Facts,
-    observed: &Observed,
-) -> bool {
-    let since = fallback.since.parse::<k8s_openapi::jiff::Timestamp>().ok();
-    let waited = since.is_some_and(|since| {
-        observed
-            .now
-            .duration_since(since)
-            .try_into()
-            .is_ok_and(|d: std::time::Duration| d >= budget.return_after)
-    });
-    // The rows the stuck relay left (committed before the fall back) are published, so
-    // the broker takes events again; and polling keeps up (nothing old waits).
-    let fell_back_for = since.and_then(|since| {
-        observed
-            .now
-            .duration_since(since)
-            .try_into()
-            .ok()
-            .map(|d: std::time::Duration| d.as_secs())
-    });
-    let drained = facts.backlog.is_some_and(|b| match b.oldest_age_seconds {
-        Some(age) => {
-            age <= DRAINED_AGE_SECONDS && fell_back_for.is_some_and(|for_secs| age < for_secs)
-        }
-        None => b.rows == 0,
-    });
-    fallback.slot_dropped && facts.slot.is_none() && waited && drained
-}
-
-/// What published the table when this slot was first seen with its publication: kept
-/// for the slot's life, so that a relay that starts after a DROP and ADD of the table
-/// (or a recreated publication) sees the change it did not witness.
-fn coverage_baseline(
-    slot: &str,
-    last_slot: Option<&SlotStatus>,
-    facts: &admin::Facts,
-) -> Option<String> {
-    facts.slot.as_ref()?;
-    last_slot
-        .filter(|s| s.name == slot)
-        .and_then(|s| s.coverage_baseline.clone())
-        .or_else(|| {
-            facts
-                .publication
-                .as_ref()
-                .filter(|p| p.has_table && !p.identity.is_empty())
-                .map(|p| p.identity.clone())
-        })
-}
-
-/// Bytes for messages: `512 B`, `8.0 MiB`, `1.5 GiB`.
-fn bytes_for_people(bytes: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut value = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
-}
-
 /// The CloudNativePG cluster behind the relay, when `databaseRef` names one that was
 /// found.
 fn cluster_facts<'a>(
@@ -782,124 +547,6 @@ fn cluster_facts<'a>(
     ) {
         (Some(r), Some(crate::cnpg::ClusterSeen::Found { facts, .. })) => Some((r, facts)),
         _ => None,
-    }
-}
-
-/// A log-tailing slot created now (a new relay, one recreated or renamed after its slot
-/// was dropped, a slot dropped by hand) streams only what commits after it, while the
-/// table may hold rows committed before it and never published. With
-/// `deleteAfterPublish` the table is exactly the rows not published yet, so they are
-/// found: the snapshot taken right after the slot was created tells them apart, and
-/// while any is left the back-fill relay (polling the same table) runs instead of log
-/// tailing; the handover above then hands over to log tailing once they are published.
-/// `None`: nothing to back-fill (log tailing starts at once).
-#[allow(clippy::too_many_arguments)]
-fn backfill_first(
-    lt: &admin::SlotPlan,
-    valid: &ValidRelay,
-    actions: &[Action],
-    last_slot: Option<&SlotStatus>,
-    facts: &admin::Facts,
-    observed: &Observed,
-    conds: [&Cond; 2],
-    slot_cond: Option<&Cond>,
-) -> Option<Decision> {
-    let creating = actions
-        .iter()
-        .any(|a| matches!(a, Action::CreateSlot { .. }));
-    let snapshot = last_slot.and_then(|s| s.handover_snapshot.clone());
-    // The slot exists but no relay has run yet and no snapshot was recorded (taking it
-    // failed, or the operator stopped in between): a late snapshot only adds
-    // duplicates. Not for a slot taken over from a relay being deleted: its position
-    // carries what the old relay had not published, and its pods may still stream.
-    let never_ran = observed.children.deployment.is_none() && observed.claim != Claim::Released;
-    if observed.children.runs_polling
-        || valid.backfill().is_none()
-        || !(creating || snapshot.is_some() || never_ran)
-    {
-        return None;
-    }
-    let slot = SlotStatus {
-        name: lt.slot.clone(),
-        publication: Some(lt.publication.clone()),
-        handover_snapshot: snapshot.clone(),
-        existed: facts.slot.is_some(),
-        ..SlotStatus::default()
-    };
-    let (message, take_snapshot, backfill) = match (&snapshot, facts.unpublished_before_slot) {
-        (Some(_), Some(0)) => return None,
-        (None, _) => (
-            format!(
-                "replication slot {} is created; rows committed before it are looked for before log tailing starts",
-                lt.slot
-            ),
-            true,
-            false,
-        ),
-        (Some(_), Some(rows)) => (
-            format!(
-                "{rows} rows committed before replication slot {} was created are not published yet (the slot streams only later commits): a polling relay publishes them first, then log tailing takes over",
-                lt.slot
-            ),
-            false,
-            true,
-        ),
-        (Some(_), None) => (
-            format!(
-                "the rows committed before replication slot {} was created could not be counted; looking again",
-                lt.slot
-            ),
-            false,
-            false,
-        ),
-    };
-    let mut conditions = vec![
-        Cond::no(
-            CONDITION_READY,
-            "BackfillingBeforeLogTailing",
-            message.clone(),
-        ),
-        Cond::no(CONDITION_DEGRADED, "BackfillingBeforeLogTailing", message),
-        conds[0].clone(),
-        conds[1].clone(),
-    ];
-    conditions.extend(slot_cond.cloned());
-    Some(Decision {
-        conditions,
-        provision: actions.to_vec(),
-        apply_children: backfill,
-        slot: Some(slot),
-        take_snapshot,
-        backfill,
-        fallback: FallbackWrite::Clear,
-        exclusive_rollout: exclusive_rollout(observed),
-        events: Vec::new(),
-        next: Next::Soon,
-    })
-}
-
-/// While a switch from polling to log tailing waits: why (`None`: nothing left that
-/// the slot cannot stream, so the log-tailing relay may start).
-fn handover_pending(
-    lt: &admin::SlotPlan,
-    last_slot: Option<&SlotStatus>,
-    facts: &admin::Facts,
-) -> Option<String> {
-    let snapshot = last_slot.and_then(|s| s.handover_snapshot.as_ref());
-    match (snapshot, facts.unpublished_before_slot) {
-        (Some(_), Some(0)) => None,
-        (None, _) => Some(format!(
-            "switching from polling to log tailing: slot {} is created while the polling relay keeps running; log tailing starts once the rows committed before it are published",
-            lt.slot
-        )),
-        (Some(_), Some(rows)) => Some(format!(
-            "switching from polling to log tailing: {rows} rows committed before slot {} was created are not published yet; the polling relay keeps running until they are (the slot streams only later commits)",
-            lt.slot
-        )),
-        (Some(_), None) => Some(format!(
-            "switching from polling to log tailing: the rows committed before slot {} was created could not be counted; looking again",
-            lt.slot
-        )),
     }
 }
 
@@ -1001,7 +648,12 @@ fn not_ready(
     }
 }
 
+mod available;
+pub(super) mod deletion;
+mod effects;
 mod failover;
+mod fallback;
+mod handover;
 mod lost;
 mod moved;
 #[cfg(test)]

@@ -16,6 +16,7 @@ use serde_json::{Map, Value, json};
 use tracing::debug;
 
 use super::Context;
+use super::connection;
 use super::database;
 use super::status::{CONDITION_DATABASE_READY, find};
 use crate::api::{OutboxRelay, OutboxRelayStatus};
@@ -170,15 +171,15 @@ fn sampled_now(relay: &OutboxRelay) -> bool {
 /// The connection the relay's last reconcile read from its Secrets, if that reconcile
 /// saw the relay's current generation: none yet (not reconciled by this process, its
 /// spec changed since, or its Secrets do not give a usable one), nothing to measure.
-fn connection(relay: &OutboxRelay, ctx: &Context) -> Option<database::Conn> {
-    with_connection(relay, ctx, database::Conn::clone)
+fn connection(relay: &OutboxRelay, ctx: &Context) -> Option<connection::Conn> {
+    with_connection(relay, ctx, connection::Conn::clone)
 }
 
 /// `look` applied to the connection [`connection`] would return, without cloning it.
 fn with_connection<T>(
     relay: &OutboxRelay,
     ctx: &Context,
-    look: impl FnOnce(&database::Conn) -> T,
+    look: impl FnOnce(&connection::Conn) -> T,
 ) -> Option<T> {
     let uid = relay.uid()?;
     ctx.connections

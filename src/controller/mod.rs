@@ -11,10 +11,11 @@
 //! replica holds the Lease. The finalizer stops a log-tailing relay and then drops the
 //! slot and publication the operator created.
 
+mod apply;
+mod connection;
 mod database;
 mod decide;
 mod figures;
-mod location;
 mod metrics;
 mod observe;
 mod pods;
@@ -245,14 +246,15 @@ pub(crate) struct Context {
     /// Orphaned slots found so far.
     orphans: database::Orphans,
     /// Database connections for checks and status.
-    pools: database::Pools,
+    pools: connection::Pools,
     /// The connection each relay's (by uid) last reconcile read from its Secrets, with
     /// the generation it reconciled, for the status figures: sampling them reads no
     /// Secret from the API server.
-    connections: std::sync::Mutex<std::collections::HashMap<String, (Option<i64>, database::Conn)>>,
+    connections:
+        std::sync::Mutex<std::collections::HashMap<String, (Option<i64>, connection::Conn)>>,
     /// What was last applied for each relay (by uid), so a status refresh with nothing
     /// changed does not re-apply and re-list every child.
-    applied: std::sync::Mutex<std::collections::HashMap<String, reconcile::Applied>>,
+    applied: std::sync::Mutex<std::collections::HashMap<String, apply::Applied>>,
     /// The status each relay (by uid) was last given by this controller.
     written_status:
         std::sync::Mutex<std::collections::HashMap<String, crate::api::OutboxRelayStatus>>,
@@ -387,7 +389,7 @@ pub async fn run(
         status_interval: Duration::from_secs(args.status_interval_seconds.max(1)),
         watch_namespace: args.namespace.clone(),
         orphans: database::Orphans::default(),
-        pools: database::Pools::default(),
+        pools: connection::Pools::default(),
         connections: std::sync::Mutex::new(std::collections::HashMap::new()),
         applied: std::sync::Mutex::new(std::collections::HashMap::new()),
         monitoring: std::sync::Mutex::new(None),

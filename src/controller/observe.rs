@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
+use super::connection::{self, clusters_api};
 use super::database::{self, DatabaseSeen};
 use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
 use super::{Context, Error};
@@ -113,6 +114,41 @@ pub(super) struct Observed {
     pub location: Option<String>,
     /// The value of [`crate::api::LEFT_BEHIND_SLOT_DROPPED_ANNOTATION`].
     pub left_behind_dropped: Option<String>,
+    /// How to reach the database, when the Secrets hold a usable connection: what the
+    /// decision plans to run in it runs over this, so no Secret is read twice.
+    pub connection: Option<connection::Conn>,
+}
+
+/// The slot and the fall back as status last showed them, read through this
+/// controller's own last write where the cache does not hold it yet (a pass triggered
+/// by a child right after the write): a loss is recorded once, with one time.
+pub(super) fn remembered(
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> (
+    Option<crate::api::SlotStatus>,
+    Option<crate::api::FallbackStatus>,
+) {
+    let written = ctx
+        .written_status
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&relay.uid().unwrap_or_default())
+        .cloned();
+    let mut last_slot = relay.status.as_ref().and_then(|s| s.slot.clone());
+    if let Some(written) = written.as_ref().and_then(|s| s.slot.as_ref())
+        && let Some(slot) = last_slot.as_mut().filter(|s| s.name == written.name)
+    {
+        slot.existed = written.existed;
+        slot.lost = written.lost.clone();
+        slot.location = written.location.clone();
+        slot.left_behind = written.left_behind.clone();
+    }
+    let fallback = match written {
+        Some(written) => written.fallback,
+        None => relay.status.as_ref().and_then(|s| s.fallback.clone()),
+    };
+    (last_slot, fallback)
 }
 
 /// Reads everything a parsed relay's decision needs. Writes nothing.
@@ -146,12 +182,11 @@ pub(super) async fn observe(
         }
     }
     let secrets_ms = started.elapsed().as_millis();
-    let location = conn.as_ref().map(|c| database::database_key(&c.url));
-    let database = match conn {
-        Some(conn) if secrets.problems.is_empty() => {
-            database::observe(relay, valid, &conn, fallback.is_some(), ctx).await
-        }
-        _ => DatabaseSeen::NotLooked,
+    let location = conn.as_ref().map(|c| connection::database_key(&c.url));
+    let connection = conn.filter(|_| secrets.problems.is_empty());
+    let database = match &connection {
+        Some(conn) => database::observe(relay, valid, conn, fallback.is_some(), ctx).await,
+        None => DatabaseSeen::NotLooked,
     };
     let database_ms = started.elapsed().as_millis() - secrets_ms;
     let claim = claim(relay, valid, &database, ctx).await?;
@@ -181,34 +216,8 @@ pub(super) async fn observe(
             .annotations()
             .get(crate::api::LEFT_BEHIND_SLOT_DROPPED_ANNOTATION)
             .cloned(),
+        connection,
     })
-}
-
-/// Whether the CloudNativePG Cluster a relay names is gone or being deleted (its kind
-/// not served counts as gone).
-pub(super) async fn cluster_gone(
-    relay: &OutboxRelay,
-    reference: &crate::api::DatabaseRef,
-    ctx: &Context,
-) -> Result<bool, kube::Error> {
-    match clusters_api(relay, ctx).get_opt(&reference.name).await {
-        Ok(Some(object)) => Ok(object.metadata.deletion_timestamp.is_some()),
-        Ok(None) => Ok(true),
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(true),
-        Err(err) => Err(err),
-    }
-}
-
-fn clusters_api(relay: &OutboxRelay, ctx: &Context) -> Api<kube::api::DynamicObject> {
-    use crate::cnpg::{GROUP, KIND, PLURAL, VERSION};
-    use kube::api::{ApiResource, GroupVersionKind};
-    let resource =
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL);
-    Api::namespaced_with(
-        ctx.client.clone(),
-        &relay.namespace().unwrap_or_default(),
-        &resource,
-    )
 }
 
 /// The CloudNativePG Cluster a relay names, and whether its `-rw` Service exists.
@@ -310,7 +319,7 @@ async fn claim(
 async fn secrets(
     valid: &ValidRelay,
     ctx: &Context,
-) -> Result<(SecretsSeen, Option<database::Conn>), Error> {
+) -> Result<(SecretsSeen, Option<connection::Conn>), Error> {
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &valid.namespace);
     let mut seen = SecretsSeen {
         database: Cond::yes(
@@ -406,7 +415,7 @@ async fn secrets(
             .zip(login_password)
             .map(|(user, password)| login.url(&user, &password));
     }
-    let conn = url.map(|url| database::Conn {
+    let conn = url.map(|url| connection::Conn {
         url,
         tls: PgTls {
             mode: valid.ssl_mode,

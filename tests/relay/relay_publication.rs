@@ -436,13 +436,26 @@ async fn keeping_rows_a_publication_change_stops_the_relay_until_it_is_accepted(
         },
     )
     .await;
-    let readyz = reqwest::Client::new()
-        .get(format!("http://{}/readyz", t.relay.http_addr().await))
-        .send()
-        .await
-        .unwrap_or_else(|err| panic!("GET /readyz: {err}"));
-    assert_eq!(readyz.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
-    assert!(readyz.text().await.unwrap_or_default().contains("holding"));
+    // Not ready, saying why. (Right after the ADD, readiness may still say the table is
+    // not published, until the coverage sampler looks again.)
+    let addr = t.relay.http_addr().await;
+    common::wait_for_relays(
+        "/readyz to answer 503 and say the relay holds",
+        Duration::from_secs(30),
+        &[&t.relay],
+        || async {
+            let Ok(readyz) = reqwest::Client::new()
+                .get(format!("http://{addr}/readyz"))
+                .send()
+                .await
+            else {
+                return false;
+            };
+            readyz.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE
+                && readyz.text().await.unwrap_or_default().contains("holding")
+        },
+    )
+    .await;
     let topic = t.topic.clone();
     let got = tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
         .await

@@ -122,6 +122,7 @@ pub(super) fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: 
         cluster: None,
         location: None,
         left_behind_dropped: None,
+        connection: None,
     }
 }
 
@@ -538,7 +539,7 @@ fn failed_provisioning_applies_nothing_and_says_why() {
 
 #[test]
 fn delete_drops_the_slot_status_shows_or_the_one_the_spec_names() {
-    use crate::controller::database::cleanup_target;
+    use crate::controller::decide::deletion::cleanup_target;
     // Log tailing without status yet: the spec's names.
     let fresh = relay("logTailing", 1);
     assert_eq!(
