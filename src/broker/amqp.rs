@@ -69,7 +69,7 @@ impl AmqpBroker {
             .filter(|(at, _)| at.elapsed() < FAILURE_SHARED_FOR)
             .map(|(_, why)| why.clone());
         if let Some(why) = fresh_failure {
-            return Err(PublishError::transient(why));
+            return Err(PublishError::outage(why));
         }
         let opened = self.open().await;
         if let Err(err) = &opened {
@@ -77,7 +77,7 @@ impl AmqpBroker {
                 .failed
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                Some((std::time::Instant::now(), err.message.clone()));
+                Some((std::time::Instant::now(), err.message().into_owned()));
         }
         let (connection, channel) = opened?;
         *guard = Some((connection, channel.clone()));
@@ -93,27 +93,27 @@ impl AmqpBroker {
         let open = tokio::spawn(async move {
             let connection = connect(&settings)
                 .await
-                .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
+                .map_err(|err| PublishError::outage(format!("RabbitMQ: {err}")))?;
             let channel = connection.create_channel().await.map_err(|err| {
-                PublishError::transient(format!("RabbitMQ: cannot open a channel: {err}"))
+                PublishError::outage(format!("RabbitMQ: cannot open a channel: {err}"))
             })?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await
                 .map_err(|err| {
-                    PublishError::transient(format!("RabbitMQ: cannot enable confirms: {err}"))
+                    PublishError::outage(format!("RabbitMQ: cannot enable confirms: {err}"))
                 })?;
             Ok::<_, PublishError>((connection, channel))
         });
         let (connection, channel) = match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
             Ok(Ok(opened)) => opened?,
             Ok(Err(failed)) => {
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: the connection attempt failed: {failed}"
                 )));
             }
             Err(_) => {
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: no answer within {CONNECT_TIMEOUT:?} while connecting (the broker may be starting)"
                 )));
             }
@@ -173,7 +173,7 @@ impl Broker for AmqpBroker {
             };
             let Ok(confirmation) = tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await else {
                 self.forget_channel().await;
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: no publisher confirm for row {} within {CONFIRM_TIMEOUT:?}; reconnecting",
                     message.id
                 )));
@@ -181,7 +181,7 @@ impl Broker for AmqpBroker {
             match confirmation {
                 Ok(Confirmation::Ack(None)) => Ok(Delivered::default()),
                 Ok(Confirmation::Ack(Some(returned))) | Ok(Confirmation::Nack(Some(returned))) => {
-                    Err(PublishError::row(format!(
+                    Err(PublishError::refused(format!(
                         "RabbitMQ: row {}: exchange `{}` routed routing key `{}` to no queue ({} {})",
                         message.id,
                         self.exchange,
@@ -190,11 +190,11 @@ impl Broker for AmqpBroker {
                         returned.reply_text
                     )))
                 }
-                Ok(Confirmation::Nack(None)) => Err(PublishError::transient(format!(
+                Ok(Confirmation::Nack(None)) => Err(PublishError::outage(format!(
                     "RabbitMQ: broker refused row {} (nack)",
                     message.id
                 ))),
-                Ok(Confirmation::NotRequested) => Err(PublishError::transient(
+                Ok(Confirmation::NotRequested) => Err(PublishError::outage(
                     "RabbitMQ: publisher confirms are off on this channel",
                 )),
                 Err(err) => {
@@ -218,9 +218,9 @@ fn classify(err: &lapin::Error, id: &str) -> PublishError {
         ErrorKind::ProtocolError(amqp)
             if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) =>
         {
-            PublishError::row(format!("RabbitMQ: row {id} refused: {err}"))
+            PublishError::refused(format!("RabbitMQ: row {id} refused: {err}"))
         }
-        _ => PublishError::transient(format!("RabbitMQ: {err}")),
+        _ => PublishError::outage(format!("RabbitMQ: {err}")),
     }
 }
 

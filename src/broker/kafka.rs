@@ -129,7 +129,7 @@ impl KafkaBroker {
         let broker = Self {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
-            deadline: deadline(&config.properties).map_err(PublishError::transient)?,
+            deadline: deadline(&config.properties).map_err(PublishError::outage)?,
         };
         broker.batching.get()?;
         Ok(broker)
@@ -247,13 +247,13 @@ impl KafkaBroker {
                         "a message timed out: the next one goes through a new Kafka producer"
                     );
                 }
-                return PublishError::transient(described(
+                return PublishError::outage(described(
                     producer,
                     "message timed out: not acknowledged within message.timeout.ms",
                 ));
             }
             Failure::Closed => {
-                return PublishError::transient(
+                return PublishError::outage(
                     "Kafka: the producer was replaced before the message was acknowledged",
                 );
             }
@@ -266,7 +266,7 @@ impl KafkaBroker {
             slot.stopped_fatally(code);
             tracing::warn!(
                 producer = slot.name,
-                error = %failure.message,
+                error = %failure,
                 "the Kafka producer stopped on a fatal error: the next message goes through a new one"
             );
         }
@@ -736,9 +736,7 @@ fn create(client: &ClientConfig) -> Result<KafkaProducer, PublishError> {
             withdrawn: withdrawn.clone(),
             idempotence: None,
         })
-        .map_err(|err| {
-            PublishError::transient(format!("cannot create the Kafka producer: {err}"))
-        })?;
+        .map_err(|err| PublishError::outage(format!("cannot create the Kafka producer: {err}")))?;
     Ok(KafkaProducer {
         client: producer,
         last_error,
@@ -792,13 +790,13 @@ fn classify(err: &KafkaError, producer: &KafkaProducer) -> PublishError {
         // The message the broker refused: with the gap-less guarantee its refusal also
         // stops the producer (the messages queued behind it fail as fatal, below), but
         // it is still this row's fault.
-        (Some(code), _) if is_row_fault(code) => PublishError::row(text),
+        (Some(code), _) if is_row_fault(code) => PublishError::refused(text),
         // A fatal error stops the producer; it is retired and the next send makes a
         // new one. Nothing was marked, so nothing is lost.
         (_, Some((code, reason))) => {
-            PublishError::transient(format!("Kafka producer fatal error {code:?}: {reason}"))
+            PublishError::outage(format!("Kafka producer fatal error {code:?}: {reason}"))
         }
-        _ => PublishError::transient(text),
+        _ => PublishError::outage(text),
     }
 }
 
@@ -1695,15 +1693,15 @@ mod tests {
             let before = slot.get().expect("made");
             // Refused at once (larger than message.max.bytes): the producer is fine.
             let err = send(&[b'x'; 2000]).await.expect_err("too large");
-            assert!(err.row_fault, "{err:?}");
+            assert!(err.is_refused(), "{err:?}");
             assert!(Arc::ptr_eq(&before, &slot.get().expect("kept")));
 
             let err = send(b"{}").await.expect_err("nothing listens on port 9");
             assert!(
-                !err.row_fault,
+                !err.is_refused(),
                 "an outage, retried without counting: {err:?}"
             );
-            assert!(err.message.contains("timed out"), "{}", err.message);
+            assert!(err.message().contains("timed out"), "{}", err.message());
             let after = slot.get().expect("made again");
             assert!(
                 !Arc::ptr_eq(&before, &after),
@@ -1837,7 +1835,7 @@ mod tests {
         assert_eq!(outcomes.len(), 1, "the rest ends with its first failure");
         let err = outcomes[0].as_ref().expect_err("nothing listens on port 9");
         assert!(
-            !err.row_fault && err.message.contains("timed out"),
+            !err.is_refused() && err.message().contains("timed out"),
             "{err:?}"
         );
         let after = broker.batching.get().expect("made again");
@@ -1850,7 +1848,7 @@ mod tests {
             .await;
         assert_eq!(outcomes.len(), 1, "{outcomes:?}");
         let err = outcomes[0].as_ref().expect_err("too large");
-        assert!(err.row_fault, "{err:?}");
+        assert!(err.is_refused(), "{err:?}");
     }
 
     #[test]

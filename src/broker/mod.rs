@@ -182,45 +182,61 @@ pub struct Delivered {
     pub partition: Option<i32>,
 }
 
-/// Why a publish failed, and whether the row itself is at fault.
+/// Why a publish failed, and what that means for the row: only a refusal counts
+/// toward `failure.maxAttempts` (and so can block or dead-letter the row); an outage
+/// and a message held back are retried without counting, so a broker outage never
+/// dead-letters or blocks rows.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
-pub struct PublishError {
-    /// `true` when the broker refused this message (too large, invalid name, no route):
-    /// retrying it counts against `failure.maxAttempts`. `false` for outages
-    /// (timeouts, lost connections), which are retried without counting, so a broker
-    /// outage never dead-letters or blocks rows.
-    pub row_fault: bool,
-    /// `true` when the relay held the message back itself (behind a failed message of
-    /// its aggregate, or past the fence): an outage whose message says nothing of the
-    /// broker's reason.
-    pub held_back: bool,
-    /// What happened, without credentials.
-    pub message: String,
+pub enum PublishError {
+    /// The broker refused this message (too large, invalid name, no route): the row
+    /// cannot be published as it is. What happened, without credentials.
+    #[error("{0}")]
+    Refused(String),
+    /// The broker is unavailable (timeouts, lost connections): try again later. What
+    /// happened, without credentials.
+    #[error("{0}")]
+    Outage(String),
+    /// The relay did not send the message, for the reason held (behind a failed
+    /// message of its aggregate, past the fence, or the lock session ended): it goes
+    /// with the next try. Says nothing of the broker.
+    #[error("not sent: {0}")]
+    HeldBack(String),
 }
 
 impl PublishError {
-    /// The row cannot be published as it is.
-    pub fn row(message: impl Into<String>) -> Self {
-        Self {
-            row_fault: true,
-            held_back: false,
-            message: message.into(),
-        }
+    /// The broker refused the row's message; it cannot be published as it is.
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::Refused(message.into())
     }
+
     /// The broker is unavailable; try again later.
-    pub fn transient(message: impl Into<String>) -> Self {
-        Self {
-            row_fault: false,
-            held_back: false,
-            message: message.into(),
-        }
+    pub fn outage(message: impl Into<String>) -> Self {
+        Self::Outage(message.into())
     }
+
     /// The relay did not send the message, `why`; it goes with the next try.
     pub fn held_back(why: &str) -> Self {
-        Self {
-            held_back: true,
-            ..Self::transient(format!("not sent: {why}"))
+        Self::HeldBack(why.to_owned())
+    }
+
+    /// Whether the broker refused this message: retrying it counts against
+    /// `failure.maxAttempts`.
+    pub fn is_refused(&self) -> bool {
+        matches!(self, Self::Refused(_))
+    }
+
+    /// Whether the relay held the message back itself (an outage whose text says
+    /// nothing of the broker's reason).
+    pub fn is_held_back(&self) -> bool {
+        matches!(self, Self::HeldBack(_))
+    }
+
+    /// What happened, as [`Display`](std::fmt::Display) prints it (held back:
+    /// `not sent: <why>`).
+    pub fn message(&self) -> std::borrow::Cow<'_, str> {
+        match self {
+            Self::Refused(message) | Self::Outage(message) => message.as_str().into(),
+            Self::HeldBack(_) => self.to_string().into(),
         }
     }
 }
@@ -451,7 +467,7 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
         .template
         .replace(AGGREGATE_TYPE_PLACEHOLDER, &row.aggregate_type);
     check_destination(kind, &destination).map_err(|why| {
-        PublishError::row(format!(
+        PublishError::refused(format!(
             "row {}: destination `{destination}` (from aggregate type `{}`) {why}",
             row.id, row.aggregate_type
         ))
@@ -482,7 +498,7 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
                 if let Some(v) = value {
                     partition = Some(v.text.parse::<i32>().ok().filter(|p| *p >= 0).ok_or_else(
                         || {
-                            PublishError::row(format!(
+                            PublishError::refused(format!(
                                 "row {}: partition column {} holds `{}`, not a partition number",
                                 row.id, placed.column, v.text
                             ))
@@ -548,7 +564,7 @@ fn build_message(shape: &Shape, row: &OutboxRow) -> Result<Message, PublishError
     if kind == BrokerKind::Nats {
         // NATS headers are text lines: a line break would end the header block.
         if let Some((name, _)) = headers.iter().find(|(_, v)| v.contains(['\r', '\n'])) {
-            return Err(PublishError::row(format!(
+            return Err(PublishError::refused(format!(
                 "row {}: header `{name}` contains a line break, which NATS headers cannot carry",
                 row.id
             )));
@@ -584,7 +600,7 @@ fn cloud_event(
         .as_deref()
         .filter(|t| !t.is_empty())
         .ok_or_else(|| {
-            PublishError::row(format!(
+            PublishError::refused(format!(
                 "row {}: a CloudEvent needs a type, and the row's type column is NULL or empty",
                 row.id
             ))
@@ -717,11 +733,14 @@ mod tests {
         let err = Shape::new(BrokerKind::Kafka, "{aggregateType}")
             .build(&r)
             .unwrap_err();
-        assert!(err.row_fault && err.message.contains("row 42"), "{err}");
+        assert!(
+            err.is_refused() && err.message().contains("row 42"),
+            "{err}"
+        );
         let err = Shape::new(BrokerKind::Nats, "outbox.{aggregateType}")
             .build(&r)
             .unwrap_err();
-        assert!(err.row_fault, "{err}");
+        assert!(err.is_refused(), "{err}");
         r.aggregate_type = String::new();
         assert!(
             Shape::new(BrokerKind::Nats, "outbox.{aggregateType}")
@@ -952,7 +971,7 @@ mod shape_tests {
         r.extra[5].text = "-1".into();
         let err = shape.build(&r).unwrap_err();
         assert!(
-            err.row_fault && err.message.contains("partition column part"),
+            err.is_refused() && err.message().contains("partition column part"),
             "{err}"
         );
     }
@@ -1031,7 +1050,7 @@ mod shape_tests {
         let shape = cloud(crate::api::CloudEventsMode::Binary, BrokerKind::Nats);
         let err = shape.build(&row(Some(b"{}"))).unwrap_err();
         assert!(
-            err.row_fault && err.message.contains("needs a type"),
+            err.is_refused() && err.message().contains("needs a type"),
             "{err}"
         );
     }

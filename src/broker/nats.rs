@@ -43,17 +43,17 @@ impl NatsBroker {
     async fn no_stream(&self, subject: &str, err: &impl std::fmt::Display) -> PublishError {
         match self.jetstream.stream_by_subject(subject).await {
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::NotFound => {
-                PublishError::row(format!(
+                PublishError::refused(format!(
                     "NATS: no JetStream stream captures subject {subject} ({err})"
                 ))
             }
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::InvalidSubject => {
-                PublishError::row(format!("NATS: {subject} is not a valid subject ({err})"))
+                PublishError::refused(format!("NATS: {subject} is not a valid subject ({err})"))
             }
-            Ok(stream) => PublishError::transient(format!(
+            Ok(stream) => PublishError::outage(format!(
                 "NATS: stream {stream} captures subject {subject} now ({err}); retrying"
             )),
-            Err(lookup) => PublishError::transient(format!(
+            Err(lookup) => PublishError::outage(format!(
                 "NATS: no stream answered for subject {subject} ({err}) and JetStream cannot be asked which would ({lookup})"
             )),
         }
@@ -65,7 +65,7 @@ impl NatsBroker {
         let said = server_said.clone();
         let options = connect_options(config)
             .await
-            .map_err(|err| PublishError::transient(format!("NATS: {err}")))?
+            .map_err(|err| PublishError::outage(format!("NATS: {err}")))?
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
             .max_reconnects(None::<usize>)
@@ -80,7 +80,7 @@ impl NatsBroker {
         let client = options
             .connect(config.url.as_str())
             .await
-            .map_err(|err| PublishError::transient(format!("NATS: cannot connect: {err}")))?;
+            .map_err(|err| PublishError::outage(format!("NATS: cannot connect: {err}")))?;
         let mut jetstream = async_nats::jetstream::new(client);
         jetstream.set_timeout(Duration::from_secs(5));
         Ok(Self {
@@ -105,7 +105,7 @@ impl NatsBroker {
             })
             .map(|(_, what)| format!(" (the server said: {what})"))
             .unwrap_or_default();
-        PublishError::transient(format!("NATS: {err}{said}"))
+        PublishError::outage(format!("NATS: {err}{said}"))
     }
 }
 
@@ -130,7 +130,7 @@ impl Broker for NatsBroker {
                 .await
                 .map_err(|err| match err.kind() {
                     PublishErrorKind::MaxPayloadExceeded => {
-                        PublishError::row(format!("NATS: row {}: {err}", message.id))
+                        PublishError::refused(format!("NATS: row {}: {err}", message.id))
                     }
                     _ => self.failed(&err, &message.destination, sent),
                 })?;

@@ -112,7 +112,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         .broker
         .connect()
         .await
-        .map_err(|e| RelayError::Broker(e.message))?;
+        .map_err(|e| RelayError::Broker(e.message().into_owned()))?;
     let kind = settings.broker.kind();
     let shape = crate::broker::Shape::of(&settings.valid);
     let (broker, traces) = match settings.valid.tracing.clone() {
@@ -261,7 +261,7 @@ impl Outage {
         if self
             .first
             .as_ref()
-            .is_none_or(|(_, kept)| kept.held_back && !err.held_back)
+            .is_none_or(|(_, kept)| kept.is_held_back() && !err.is_held_back())
         {
             self.first = Some((first.id, err.clone()));
         }
@@ -274,8 +274,8 @@ impl Outage {
             health.broker_took();
         }
         if let Some((row, error)) = &self.first {
-            if published == 0 && !error.held_back {
-                health.broker_failed(&error.message);
+            if published == 0 && !error.is_held_back() {
+                health.broker_failed(&error.message());
             }
             tracing::warn!(
                 rows = self.rows,
@@ -316,29 +316,26 @@ mod tests {
         let mut outage = Outage::default();
         outage.add(
             &[],
-            &crate::broker::PublishError::transient("nothing to count"),
+            &crate::broker::PublishError::outage("nothing to count"),
         );
         assert!(outage.first.is_none());
         outage.add(
             &[row(7), row(9)],
-            &crate::broker::PublishError::transient("timed out"),
+            &crate::broker::PublishError::outage("timed out"),
         );
-        outage.add(&[row(8)], &crate::broker::PublishError::transient("later"));
+        outage.add(&[row(8)], &crate::broker::PublishError::outage("later"));
         assert_eq!(outage.rows, 3);
         let (first, error) = outage.first.clone().expect("a first failure");
         assert_eq!(first, 7);
-        assert_eq!(error.message, "timed out");
+        assert_eq!(error.message(), "timed out");
         // The relay's own "not sent" gives way to the broker's reason.
         let mut outage = Outage::default();
         let held = crate::broker::PublishError::held_back("behind another");
         outage.add(&[row(3)], &held);
-        outage.add(
-            &[row(4)],
-            &crate::broker::PublishError::transient("refused"),
-        );
+        outage.add(&[row(4)], &crate::broker::PublishError::outage("refused"));
         outage.add(&[row(5)], &held);
         let (first, error) = outage.first.clone().expect("a first failure");
-        assert_eq!((first, error.message.as_str()), (4, "refused"));
+        assert_eq!((first, &*error.message()), (4, "refused"));
     }
 
     #[test]

@@ -706,7 +706,7 @@ impl Worker {
         err: &PublishError,
     ) -> Result<bool, PgError> {
         let m = &self.health.metrics;
-        if !err.row_fault {
+        if !err.is_refused() {
             m.publish_errors
                 .get_or_create(&ErrorLabels {
                     kind: "unavailable",
@@ -749,7 +749,10 @@ impl Worker {
                 // In a savepoint: a dead-letter write that fails (the table dropped, a
                 // privilege revoked) must not roll back the batch's marks, or every row
                 // the batch published would be published again on each attempt.
-                match table.dead_letter_in_batch(tx, row.id, &err.message).await? {
+                match table
+                    .dead_letter_in_batch(tx, row.id, &err.message())
+                    .await?
+                {
                     Ok(_) => {
                         self.shared.failures().attempts.remove(&row.id);
                         m.dead_lettered.inc();

@@ -137,14 +137,14 @@ impl TracedBroker {
         match outcome {
             Some(Ok(_)) => {}
             Some(Err(err)) => {
-                span.set_status(Status::error(err.message.clone()));
+                span.set_status(Status::error(err.message().into_owned()));
                 let context = span.span_context();
                 tracing::warn!(
                     trace_id = %context.trace_id(),
                     span_id = %context.span_id(),
                     message_id = %message.id,
                     destination = %message.destination,
-                    error = %err.message,
+                    error = %err,
                     "publish failed"
                 );
             }

@@ -262,7 +262,7 @@ impl LogTailer {
                 .inc_by(u64::try_from(ids.len()).unwrap_or(0));
             published.extend(ids);
             if let Some(err) = failed {
-                tracing::warn!(error = %err.message, "a row left in the table could not be published; retrying");
+                tracing::warn!(error = %err, "a row left in the table could not be published; retrying");
                 return Ok(None);
             }
             after = last;

@@ -184,7 +184,7 @@ async fn sweep_once(
             ids.extend(result.published.iter().map(|(id, _)| *id));
             if let Some((rest, err)) = result.failed {
                 failed = true;
-                tracing::warn!(id = rest.first().map(|r| r.id), error = %err.message, "sweep: a missed row could not be published; it stays for the next sweep");
+                tracing::warn!(id = rest.first().map(|r| r.id), error = %err, "sweep: a missed row could not be published; it stays for the next sweep");
             }
         }
         table.finish_published(&tx, &ids).await?;
