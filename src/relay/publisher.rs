@@ -80,14 +80,14 @@ use super::metrics::ErrorLabels;
 use super::ownership;
 use crate::api::{AfterPublish, OnExhausted};
 use crate::broker::{Broker, PublishError, Shape};
-use crate::postgres::{
-    self, Columns, MAX_MEMBERS, MEMBER_BASE, OutboxRow, OutboxTable, PgError, RETENTION_KEY,
-};
+use crate::postgres::polling::{self, MAX_MEMBERS, MEMBER_BASE, RETENTION_KEY};
+use crate::postgres::table::{Columns, OutboxTable};
+use crate::postgres::{self, OutboxRow, PgError};
 
 /// How long after its last round trip a session's partition locks count as held: no
 /// message of a batch is sent later than this after the query that selected it. The
 /// server releases a vanished client's locks only once its TCP keepalive gives up
-/// (set per session to about 25 s, [`postgres::SERVER_KEEPALIVES`]), so a relay cut off
+/// (set per session to about 25 s, [`polling::SERVER_KEEPALIVES`]), so a relay cut off
 /// from its database has stopped publishing before another replica can take its
 /// partitions over, and an aggregate's events never come from two relays at once.
 const FENCE: Duration = Duration::from_secs(15);
@@ -296,7 +296,7 @@ impl Publisher {
     /// Runs the workers and the housekeeping until shutdown, or until a worker cannot
     /// go on (the others are then dropped, which rolls their batches back).
     pub(super) async fn run(self) -> Result<(), RelayError> {
-        let class = postgres::lock_class(
+        let class = polling::lock_class(
             &self.settings.valid.table.schema,
             &self.settings.valid.table.name,
         );
@@ -388,7 +388,7 @@ impl Worker {
                 Ok(()) => {
                     // Locks go with the session anyway; releasing them explicitly hands
                     // the partitions over at once rather than when the socket closes.
-                    if let Err(err) = postgres::unlock_all(&client).await {
+                    if let Err(err) = polling::unlock_all(&client).await {
                         tracing::warn!(error = %err, "releasing locks at shutdown failed");
                     }
                     return Ok(());
@@ -416,7 +416,7 @@ impl Worker {
         backoff: &mut Backoff,
     ) -> Result<(), SessionEnd> {
         let valid = &self.settings.valid;
-        postgres::tighten_server_keepalives(client).await?;
+        polling::tighten_server_keepalives(client).await?;
         let table = inspect_table(client, &self.settings).await?;
         if valid.failure.dead_letter_table.is_some() {
             table.ensure_dead_letter_table(client).await?;
@@ -425,7 +425,7 @@ impl Worker {
             // Before joining: a relay of another partition count takes no member slot
             // and no partition while it waits, so the leading relays keep every
             // partition of their count.
-            postgres::hold_layout(client, self.class, table.partitions()).await?;
+            polling::hold_layout(client, self.class, table.partitions()).await?;
             self.set_state(|w| w.ready = true);
             while !self.leads(client, table.partitions()).await? {
                 if self.stopping() {
@@ -513,9 +513,9 @@ impl Worker {
     }
 
     /// Whether relays of this partition count may publish now (see
-    /// [`postgres::leading_layout`]); says so, now and then, when not.
+    /// [`polling::leading_layout`]); says so, now and then, when not.
     async fn leads(&mut self, client: &Client, partitions: i32) -> Result<bool, PgError> {
-        let lead = postgres::leading_layout(client, self.class).await?;
+        let lead = polling::leading_layout(client, self.class).await?;
         let leads = lead.is_none_or(|n| n == partitions);
         if !leads
             && self
@@ -535,7 +535,7 @@ impl Worker {
     /// Takes the lowest free member slot, so replicas can count each other.
     async fn join(&self, client: &Client) -> Result<i32, SessionEnd> {
         for slot in 0..MAX_MEMBERS {
-            if postgres::try_lock(client, self.class, MEMBER_BASE + slot).await? {
+            if polling::try_lock(client, self.class, MEMBER_BASE + slot).await? {
                 return Ok(slot);
             }
         }
@@ -552,7 +552,7 @@ impl Worker {
         partitions: usize,
         owned: &mut BTreeSet<i64>,
     ) -> Result<(), PgError> {
-        let members = postgres::live_members(client, self.class).await?;
+        let members = polling::live_members(client, self.class).await?;
         let rank = members
             .iter()
             .position(|m| *m == MEMBER_BASE + member)
@@ -562,7 +562,7 @@ impl Worker {
             let Some(p) = owned.iter().next_back().copied() else {
                 break;
             };
-            postgres::unlock(client, self.class, i32::try_from(p).unwrap_or(0)).await?;
+            polling::unlock(client, self.class, i32::try_from(p).unwrap_or(0)).await?;
             owned.remove(&p);
             tracing::info!(partition = p, "released partition to another replica");
         }
@@ -574,7 +574,7 @@ impl Worker {
                 if owned.contains(&p) {
                     continue;
                 }
-                if postgres::try_lock(client, self.class, i32::try_from(p).unwrap_or(0)).await? {
+                if polling::try_lock(client, self.class, i32::try_from(p).unwrap_or(0)).await? {
                     owned.insert(p);
                     tracing::info!(partition = p, "took partition");
                 }
@@ -899,7 +899,7 @@ async fn retention(
     stop: &watch::Receiver<bool>,
 ) -> Result<(), PgError> {
     if !*holds {
-        *holds = postgres::try_lock(client, class, RETENTION_KEY).await?;
+        *holds = polling::try_lock(client, class, RETENTION_KEY).await?;
     }
     if !*holds {
         return Ok(());

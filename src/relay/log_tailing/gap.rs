@@ -27,7 +27,8 @@ use tokio_postgres::Client;
 use super::{LogTailer, SessionEnd};
 use crate::api::AfterPublish;
 use crate::postgres::coverage::{Coverage, coverage};
-use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError};
+use crate::postgres::table::{Columns, OutboxTable};
+use crate::postgres::{self, OutboxRow, PgError};
 use crate::relay::backoff::Backoff;
 use crate::relay::chains::{Fence, chains, publish_chains};
 

@@ -2,8 +2,9 @@
 //! the outbox row an inserted tuple becomes.
 
 use crate::broker::{ColumnValue, ValueKind};
+use crate::postgres::OutboxRow;
 use crate::postgres::replication::{self as repl, BYTEA_OID, Relation, TupleValue};
-use crate::postgres::{Columns, OutboxRow};
+use crate::postgres::table::Columns;
 
 /// Where the outbox columns sit in the table's tuples.
 #[derive(Debug, Clone, PartialEq)]
