@@ -17,8 +17,8 @@ use tokio_postgres::Client;
 use crate::broker::{Broker, Clearance, PublishError, Shape};
 use crate::postgres::OutboxRow;
 
-/// A batch's right to send (see publisher.rs, "Fencing"): the session that holds its
-/// locks (polling's partition locks; the row locks of log tailing's sweep and
+/// A batch's right to send (see `relay::polling`, "Fencing"): the session that holds
+/// its locks (polling's partition locks; the row locks of log tailing's sweep and
 /// back-fill) is still open, and, for polling, its last round trip was less than the
 /// fence ago. A session the server or a pooler ended (`pg_terminate_backend`, a
 /// timeout, a restart) released the locks at that instant and another replica may

@@ -7,7 +7,7 @@ pub mod http;
 mod log_tailing;
 pub mod metrics;
 pub mod ownership;
-mod publisher;
+mod polling;
 pub mod traces;
 
 use std::path::Path;
@@ -161,7 +161,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
                 .await
         }
         None => {
-            publisher::Publisher::new(settings, broker, shape, health, stop_rx)
+            polling::Publisher::new(settings, broker, shape, health, stop_rx)
                 .run()
                 .await
         }
