@@ -277,21 +277,56 @@ pub fn secrets(r: &RabbitMqSpec) -> Vec<SecretSlot> {
     all
 }
 
+/// Why a connection to RabbitMQ cannot be opened. The text never contains the URI
+/// (lapin's does not either): it names where the URI came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The URI does not parse.
+    #[error("the URI in {url_source} is not an AMQP URI")]
+    NotAnAmqpUri {
+        /// Where the URI came from.
+        url_source: String,
+    },
+    /// TLS is configured but the URI is `amqp://`.
+    #[error(
+        "spec.broker.rabbitmq.tls is set but the URI in {url_source} is amqp://: use amqps:// (TLS is never skipped)"
+    )]
+    TlsWithoutAmqps {
+        /// Where the URI came from.
+        url_source: String,
+    },
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    /// The AMQP client found no async runtime.
+    #[error("no async runtime for the AMQP client: {0}")]
+    Runtime(lapin::Error),
+    /// The server could not be reached or refused the connection.
+    #[error("cannot connect with the URI in {url_source}: {error}")]
+    Connect {
+        /// Where the URI came from.
+        url_source: String,
+        /// lapin's reason.
+        error: lapin::Error,
+    },
+}
+
 /// Opens a connection with `settings`: the URI, TLS files read now (so a rotated
 /// certificate is used on the next connection) and the login mechanism. Errors never
 /// contain the URI (lapin's do not either).
-pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, String> {
+pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, ConnectError> {
     let mut uri: AMQPUri = settings
         .url
         .parse()
-        .map_err(|_| format!("the URI in {} is not an AMQP URI", settings.url_source))?;
+        .map_err(|_| ConnectError::NotAnAmqpUri {
+            url_source: settings.url_source.clone(),
+        })?;
     let mut tls_config = OwnedTLSConfig::default();
     if let Some(files) = &settings.tls {
         if uri.scheme != AMQPScheme::AMQPS {
-            return Err(format!(
-                "spec.broker.rabbitmq.tls is set but the URI in {} is amqp://: use amqps:// (TLS is never skipped)",
-                settings.url_source
-            ));
+            return Err(ConnectError::TlsWithoutAmqps {
+                url_source: settings.url_source.clone(),
+            });
         }
         if let Some(ca) = &files.ca {
             tls_config.cert_chain = Some(crate::tls::read_pem(ca)?);
@@ -310,19 +345,16 @@ pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, String> 
     if settings.external {
         uri.query.auth_mechanism = Some(SASLMechanism::External);
     }
-    let builder = DefaultConnectionBuilder::new()
-        .map_err(|err| format!("no async runtime for the AMQP client: {err}"))?;
+    let builder = DefaultConnectionBuilder::new().map_err(ConnectError::Runtime)?;
     builder
         .with_uri(uri)
         .with_properties(ConnectionProperties::default())
         .with_tls_config(tls_config)
         .connect()
         .await
-        .map_err(|err| {
-            format!(
-                "cannot connect with the URI in {}: {err}",
-                settings.url_source
-            )
+        .map_err(|error| ConnectError::Connect {
+            url_source: settings.url_source.clone(),
+            error,
         })
 }
 

@@ -305,18 +305,42 @@ pub fn settings(
     }
 }
 
+/// Why the client options of a NATS relay cannot be made. The text names a file or a
+/// setting, never a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    /// The credentials file cannot be read or does not parse.
+    #[error("cannot read credentials file {path}: {error}")]
+    CredentialsFile {
+        /// The file.
+        path: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The nkey seed is not a user seed (`SU...`).
+    #[error("the nkey seed is not a valid user seed (SU...)")]
+    NkeySeed,
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+}
+
 /// The client options of `config`: credentials and TLS. Errors name a file or a
 /// setting, never a secret.
-pub async fn connect_options(config: &NatsSettings) -> Result<async_nats::ConnectOptions, String> {
+pub async fn connect_options(
+    config: &NatsSettings,
+) -> Result<async_nats::ConnectOptions, OptionsError> {
     let mut options = match &config.auth {
         NatsAuth::None => async_nats::ConnectOptions::new(),
         NatsAuth::CredentialsFile(path) => async_nats::ConnectOptions::new()
             .credentials_file(path)
             .await
-            .map_err(|err| format!("cannot read credentials file {path}: {err}"))?,
+            .map_err(|error| OptionsError::CredentialsFile {
+                path: path.clone(),
+                error,
+            })?,
         NatsAuth::NkeySeed(seed) => {
-            nkeys::KeyPair::from_seed(seed)
-                .map_err(|_| "the nkey seed is not a valid user seed (SU...)".to_owned())?;
+            nkeys::KeyPair::from_seed(seed).map_err(|_| OptionsError::NkeySeed)?;
             async_nats::ConnectOptions::with_nkey(seed.clone())
         }
         NatsAuth::Token(token) => async_nats::ConnectOptions::with_token(token.clone()),
@@ -337,7 +361,7 @@ pub async fn connect_options(config: &NatsSettings) -> Result<async_nats::Connec
 pub async fn probe(n: &NatsSettings) -> Vec<Probe> {
     let options = match connect_options(n).await {
         Ok(o) => o.connection_timeout(TIMEOUT),
-        Err(err) => return vec![Probe::fail("broker", err)],
+        Err(err) => return vec![Probe::fail("broker", err.to_string())],
     };
     let client = match tokio::time::timeout(TIMEOUT * 2, options.connect(n.url.as_str())).await {
         Ok(Ok(c)) => c,

@@ -122,7 +122,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
                 tokio::task::spawn_blocking(move || traces::Traces::start(&t, &ns, &name))
                     .await
                     .map_err(|e| RelayError::Broker(format!("starting the span exporter: {e}")))?
-                    .map_err(RelayError::Broker)?;
+                    .map_err(|e| RelayError::Broker(e.to_string()))?;
             let (traces, tracer) = started;
             let traced: Arc<dyn crate::broker::Broker> =
                 Arc::new(traces::TracedBroker::new(broker, tracer, kind));

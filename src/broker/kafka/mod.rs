@@ -138,7 +138,8 @@ impl KafkaBroker {
         let broker = Self {
             batching: Slot::new("batching", client_config(config)),
             eager: Slot::new("chain steps", eager_config(config)),
-            deadline: deadline(&config.properties).map_err(PublishError::outage)?,
+            deadline: deadline(&config.properties)
+                .map_err(|err| PublishError::outage(err.to_string()))?,
         };
         broker.batching.get()?;
         Ok(broker)

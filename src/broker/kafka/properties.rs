@@ -7,22 +7,48 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 
+/// Why [`deadline`] refuses the relay's message timeout.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DeadlineError {
+    /// The timeout setting is not a number of milliseconds in range.
+    #[error("Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647")]
+    NotMilliseconds {
+        /// The setting's name as written.
+        key: String,
+        /// Its value.
+        value: String,
+    },
+    /// The timeout (set, or the default) is not longer than `linger.ms`.
+    #[error(
+        "Kafka property {key} = {ms} is not longer than linger.ms ({linger}): every message would time out"
+    )]
+    NotLongerThanLinger {
+        /// The setting's name as written, or `message.timeout.ms (by default)`.
+        key: String,
+        /// The timeout.
+        ms: u32,
+        /// `linger.ms`.
+        linger: f64,
+    },
+}
+
 /// How long the relay waits for a message's acknowledgement before it gives the
 /// message and its producer up: `message.timeout.ms` (or its alias
 /// `delivery.timeout.ms`) from `properties`, 20 s by default; 0 waits for ever. Like
 /// librdkafka, which no longer sees it, it must be longer than `linger.ms`.
 pub(super) fn deadline(
     properties: &std::collections::BTreeMap<String, String>,
-) -> Result<Option<Duration>, String> {
+) -> Result<Option<Duration>, DeadlineError> {
     let (key, ms) = match timeout_setting(properties) {
         None => ("message.timeout.ms (by default)", 20_000),
         Some((key, value)) => match value.trim().parse::<u32>() {
             Ok(0) => return Ok(None),
             Ok(ms) if ms <= 2_147_483_647 => (key.as_str(), ms),
             _ => {
-                return Err(format!(
-                    "Kafka property {key} = {value:?}: not a number of milliseconds from 0 to 2147483647"
-                ));
+                return Err(DeadlineError::NotMilliseconds {
+                    key: key.clone(),
+                    value: value.clone(),
+                });
             }
         },
     };
@@ -32,9 +58,11 @@ pub(super) fn deadline(
         .and_then(|(_, v)| v.trim().parse::<f64>().ok())
         .unwrap_or(1.0);
     if f64::from(ms) <= linger {
-        return Err(format!(
-            "Kafka property {key} = {ms} is not longer than linger.ms ({linger}): every message would time out"
-        ));
+        return Err(DeadlineError::NotLongerThanLinger {
+            key: key.to_owned(),
+            ms,
+            linger,
+        });
     }
     Ok(Some(Duration::from_millis(u64::from(ms))))
 }

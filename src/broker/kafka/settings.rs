@@ -93,7 +93,7 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
     if let Err(why) = deadline(&k.properties) {
         p.push(
             "spec.broker.kafka.properties",
-            why,
+            why.to_string(),
             "give a whole number of milliseconds (0: wait for ever)",
         );
     }
@@ -440,12 +440,15 @@ mod tests {
         assert_eq!(of(&[("message.timeout.ms", "0")]), Ok(None));
         for bad in ["soon", "-1", "2147483648", "1"] {
             let err = of(&[("message.timeout.ms", bad)]).expect_err(bad);
+            let err = err.to_string();
             assert!(err.contains("message.timeout.ms"), "{err}");
         }
         let err = of(&[("delivery.timeout.ms", "50"), ("linger.ms", "50")]).expect_err("linger");
+        let err = err.to_string();
         assert!(err.contains("linger.ms"), "{err}");
         // The default too.
         let err = of(&[("linger.ms", "30000")]).expect_err("linger over the default");
+        let err = err.to_string();
         assert!(err.contains("20000"), "{err}");
         // `check` says so before any relay starts.
         let found = problems(serde_json::json!({"delivery.timeout.ms": "soon"}));

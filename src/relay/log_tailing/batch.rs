@@ -183,7 +183,7 @@ impl LogTailer {
                             );
                         }
                         let layout = Layout::of(&relation, ours, &t.schema, &t.name, &self.columns)
-                            .map_err(|e| SessionEnd::Db(PgError::Schema(e)))?;
+                            .map_err(|e| SessionEnd::Db(PgError::Schema(e.to_string())))?;
                         relations.insert(relation.oid, layout);
                     }
                     PgOutput::Insert { relation, tuple } => {
