@@ -1,4 +1,56 @@
 //! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
+//!
+//! # A row's path
+//!
+//! Polling (`polling/`): each worker runs one transaction per batch, on the session
+//! that holds its partition locks.
+//!
+//! ```text
+//!   outbox table
+//!     | select batch: the oldest unpublished rows    polling/worker.rs
+//!     | of the owned partitions, locked              postgres/table.rs
+//!     v
+//!   chains, one per aggregate                        chains.rs
+//!     | a chain's first message with the batch's,
+//!     | the rest once it is acknowledged; nothing
+//!     | after the fence
+//!     v
+//!   broker: row -> message, publish, wait for        broker/message.rs,
+//!   the acknowledgement                              broker/{kafka,nats,amqp}
+//!     | refused: counted, paused, blocked or         polling/shared.rs
+//!     | dead-lettered; outage: back off
+//!     v
+//!   mark or delete the published rows                postgres/table.rs
+//!     v
+//!   commit                                           polling/worker.rs
+//! ```
+//!
+//! Log tailing (`log_tailing/`): whole committed transactions from the slot, confirmed
+//! only once the broker acknowledged them.
+//!
+//! ```text
+//!   replication slot (pgoutput): the stream          log_tailing/mod.rs,
+//!   of committed inserts                             postgres/replication.rs
+//!     | a tuple becomes a row                        log_tailing/layout.rs
+//!     v
+//!   batch of whole transactions (a large one         log_tailing/batch.rs
+//!   in chunks)
+//!     v
+//!   chains, one per aggregate                        chains.rs
+//!     v
+//!   broker: row -> message, publish, wait for        broker/message.rs,
+//!   the acknowledgements, retry until all are in     broker/{kafka,nats,amqp}
+//!     v
+//!   confirm the last commit to the slot              log_tailing/batch.rs
+//!     or, with deleteAfterPublish:
+//!   deleter: delete the rows by id, then confirm     log_tailing/deleter.rs
+//! ```
+//!
+//! Beside the stream, log tailing also publishes rows from the table itself, through
+//! the same chains, as polling does: the sweep for rows the stream missed
+//! (`log_tailing/sweep.rs`) and the back-fill after a publication change
+//! (`log_tailing/gap.rs`). With `spec.tracing`, each publish is a span
+//! (`traces.rs` wraps the broker).
 
 mod backoff;
 pub mod chains;
