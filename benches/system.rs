@@ -1067,7 +1067,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
         }
         Mode::Polling { batch, workers } => {
             use outbox_operator::api::AfterPublish;
-            use outbox_operator::postgres::{Columns, OutboxTable};
+            use outbox_operator::postgres::table::{Columns, OutboxTable};
             prefill(&db.client, 1, backlog, case.payload, case.aggregates).await;
             let columns = Columns {
                 id: "id".to_owned(),

@@ -1,7 +1,7 @@
 -- An outbox table the relay publishes from (Debezium's column names), with the index the
 -- polling relay needs. The partition expression must be written exactly as below, with
 -- N = spec.ordering.partitions (here 4): the planner matches the relay's filter against
--- the index expression textually. See src/postgres/mod.rs.
+-- the index expression textually. See src/postgres/polling.rs.
 
 CREATE TABLE IF NOT EXISTS public.outbox (
     id            bigserial PRIMARY KEY,

@@ -142,17 +142,36 @@ pub enum BrokerKind {
     Amqp,
 }
 
+/// Why a rendered topic, subject or routing key breaks its broker's rules; the text is
+/// said of the name and follows it in messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DestinationError {
+    /// A Kafka topic of no characters or more than 249.
+    #[error("is not 1 to 249 characters long")]
+    KafkaLength,
+    /// A Kafka topic with other characters than letters, digits, `.`, `_` and `-`, or
+    /// `.` or `..` alone.
+    #[error("is not a valid Kafka topic (letters, digits, '.', '_', '-')")]
+    KafkaTopic,
+    /// A NATS subject with spaces, wildcards or empty tokens.
+    #[error("is not a valid NATS subject (no spaces, wildcards or empty tokens)")]
+    NatsSubject,
+    /// An AMQP routing key longer than 255 bytes.
+    #[error("is longer than 255 bytes, the AMQP routing-key limit")]
+    AmqpLength,
+}
+
 /// Checks a rendered topic, subject or routing key.
-pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), String> {
+pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), DestinationError> {
     match kind {
         BrokerKind::Kafka => {
             let valid_chars = destination
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
             if destination.is_empty() || destination.len() > 249 {
-                Err("is not 1 to 249 characters long".to_owned())
+                Err(DestinationError::KafkaLength)
             } else if !valid_chars || destination == "." || destination == ".." {
-                Err("is not a valid Kafka topic (letters, digits, '.', '_', '-')".to_owned())
+                Err(DestinationError::KafkaTopic)
             } else {
                 Ok(())
             }
@@ -162,14 +181,14 @@ pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), Stri
                 || destination.contains(|c: char| c.is_whitespace() || c == '*' || c == '>')
                 || destination.split('.').any(str::is_empty)
             {
-                Err("is not a valid NATS subject (no spaces, wildcards or empty tokens)".to_owned())
+                Err(DestinationError::NatsSubject)
             } else {
                 Ok(())
             }
         }
         BrokerKind::Amqp => {
             if destination.len() > 255 {
-                Err("is longer than 255 bytes, the AMQP routing-key limit".to_owned())
+                Err(DestinationError::AmqpLength)
             } else {
                 Ok(())
             }
@@ -179,7 +198,7 @@ pub fn check_destination(kind: BrokerKind, destination: &str) -> Result<(), Stri
 
 /// Checks a template before any row is seen: it must yield a valid name for a typical
 /// aggregate type.
-pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), String> {
+pub fn check_template(kind: BrokerKind, template: &str) -> Result<(), DestinationError> {
     check_destination(kind, &template.replace(AGGREGATE_TYPE_PLACEHOLDER, "Order"))
 }
 

@@ -16,22 +16,38 @@ use serde_json::Value;
 
 use crate::api::OutboxRelay;
 
+/// Why the CRD's schema did not compile into a validator (a bug, reported per
+/// manifest).
+#[derive(Debug, thiserror::Error)]
+enum SchemaError {
+    /// The CRD or ObjectMeta's schema does not serialize.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// A part of the schema the validator is built from is not there.
+    #[error("{0}")]
+    Missing(&'static str),
+    /// The validator refuses the schema.
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// The compiled schema, or why it did not compile (a bug, reported per manifest).
-static VALIDATOR: LazyLock<Result<jsonschema::Validator, String>> = LazyLock::new(|| {
-    let crd = serde_json::to_value(OutboxRelay::crd()).map_err(|e| e.to_string())?;
+static VALIDATOR: LazyLock<Result<jsonschema::Validator, SchemaError>> = LazyLock::new(|| {
+    let crd = serde_json::to_value(OutboxRelay::crd())?;
     let mut schema = crd
         .pointer("/spec/versions/0/schema/openAPIV3Schema")
         .cloned()
-        .ok_or("the CRD has no openAPIV3Schema")?;
+        .ok_or(SchemaError::Missing("the CRD has no openAPIV3Schema"))?;
     // The API server adds these three to every kind's schema itself; metadata's fields
     // are ObjectMeta's (their values are left to the API server, which sets most).
     let meta_fields: serde_json::Map<String, Value> = serde_json::to_value(schemars::schema_for!(
         k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
-    ))
-    .map_err(|e| e.to_string())?
+    ))?
     .get("properties")
     .and_then(Value::as_object)
-    .ok_or("ObjectMeta's schema lists no properties")?
+    .ok_or(SchemaError::Missing(
+        "ObjectMeta's schema lists no properties",
+    ))?
     .keys()
     .map(|name| (name.clone(), serde_json::json!({})))
     .collect();
@@ -55,7 +71,7 @@ static VALIDATOR: LazyLock<Result<jsonschema::Validator, String>> = LazyLock::ne
         .with_draft(jsonschema::Draft::Draft4)
         .should_validate_formats(false)
         .build(&schema)
-        .map_err(|e| e.to_string())
+        .map_err(|e| SchemaError::Invalid(e.to_string()))
 });
 
 /// What the API server would refuse in `manifest` (one OutboxRelay, as JSON), as

@@ -12,6 +12,49 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore};
 
+/// Why TLS material cannot be used. The text names the file or the part that is
+/// wrong, never its content.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A PEM file cannot be read.
+    #[error("cannot read {path}: {error}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// Certificates (`what`: the CA, the client certificate) that are not PEM.
+    #[error("{what} is not PEM certificates: {error}")]
+    NotPem {
+        /// Which certificates.
+        what: String,
+        /// The parser's reason.
+        error: rustls::pki_types::pem::Error,
+    },
+    /// PEM text (`what`) without a certificate in it.
+    #[error("{what} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")]
+    NoCertificate {
+        /// Which certificates.
+        what: String,
+    },
+    /// The client key is not a PEM private key rustls reads.
+    #[error("the client key is not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {0}")]
+    Key(rustls::pki_types::pem::Error),
+    /// A CA certificate rustls refuses as a root.
+    #[error("the CA certificate cannot be used: {0}")]
+    Ca(rustls::Error),
+    /// No CA was given and the system has none.
+    #[error("no CA given (caSecretRef) and no system CA certificates found")]
+    NoSystemRoots,
+    /// The crypto provider offers no TLS version rustls supports.
+    #[error("TLS versions: {0}")]
+    Versions(rustls::Error),
+    /// The client certificate and key are not a pair.
+    #[error("the client certificate and key do not go together: {0}")]
+    Identity(rustls::Error),
+}
+
 /// A client certificate chain and its private key, for mutual TLS. No `Debug`: it
 /// holds the key.
 #[derive(Clone)]
@@ -24,13 +67,9 @@ pub struct Identity {
 
 impl Identity {
     /// Parses a PEM certificate chain and a PEM private key (PKCS#8, PKCS#1 or SEC1).
-    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, String> {
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, TlsError> {
         let chain = certificates(cert_pem, "the client certificate")?;
-        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| {
-            format!(
-                "the client key is not an unencrypted PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"
-            )
-        })?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(TlsError::Key)?;
         Ok(Self {
             chain,
             key: Arc::new(key),
@@ -39,27 +78,28 @@ impl Identity {
 }
 
 /// Every certificate in `pem`; at least one.
-pub fn certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+pub fn certificates(pem: &str, what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("{what} is not PEM certificates: {e}"))?;
+        .map_err(|error| TlsError::NotPem {
+            what: what.to_owned(),
+            error,
+        })?;
     if certs.is_empty() {
-        return Err(format!(
-            "{what} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
-        ));
+        return Err(TlsError::NoCertificate {
+            what: what.to_owned(),
+        });
     }
     Ok(certs)
 }
 
 /// The trusted roots: the CA certificates given, else the system's.
-pub fn roots(ca_pem: Option<&str>) -> Result<RootCertStore, String> {
+pub fn roots(ca_pem: Option<&str>) -> Result<RootCertStore, TlsError> {
     let mut store = RootCertStore::empty();
     match ca_pem {
         Some(pem) => {
             for cert in certificates(pem, "the CA")? {
-                store
-                    .add(cert)
-                    .map_err(|e| format!("the CA certificate cannot be used: {e}"))?;
+                store.add(cert).map_err(TlsError::Ca)?;
             }
         }
         None => {
@@ -69,9 +109,7 @@ pub fn roots(ca_pem: Option<&str>) -> Result<RootCertStore, String> {
                 let _ = store.add(cert);
             }
             if store.is_empty() {
-                return Err(
-                    "no CA given (caSecretRef) and no system CA certificates found".to_owned(),
-                );
+                return Err(TlsError::NoSystemRoots);
             }
         }
     }
@@ -88,10 +126,10 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 pub fn verifying_client_config(
     ca_pem: Option<&str>,
     identity: Option<&Identity>,
-) -> Result<ClientConfig, String> {
+) -> Result<ClientConfig, TlsError> {
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS versions: {e}"))?
+        .map_err(TlsError::Versions)?
         .with_root_certificates(roots(ca_pem)?);
     with_identity(builder, identity)
 }
@@ -100,18 +138,21 @@ pub fn verifying_client_config(
 pub fn with_identity(
     builder: rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>,
     identity: Option<&Identity>,
-) -> Result<ClientConfig, String> {
+) -> Result<ClientConfig, TlsError> {
     match identity {
         None => Ok(builder.with_no_client_auth()),
         Some(id) => builder
             .with_client_auth_cert(id.chain.clone(), id.key.clone_key())
-            .map_err(|e| format!("the client certificate and key do not go together: {e}")),
+            .map_err(TlsError::Identity),
     }
 }
 
 /// Reads a PEM file a relay pod mounts (or its local copy), naming the file on error.
-pub fn read_pem(path: &str) -> Result<String, String> {
-    std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))
+pub fn read_pem(path: &str) -> Result<String, TlsError> {
+    std::fs::read_to_string(path).map_err(|error| TlsError::Read {
+        path: path.to_owned(),
+        error,
+    })
 }
 
 #[cfg(test)]
@@ -120,12 +161,13 @@ mod tests {
 
     #[test]
     fn bad_pem_is_named_not_quoted() {
-        let err = roots(Some("garbage s3cret")).unwrap_err();
+        let err = roots(Some("garbage s3cret")).unwrap_err().to_string();
         assert!(err.contains("no PEM certificate"), "{err}");
         assert!(!err.contains("s3cret"));
         let Err(err) = Identity::from_pem("nope", "nope") else {
             panic!("parsed");
         };
+        let err = err.to_string();
         assert!(err.contains("client certificate"), "{err}");
     }
 }

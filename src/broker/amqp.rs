@@ -69,7 +69,7 @@ impl AmqpBroker {
             .filter(|(at, _)| at.elapsed() < FAILURE_SHARED_FOR)
             .map(|(_, why)| why.clone());
         if let Some(why) = fresh_failure {
-            return Err(PublishError::transient(why));
+            return Err(PublishError::outage(why));
         }
         let opened = self.open().await;
         if let Err(err) = &opened {
@@ -77,7 +77,7 @@ impl AmqpBroker {
                 .failed
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                Some((std::time::Instant::now(), err.message.clone()));
+                Some((std::time::Instant::now(), err.message().into_owned()));
         }
         let (connection, channel) = opened?;
         *guard = Some((connection, channel.clone()));
@@ -93,27 +93,27 @@ impl AmqpBroker {
         let open = tokio::spawn(async move {
             let connection = connect(&settings)
                 .await
-                .map_err(|err| PublishError::transient(format!("RabbitMQ: {err}")))?;
+                .map_err(|err| PublishError::outage(format!("RabbitMQ: {err}")))?;
             let channel = connection.create_channel().await.map_err(|err| {
-                PublishError::transient(format!("RabbitMQ: cannot open a channel: {err}"))
+                PublishError::outage(format!("RabbitMQ: cannot open a channel: {err}"))
             })?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await
                 .map_err(|err| {
-                    PublishError::transient(format!("RabbitMQ: cannot enable confirms: {err}"))
+                    PublishError::outage(format!("RabbitMQ: cannot enable confirms: {err}"))
                 })?;
             Ok::<_, PublishError>((connection, channel))
         });
         let (connection, channel) = match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
             Ok(Ok(opened)) => opened?,
             Ok(Err(failed)) => {
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: the connection attempt failed: {failed}"
                 )));
             }
             Err(_) => {
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: no answer within {CONNECT_TIMEOUT:?} while connecting (the broker may be starting)"
                 )));
             }
@@ -173,7 +173,7 @@ impl Broker for AmqpBroker {
             };
             let Ok(confirmation) = tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await else {
                 self.forget_channel().await;
-                return Err(PublishError::transient(format!(
+                return Err(PublishError::outage(format!(
                     "RabbitMQ: no publisher confirm for row {} within {CONFIRM_TIMEOUT:?}; reconnecting",
                     message.id
                 )));
@@ -181,7 +181,7 @@ impl Broker for AmqpBroker {
             match confirmation {
                 Ok(Confirmation::Ack(None)) => Ok(Delivered::default()),
                 Ok(Confirmation::Ack(Some(returned))) | Ok(Confirmation::Nack(Some(returned))) => {
-                    Err(PublishError::row(format!(
+                    Err(PublishError::refused(format!(
                         "RabbitMQ: row {}: exchange `{}` routed routing key `{}` to no queue ({} {})",
                         message.id,
                         self.exchange,
@@ -190,11 +190,11 @@ impl Broker for AmqpBroker {
                         returned.reply_text
                     )))
                 }
-                Ok(Confirmation::Nack(None)) => Err(PublishError::transient(format!(
+                Ok(Confirmation::Nack(None)) => Err(PublishError::outage(format!(
                     "RabbitMQ: broker refused row {} (nack)",
                     message.id
                 ))),
-                Ok(Confirmation::NotRequested) => Err(PublishError::transient(
+                Ok(Confirmation::NotRequested) => Err(PublishError::outage(
                     "RabbitMQ: publisher confirms are off on this channel",
                 )),
                 Err(err) => {
@@ -218,9 +218,9 @@ fn classify(err: &lapin::Error, id: &str) -> PublishError {
         ErrorKind::ProtocolError(amqp)
             if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) =>
         {
-            PublishError::row(format!("RabbitMQ: row {id} refused: {err}"))
+            PublishError::refused(format!("RabbitMQ: row {id} refused: {err}"))
         }
-        _ => PublishError::transient(format!("RabbitMQ: {err}")),
+        _ => PublishError::outage(format!("RabbitMQ: {err}")),
     }
 }
 
@@ -277,21 +277,56 @@ pub fn secrets(r: &RabbitMqSpec) -> Vec<SecretSlot> {
     all
 }
 
+/// Why a connection to RabbitMQ cannot be opened. The text never contains the URI
+/// (lapin's does not either): it names where the URI came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The URI does not parse.
+    #[error("the URI in {url_source} is not an AMQP URI")]
+    NotAnAmqpUri {
+        /// Where the URI came from.
+        url_source: String,
+    },
+    /// TLS is configured but the URI is `amqp://`.
+    #[error(
+        "spec.broker.rabbitmq.tls is set but the URI in {url_source} is amqp://: use amqps:// (TLS is never skipped)"
+    )]
+    TlsWithoutAmqps {
+        /// Where the URI came from.
+        url_source: String,
+    },
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    /// The AMQP client found no async runtime.
+    #[error("no async runtime for the AMQP client: {0}")]
+    Runtime(lapin::Error),
+    /// The server could not be reached or refused the connection.
+    #[error("cannot connect with the URI in {url_source}: {error}")]
+    Connect {
+        /// Where the URI came from.
+        url_source: String,
+        /// lapin's reason.
+        error: lapin::Error,
+    },
+}
+
 /// Opens a connection with `settings`: the URI, TLS files read now (so a rotated
 /// certificate is used on the next connection) and the login mechanism. Errors never
 /// contain the URI (lapin's do not either).
-pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, String> {
+pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, ConnectError> {
     let mut uri: AMQPUri = settings
         .url
         .parse()
-        .map_err(|_| format!("the URI in {} is not an AMQP URI", settings.url_source))?;
+        .map_err(|_| ConnectError::NotAnAmqpUri {
+            url_source: settings.url_source.clone(),
+        })?;
     let mut tls_config = OwnedTLSConfig::default();
     if let Some(files) = &settings.tls {
         if uri.scheme != AMQPScheme::AMQPS {
-            return Err(format!(
-                "spec.broker.rabbitmq.tls is set but the URI in {} is amqp://: use amqps:// (TLS is never skipped)",
-                settings.url_source
-            ));
+            return Err(ConnectError::TlsWithoutAmqps {
+                url_source: settings.url_source.clone(),
+            });
         }
         if let Some(ca) = &files.ca {
             tls_config.cert_chain = Some(crate::tls::read_pem(ca)?);
@@ -310,19 +345,16 @@ pub async fn connect(settings: &RabbitMqSettings) -> Result<Connection, String> 
     if settings.external {
         uri.query.auth_mechanism = Some(SASLMechanism::External);
     }
-    let builder = DefaultConnectionBuilder::new()
-        .map_err(|err| format!("no async runtime for the AMQP client: {err}"))?;
+    let builder = DefaultConnectionBuilder::new().map_err(ConnectError::Runtime)?;
     builder
         .with_uri(uri)
         .with_properties(ConnectionProperties::default())
         .with_tls_config(tls_config)
         .connect()
         .await
-        .map_err(|err| {
-            format!(
-                "cannot connect with the URI in {}: {err}",
-                settings.url_source
-            )
+        .map_err(|error| ConnectError::Connect {
+            url_source: settings.url_source.clone(),
+            error,
         })
 }
 

@@ -43,17 +43,17 @@ impl NatsBroker {
     async fn no_stream(&self, subject: &str, err: &impl std::fmt::Display) -> PublishError {
         match self.jetstream.stream_by_subject(subject).await {
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::NotFound => {
-                PublishError::row(format!(
+                PublishError::refused(format!(
                     "NATS: no JetStream stream captures subject {subject} ({err})"
                 ))
             }
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::InvalidSubject => {
-                PublishError::row(format!("NATS: {subject} is not a valid subject ({err})"))
+                PublishError::refused(format!("NATS: {subject} is not a valid subject ({err})"))
             }
-            Ok(stream) => PublishError::transient(format!(
+            Ok(stream) => PublishError::outage(format!(
                 "NATS: stream {stream} captures subject {subject} now ({err}); retrying"
             )),
-            Err(lookup) => PublishError::transient(format!(
+            Err(lookup) => PublishError::outage(format!(
                 "NATS: no stream answered for subject {subject} ({err}) and JetStream cannot be asked which would ({lookup})"
             )),
         }
@@ -65,7 +65,7 @@ impl NatsBroker {
         let said = server_said.clone();
         let options = connect_options(config)
             .await
-            .map_err(|err| PublishError::transient(format!("NATS: {err}")))?
+            .map_err(|err| PublishError::outage(format!("NATS: {err}")))?
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
             .max_reconnects(None::<usize>)
@@ -80,7 +80,7 @@ impl NatsBroker {
         let client = options
             .connect(config.url.as_str())
             .await
-            .map_err(|err| PublishError::transient(format!("NATS: cannot connect: {err}")))?;
+            .map_err(|err| PublishError::outage(format!("NATS: cannot connect: {err}")))?;
         let mut jetstream = async_nats::jetstream::new(client);
         jetstream.set_timeout(Duration::from_secs(5));
         Ok(Self {
@@ -105,7 +105,7 @@ impl NatsBroker {
             })
             .map(|(_, what)| format!(" (the server said: {what})"))
             .unwrap_or_default();
-        PublishError::transient(format!("NATS: {err}{said}"))
+        PublishError::outage(format!("NATS: {err}{said}"))
     }
 }
 
@@ -130,7 +130,7 @@ impl Broker for NatsBroker {
                 .await
                 .map_err(|err| match err.kind() {
                     PublishErrorKind::MaxPayloadExceeded => {
-                        PublishError::row(format!("NATS: row {}: {err}", message.id))
+                        PublishError::refused(format!("NATS: row {}: {err}", message.id))
                     }
                     _ => self.failed(&err, &message.destination, sent),
                 })?;
@@ -305,18 +305,42 @@ pub fn settings(
     }
 }
 
+/// Why the client options of a NATS relay cannot be made. The text names a file or a
+/// setting, never a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    /// The credentials file cannot be read or does not parse.
+    #[error("cannot read credentials file {path}: {error}")]
+    CredentialsFile {
+        /// The file.
+        path: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The nkey seed is not a user seed (`SU...`).
+    #[error("the nkey seed is not a valid user seed (SU...)")]
+    NkeySeed,
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+}
+
 /// The client options of `config`: credentials and TLS. Errors name a file or a
 /// setting, never a secret.
-pub async fn connect_options(config: &NatsSettings) -> Result<async_nats::ConnectOptions, String> {
+pub async fn connect_options(
+    config: &NatsSettings,
+) -> Result<async_nats::ConnectOptions, OptionsError> {
     let mut options = match &config.auth {
         NatsAuth::None => async_nats::ConnectOptions::new(),
         NatsAuth::CredentialsFile(path) => async_nats::ConnectOptions::new()
             .credentials_file(path)
             .await
-            .map_err(|err| format!("cannot read credentials file {path}: {err}"))?,
+            .map_err(|error| OptionsError::CredentialsFile {
+                path: path.clone(),
+                error,
+            })?,
         NatsAuth::NkeySeed(seed) => {
-            nkeys::KeyPair::from_seed(seed)
-                .map_err(|_| "the nkey seed is not a valid user seed (SU...)".to_owned())?;
+            nkeys::KeyPair::from_seed(seed).map_err(|_| OptionsError::NkeySeed)?;
             async_nats::ConnectOptions::with_nkey(seed.clone())
         }
         NatsAuth::Token(token) => async_nats::ConnectOptions::with_token(token.clone()),
@@ -337,7 +361,7 @@ pub async fn connect_options(config: &NatsSettings) -> Result<async_nats::Connec
 pub async fn probe(n: &NatsSettings) -> Vec<Probe> {
     let options = match connect_options(n).await {
         Ok(o) => o.connection_timeout(TIMEOUT),
-        Err(err) => return vec![Probe::fail("broker", err)],
+        Err(err) => return vec![Probe::fail("broker", err.to_string())],
     };
     let client = match tokio::time::timeout(TIMEOUT * 2, options.connect(n.url.as_str())).await {
         Ok(Ok(c)) => c,

@@ -118,7 +118,7 @@ impl TlsFiles {
 
     /// A rustls configuration that verifies the server (chain and host name) and
     /// presents the client certificate when there is one.
-    pub fn rustls_config(&self) -> Result<rustls::ClientConfig, String> {
+    pub fn rustls_config(&self) -> Result<rustls::ClientConfig, crate::tls::TlsError> {
         let ca = self.ca.as_deref().map(crate::tls::read_pem).transpose()?;
         let identity = match &self.client {
             Some((cert, key)) => Some(crate::tls::Identity::from_pem(

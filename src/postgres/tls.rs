@@ -97,7 +97,7 @@ impl PgTls {
             .as_ref()
             .map(|c| crate::tls::Identity::from_pem(&c.cert_pem, &c.key_pem))
             .transpose()
-            .map_err(PgError::Tls)
+            .map_err(|e| PgError::Tls(e.to_string()))
     }
 }
 
@@ -130,7 +130,10 @@ pub fn client_config(tls: &PgTls) -> Result<ClientConfig, PgError> {
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Unverified(provider))),
         SslMode::VerifyCa | SslMode::VerifyFull => {
-            let roots = Arc::new(crate::tls::roots(tls.ca_pem.as_deref()).map_err(PgError::Tls)?);
+            let roots = Arc::new(
+                crate::tls::roots(tls.ca_pem.as_deref())
+                    .map_err(|e| PgError::Tls(e.to_string()))?,
+            );
             let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
                 .build()
                 .map_err(|e| PgError::Tls(format!("certificate verifier: {e}")))?;
@@ -143,7 +146,7 @@ pub fn client_config(tls: &PgTls) -> Result<ClientConfig, PgError> {
             }
         }
     };
-    crate::tls::with_identity(builder, identity.as_ref()).map_err(PgError::Tls)
+    crate::tls::with_identity(builder, identity.as_ref()).map_err(|e| PgError::Tls(e.to_string()))
 }
 
 /// `require` and `prefer`: encrypted, the server not authenticated (libpq's meaning).

@@ -17,8 +17,8 @@ use tokio_postgres::Client;
 use crate::broker::{Broker, Clearance, PublishError, Shape};
 use crate::postgres::OutboxRow;
 
-/// A batch's right to send (see publisher.rs, "Fencing"): the session that holds its
-/// locks (polling's partition locks; the row locks of log tailing's sweep and
+/// A batch's right to send (see `relay::polling`, "Fencing"): the session that holds
+/// its locks (polling's partition locks; the row locks of log tailing's sweep and
 /// back-fill) is still open, and, for polling, its last round trip was less than the
 /// fence ago. A session the server or a pooler ended (`pg_terminate_backend`, a
 /// timeout, a restart) released the locks at that instant and another replica may
@@ -246,7 +246,7 @@ pub(crate) mod recording {
                 .push((message.id.clone(), next));
             let failing = self.failing.lock().unwrap_or_else(PoisonError::into_inner);
             if failing.contains(&message.id) {
-                return Err(PublishError::transient(format!("{} failed", message.id)));
+                return Err(PublishError::outage(format!("{} failed", message.id)));
             }
             Ok(Delivered::default())
         }
@@ -456,7 +456,7 @@ mod tests {
         assert_eq!(published(&results[0]), vec![1, 2]);
         let (unsent, err) = failed(&results[0]);
         assert_eq!(unsent, vec![3, 4, 5]);
-        assert!(err.row_fault, "{err}");
+        assert!(err.is_refused(), "{err}");
     }
 
     #[tokio::test]
@@ -468,7 +468,10 @@ mod tests {
         assert_eq!(published(&results[0]), vec![1, 2, 3]);
         let (unsent, err) = failed(&results[0]);
         assert_eq!(unsent, vec![4, 5, 6, 7]);
-        assert!(!err.row_fault && err.message.contains("4 failed"), "{err}");
+        assert!(
+            !err.is_refused() && err.message().contains("4 failed"),
+            "{err}"
+        );
         // A chain whose first message fails sends nothing more.
         let broker = Recorder::default();
         broker.failing.lock().unwrap().push("1".into());
@@ -492,7 +495,7 @@ mod tests {
         assert_eq!(published(&results[0]), vec![1]);
         let (unsent, err) = failed(&results[0]);
         assert_eq!(unsent, vec![2, 3, 4]);
-        assert!(err.message.contains("fence"), "{err}");
+        assert!(err.message().contains("fence"), "{err}");
         assert_eq!(broker.sent.lock().unwrap().len(), 1);
         assert!(broker.rests.lock().unwrap().is_empty());
     }
@@ -510,7 +513,10 @@ mod tests {
         assert_eq!(published(&results[0]), vec![1, 2, 3]);
         let (unsent, err) = failed(&results[0]);
         assert_eq!(unsent, vec![4, 5, 6, 7, 8]);
-        assert!(err.held_back && err.message.contains("fence"), "{err}");
+        assert!(
+            err.is_held_back() && err.message().contains("fence"),
+            "{err}"
+        );
         assert_eq!(broker.0.sent.lock().unwrap().len(), 3);
     }
 
@@ -531,7 +537,10 @@ mod tests {
             .iter()
             .map(|r| {
                 let (rest, err) = failed(r);
-                assert!(!err.row_fault && err.message.contains("fence"), "{err}");
+                assert!(
+                    !err.is_refused() && err.message().contains("fence"),
+                    "{err}"
+                );
                 rest.len()
             })
             .sum();

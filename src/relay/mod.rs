@@ -1,4 +1,56 @@
 //! The data plane: what runs inside relay pods (`outbox-operator relay --config FILE`).
+//!
+//! # A row's path
+//!
+//! Polling (`polling/`): each worker runs one transaction per batch, on the session
+//! that holds its partition locks.
+//!
+//! ```text
+//!   outbox table
+//!     | select batch: the oldest unpublished rows    polling/worker.rs
+//!     | of the owned partitions, locked              postgres/table.rs
+//!     v
+//!   chains, one per aggregate                        chains.rs
+//!     | a chain's first message with the batch's,
+//!     | the rest once it is acknowledged; nothing
+//!     | after the fence
+//!     v
+//!   broker: row -> message, publish, wait for        broker/message.rs,
+//!   the acknowledgement                              broker/{kafka,nats,amqp}
+//!     | refused: counted, paused, blocked or         polling/shared.rs
+//!     | dead-lettered; outage: back off
+//!     v
+//!   mark or delete the published rows                postgres/table.rs
+//!     v
+//!   commit                                           polling/worker.rs
+//! ```
+//!
+//! Log tailing (`log_tailing/`): whole committed transactions from the slot, confirmed
+//! only once the broker acknowledged them.
+//!
+//! ```text
+//!   replication slot (pgoutput): the stream          log_tailing/mod.rs,
+//!   of committed inserts                             postgres/replication.rs
+//!     | a tuple becomes a row                        log_tailing/layout.rs
+//!     v
+//!   batch of whole transactions (a large one         log_tailing/batch.rs
+//!   in chunks)
+//!     v
+//!   chains, one per aggregate                        chains.rs
+//!     v
+//!   broker: row -> message, publish, wait for        broker/message.rs,
+//!   the acknowledgements, retry until all are in     broker/{kafka,nats,amqp}
+//!     v
+//!   confirm the last commit to the slot              log_tailing/batch.rs
+//!     or, with deleteAfterPublish:
+//!   deleter: delete the rows by id, then confirm     log_tailing/deleter.rs
+//! ```
+//!
+//! Beside the stream, log tailing also publishes rows from the table itself, through
+//! the same chains, as polling does: the sweep for rows the stream missed
+//! (`log_tailing/sweep.rs`) and the back-fill after a publication change
+//! (`log_tailing/gap.rs`). With `spec.tracing`, each publish is a span
+//! (`traces.rs` wraps the broker).
 
 mod backoff;
 pub mod chains;
@@ -7,7 +59,7 @@ pub mod http;
 mod log_tailing;
 pub mod metrics;
 pub mod ownership;
-mod publisher;
+mod polling;
 pub mod traces;
 
 use std::path::Path;
@@ -112,7 +164,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         .broker
         .connect()
         .await
-        .map_err(|e| RelayError::Broker(e.message))?;
+        .map_err(|e| RelayError::Broker(e.message().into_owned()))?;
     let kind = settings.broker.kind();
     let shape = crate::broker::Shape::of(&settings.valid);
     let (broker, traces) = match settings.valid.tracing.clone() {
@@ -122,7 +174,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
                 tokio::task::spawn_blocking(move || traces::Traces::start(&t, &ns, &name))
                     .await
                     .map_err(|e| RelayError::Broker(format!("starting the span exporter: {e}")))?
-                    .map_err(RelayError::Broker)?;
+                    .map_err(|e| RelayError::Broker(e.to_string()))?;
             let (traces, tracer) = started;
             let traced: Arc<dyn crate::broker::Broker> =
                 Arc::new(traces::TracedBroker::new(broker, tracer, kind));
@@ -161,7 +213,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
                 .await
         }
         None => {
-            publisher::Publisher::new(settings, broker, shape, health, stop_rx)
+            polling::Publisher::new(settings, broker, shape, health, stop_rx)
                 .run()
                 .await
         }
@@ -261,7 +313,7 @@ impl Outage {
         if self
             .first
             .as_ref()
-            .is_none_or(|(_, kept)| kept.held_back && !err.held_back)
+            .is_none_or(|(_, kept)| kept.is_held_back() && !err.is_held_back())
         {
             self.first = Some((first.id, err.clone()));
         }
@@ -274,8 +326,8 @@ impl Outage {
             health.broker_took();
         }
         if let Some((row, error)) = &self.first {
-            if published == 0 && !error.held_back {
-                health.broker_failed(&error.message);
+            if published == 0 && !error.is_held_back() {
+                health.broker_failed(&error.message());
             }
             tracing::warn!(
                 rows = self.rows,
@@ -316,29 +368,26 @@ mod tests {
         let mut outage = Outage::default();
         outage.add(
             &[],
-            &crate::broker::PublishError::transient("nothing to count"),
+            &crate::broker::PublishError::outage("nothing to count"),
         );
         assert!(outage.first.is_none());
         outage.add(
             &[row(7), row(9)],
-            &crate::broker::PublishError::transient("timed out"),
+            &crate::broker::PublishError::outage("timed out"),
         );
-        outage.add(&[row(8)], &crate::broker::PublishError::transient("later"));
+        outage.add(&[row(8)], &crate::broker::PublishError::outage("later"));
         assert_eq!(outage.rows, 3);
         let (first, error) = outage.first.clone().expect("a first failure");
         assert_eq!(first, 7);
-        assert_eq!(error.message, "timed out");
+        assert_eq!(error.message(), "timed out");
         // The relay's own "not sent" gives way to the broker's reason.
         let mut outage = Outage::default();
         let held = crate::broker::PublishError::held_back("behind another");
         outage.add(&[row(3)], &held);
-        outage.add(
-            &[row(4)],
-            &crate::broker::PublishError::transient("refused"),
-        );
+        outage.add(&[row(4)], &crate::broker::PublishError::outage("refused"));
         outage.add(&[row(5)], &held);
         let (first, error) = outage.first.clone().expect("a first failure");
-        assert_eq!((first, error.message.as_str()), (4, "refused"));
+        assert_eq!((first, &*error.message()), (4, "refused"));
     }
 
     #[test]

@@ -18,6 +18,19 @@ use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, Span as SdkSpan};
 
 use crate::broker::{Broker, BrokerKind, Clearance, Delivered, Message, PublishError, Step};
 
+/// Why the span exporter cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum TracesError {
+    /// The OTLP exporter cannot be built for the endpoint.
+    #[error("OTLP exporter to {endpoint}: {error}")]
+    Exporter {
+        /// `spec.tracing.otlpEndpoint`.
+        endpoint: String,
+        /// The exporter's reason.
+        error: opentelemetry_otlp::ExporterBuildError,
+    },
+}
+
 /// The exporter of a relay's spans; [`Traces::shutdown`] sends what is left.
 pub struct Traces {
     provider: SdkTracerProvider,
@@ -30,14 +43,17 @@ impl Traces {
         tracing: &crate::spec::Tracing,
         namespace: &str,
         name: &str,
-    ) -> Result<(Self, SdkTracer), String> {
+    ) -> Result<(Self, SdkTracer), TracesError> {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpJson)
             .with_endpoint(format!("{}/v1/traces", tracing.otlp_endpoint))
             .with_timeout(std::time::Duration::from_secs(5))
             .build()
-            .map_err(|e| format!("OTLP exporter to {}: {e}", tracing.otlp_endpoint))?;
+            .map_err(|error| TracesError::Exporter {
+                endpoint: tracing.otlp_endpoint.clone(),
+                error,
+            })?;
         let resource = Resource::builder()
             .with_service_name(tracing.service_name.clone())
             .with_attributes([
@@ -137,14 +153,14 @@ impl TracedBroker {
         match outcome {
             Some(Ok(_)) => {}
             Some(Err(err)) => {
-                span.set_status(Status::error(err.message.clone()));
+                span.set_status(Status::error(err.message().into_owned()));
                 let context = span.span_context();
                 tracing::warn!(
                     trace_id = %context.trace_id(),
                     span_id = %context.span_id(),
                     message_id = %message.id,
                     destination = %message.destination,
-                    error = %err.message,
+                    error = %err,
                     "publish failed"
                 );
             }

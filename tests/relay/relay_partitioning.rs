@@ -398,7 +398,7 @@ fn assert_refused_after(
         "{outcomes:?}"
     );
     let err = outcomes[acknowledged].as_ref().expect_err("refused");
-    assert!(err.row_fault, "{err:?}");
+    assert!(err.is_refused(), "{err:?}");
     let found = records(topic, acknowledged + 1, Duration::from_secs(3));
     let ids: Vec<String> = found.into_iter().map(|(_, _, id)| id).collect();
     let expected: Vec<String> = (1..=acknowledged + 1).map(|id| id.to_string()).collect();

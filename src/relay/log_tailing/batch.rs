@@ -183,7 +183,7 @@ impl LogTailer {
                             );
                         }
                         let layout = Layout::of(&relation, ours, &t.schema, &t.name, &self.columns)
-                            .map_err(|e| SessionEnd::Db(PgError::Schema(e)))?;
+                            .map_err(|e| SessionEnd::Db(PgError::Schema(e.to_string())))?;
                         relations.insert(relation.oid, layout);
                     }
                     PgOutput::Insert { relation, tuple } => {
@@ -300,7 +300,7 @@ impl LogTailer {
                     }
                 }
                 if let Some((mut rest, err)) = result.failed {
-                    if !err.row_fault {
+                    if !err.is_refused() {
                         outage.add(&rest, &err);
                     }
                     if self.count_failure(&rest, &err)
@@ -409,7 +409,7 @@ impl LogTailer {
             return false;
         };
         let m = &self.health.metrics;
-        if err.row_fault {
+        if err.is_refused() {
             m.publish_errors
                 .get_or_create(&ErrorLabels { kind: "row" })
                 .inc();
@@ -431,7 +431,7 @@ impl LogTailer {
                     "row {} was refused by the broker {} times (spec.failure.maxAttempts) and the stream waits for it (onExhausted: block), retaining WAL on the server: fix what the broker refuses (the row stays in the stream whatever happens to the table), or set spec.failure.deadLetterTable; the broker said: {}",
                     row.id,
                     self.settings.max_attempts,
-                    err.message.lines().next().unwrap_or_default()
+                    err.message().lines().next().unwrap_or_default()
                 )));
             }
             tracing::error!(
@@ -461,7 +461,7 @@ impl LogTailer {
         let Some(table) = &self.table else {
             return false;
         };
-        match table.dead_letter(client, row.id, &err.message).await {
+        match table.dead_letter(client, row.id, &err.message()).await {
             Ok(moved) => {
                 self.attempts.remove(&row.id);
                 m.dead_lettered.inc();

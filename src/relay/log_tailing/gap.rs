@@ -27,7 +27,8 @@ use tokio_postgres::Client;
 use super::{LogTailer, SessionEnd};
 use crate::api::AfterPublish;
 use crate::postgres::coverage::{Coverage, coverage};
-use crate::postgres::{self, Columns, OutboxRow, OutboxTable, PgError};
+use crate::postgres::table::{Columns, OutboxTable};
+use crate::postgres::{self, OutboxRow, PgError};
 use crate::relay::backoff::Backoff;
 use crate::relay::chains::{Fence, chains, publish_chains};
 
@@ -262,7 +263,7 @@ impl LogTailer {
                 .inc_by(u64::try_from(ids.len()).unwrap_or(0));
             published.extend(ids);
             if let Some(err) = failed {
-                tracing::warn!(error = %err.message, "a row left in the table could not be published; retrying");
+                tracing::warn!(error = %err, "a row left in the table could not be published; retrying");
                 return Ok(None);
             }
             after = last;

@@ -2,8 +2,60 @@
 //! the outbox row an inserted tuple becomes.
 
 use crate::broker::{ColumnValue, ValueKind};
+use crate::postgres::OutboxRow;
 use crate::postgres::replication::{self as repl, BYTEA_OID, Relation, TupleValue};
-use crate::postgres::{Columns, OutboxRow};
+use crate::postgres::table::Columns;
+
+/// Why a relation or an inserted tuple cannot be read as the outbox table's.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LayoutError {
+    /// The relation lacks a configured column.
+    #[error("{schema}.{table} has no column {column} (stream)")]
+    NoColumn {
+        /// The outbox table's schema.
+        schema: String,
+        /// The outbox table.
+        table: String,
+        /// The column the configuration names.
+        column: String,
+    },
+    /// A column's value is neither text nor NULL.
+    #[error("column {column}: unexpected value {value:?}")]
+    UnexpectedValue {
+        /// Its position in the tuple.
+        column: usize,
+        /// What came.
+        value: TupleValue,
+    },
+    /// The tuple is shorter than the relation.
+    #[error("column {0} missing from the tuple")]
+    MissingValue(usize),
+    /// The id column does not hold a bigint.
+    #[error("the id column is not a bigint")]
+    Id,
+    /// The event-time column does not parse.
+    #[error("row {id}: timestamp column: {error}")]
+    Timestamp {
+        /// The row.
+        id: i64,
+        /// Why.
+        error: repl::DecodeError,
+    },
+    /// A `bytea` payload does not decode.
+    #[error("row {id}: payload: {error}")]
+    Payload {
+        /// The row.
+        id: i64,
+        /// Why.
+        error: repl::DecodeError,
+    },
+    /// The payload column is not in the tuple.
+    #[error("row {id}: payload column missing")]
+    NoPayload {
+        /// The row.
+        id: i64,
+    },
+}
 
 /// Where the outbox columns sit in the table's tuples.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,7 +88,7 @@ impl Layout {
         schema: &str,
         table: &str,
         columns: &Columns,
-    ) -> Result<Option<Self>, String> {
+    ) -> Result<Option<Self>, LayoutError> {
         if !ours {
             return Ok(None);
         }
@@ -45,7 +97,11 @@ impl Layout {
                 .columns
                 .iter()
                 .position(|c| c.name == name)
-                .ok_or_else(|| format!("{schema}.{table} has no column {name} (stream)"))
+                .ok_or_else(|| LayoutError::NoColumn {
+                    schema: schema.to_owned(),
+                    table: table.to_owned(),
+                    column: name.to_owned(),
+                })
         };
         let payload = find(&columns.payload)?;
         Ok(Some(Self {
@@ -67,7 +123,7 @@ impl Layout {
                         ValueKind::of_oid(relation.columns[i].type_oid),
                     ))
                 })
-                .collect::<Result<_, String>>()?,
+                .collect::<Result<_, LayoutError>>()?,
         }))
     }
 
@@ -78,18 +134,21 @@ impl Layout {
         &self,
         mut tuple: Vec<TupleValue>,
         commit_unix: f64,
-    ) -> Result<OutboxRow, String> {
-        let text = |i: usize| -> Result<Option<String>, String> {
+    ) -> Result<OutboxRow, LayoutError> {
+        let text = |i: usize| -> Result<Option<String>, LayoutError> {
             match tuple.get(i) {
                 Some(TupleValue::Text(b)) => Ok(Some(String::from_utf8_lossy(b).into_owned())),
                 Some(TupleValue::Null) => Ok(None),
-                Some(other) => Err(format!("column {i}: unexpected value {other:?}")),
-                None => Err(format!("column {i} missing from the tuple")),
+                Some(other) => Err(LayoutError::UnexpectedValue {
+                    column: i,
+                    value: other.clone(),
+                }),
+                None => Err(LayoutError::MissingValue(i)),
             }
         };
         let id = text(self.id)?
             .and_then(|s| s.parse::<i64>().ok())
-            .ok_or_else(|| "the id column is not a bigint".to_owned())?;
+            .ok_or(LayoutError::Id)?;
         let aggregate_type = text(self.aggregate_type)?.unwrap_or_default();
         let aggregate_id = text(self.aggregate_id)?;
         let event_type = text(self.event_type)?;
@@ -97,7 +156,7 @@ impl Layout {
             Some(i) => match text(i)? {
                 // `infinity` and its kin have no instant: the commit time stands in.
                 Some(t) => repl::parse_timestamp(&t)
-                    .map_err(|e| format!("row {id}: timestamp column: {e}"))?,
+                    .map_err(|error| LayoutError::Timestamp { id, error })?,
                 None => None,
             },
             None => None,
@@ -115,12 +174,12 @@ impl Layout {
         {
             Some(TupleValue::Text(b)) if self.payload_bytea => Some(
                 repl::decode_bytea_hex(&b)
-                    .map_err(|e| format!("row {id}: payload: {e}"))?
+                    .map_err(|error| LayoutError::Payload { id, error })?
                     .into(),
             ),
             Some(TupleValue::Text(b)) => Some(b),
             Some(TupleValue::Null) => None,
-            _ => return Err(format!("row {id}: payload column missing")),
+            _ => return Err(LayoutError::NoPayload { id }),
         };
         Ok(OutboxRow {
             id,
@@ -244,7 +303,7 @@ mod tests {
         tuple[6] = text("infinity");
         assert_eq!(layout.row(tuple.clone(), 7.0).unwrap().timestamp, None);
         tuple[6] = text("Sat Jan 01 00:00:00 2000 UTC");
-        let err = layout.row(tuple, 7.0).unwrap_err();
+        let err = layout.row(tuple, 7.0).unwrap_err().to_string();
         assert!(err.contains("row 1: timestamp column"), "{err}");
         let missing = Columns {
             timestamp: Some("nope".into()),
@@ -290,7 +349,9 @@ mod tests {
         assert!(layout.is_some());
         let mut r = relation(25);
         r.columns.pop();
-        let err = Layout::of(&r, true, "public", "outbox", &columns()).unwrap_err();
+        let err = Layout::of(&r, true, "public", "outbox", &columns())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("traceparent"), "{err}");
     }
 }

@@ -27,7 +27,8 @@ use tokio_postgres::Client;
 use crate::api::AfterPublish;
 use crate::broker::{Broker, Shape};
 use crate::postgres::horizon::{Horizon, horizon};
-use crate::postgres::{self, Columns, OutboxTable, PgError};
+use crate::postgres::table::{Columns, OutboxTable};
+use crate::postgres::{self, PgError};
 use crate::relay::chains::{Fence, chains, publish_chains};
 use crate::relay::config::Settings;
 use crate::relay::http::Health;
@@ -184,7 +185,7 @@ async fn sweep_once(
             ids.extend(result.published.iter().map(|(id, _)| *id));
             if let Some((rest, err)) = result.failed {
                 failed = true;
-                tracing::warn!(id = rest.first().map(|r| r.id), error = %err.message, "sweep: a missed row could not be published; it stays for the next sweep");
+                tracing::warn!(id = rest.first().map(|r| r.id), error = %err, "sweep: a missed row could not be published; it stays for the next sweep");
             }
         }
         table.finish_published(&tx, &ids).await?;

@@ -1,0 +1,536 @@
+//! The outbox table as the relays read and write it: its columns, checked once against
+//! the table, and the SQL built from them (the polling batch select, the log-tailing
+//! relay's sweep and back-fill selects, marking, deleting, dead-lettering, retention
+//! and the backlog).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use super::polling::partition_expr;
+use super::{OutboxRow, PgError, db, quote};
+use crate::api::AfterPublish;
+
+/// The column types `table.columns.timestamp` may have (`information_schema` names).
+const TIMESTAMP_TYPES: [&str; 2] = ["timestamp with time zone", "timestamp without time zone"];
+
+/// Column names of the outbox table, already checked.
+#[derive(Debug, Clone)]
+pub struct Columns {
+    /// Row id (bigint-compatible).
+    pub id: String,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Payload.
+    pub payload: String,
+    /// Insertion time, when the table has it.
+    pub created_at: Option<String>,
+    /// Publication time (mark mode).
+    pub published_at: String,
+    /// The event's own time (`timestamptz` or `timestamp`), when configured.
+    pub timestamp: Option<String>,
+    /// Extra columns (`table.headers`, `table.additionalFields`), distinct.
+    pub extra: Vec<String>,
+}
+
+impl Columns {
+    /// The columns of a parsed relay's table, `createdAt` included (callers that do
+    /// not read it set it to `None`).
+    pub fn of(table: &crate::spec::Table) -> Self {
+        let c = &table.columns;
+        Self {
+            id: c.id.clone(),
+            aggregate_type: c.aggregate_type.clone(),
+            aggregate_id: c.aggregate_id.clone(),
+            event_type: c.event_type.clone(),
+            payload: c.payload.clone(),
+            created_at: Some(c.created_at.clone()),
+            published_at: c.published_at.clone(),
+            timestamp: c.timestamp.clone(),
+            extra: table.extra_columns(),
+        }
+    }
+}
+
+/// The SQL of one outbox table, built once from the validated configuration and the
+/// table's actual columns.
+#[derive(Debug, Clone)]
+pub struct OutboxTable {
+    /// `"schema"."table"`.
+    qualified: String,
+    /// `"schema"."dead_letter"`.
+    dead_letter: String,
+    columns: Columns,
+    /// Every column of the table, quoted, for the dead-letter copy.
+    all_columns: Vec<String>,
+    after_publish: AfterPublish,
+    /// `WHERE <publishedAt> IS NULL` where the table has that column, else empty: a
+    /// row marked published is never unpublished, whatever the mode.
+    unpublished_where: String,
+    partitions: i32,
+    select: SelectSql,
+    /// How each extra column's values go into JSON, in `columns.extra`'s order.
+    extra_kinds: Vec<crate::broker::ValueKind>,
+}
+
+/// The batch query in pieces: a branch per owned partition goes between `WITH
+/// candidates AS MATERIALIZED (SELECT id FROM (` and `tail`.
+#[derive(Debug, Clone)]
+struct SelectSql {
+    branch_head: String,
+    branch_tail: String,
+    tail: String,
+    /// The reconciliation sweep's query; `None` without a created-at column.
+    stale: Option<String>,
+    /// Every row after an id, oldest first (a publication gap's back-fill).
+    after: String,
+}
+
+impl SelectSql {
+    /// The statement for `partitions` (not empty).
+    fn for_partitions(&self, partitions: &BTreeSet<i64>) -> String {
+        let branches: Vec<String> = partitions
+            .iter()
+            .map(|p| format!("{}{p}{}", self.branch_head, self.branch_tail))
+            .collect();
+        format!(
+            "WITH candidates AS MATERIALIZED (SELECT u.id FROM ({}{}",
+            branches.join(" UNION ALL "),
+            self.tail
+        )
+    }
+}
+
+impl OutboxTable {
+    /// Reads the table's columns and builds its SQL. Fails with one line naming what is
+    /// missing when the table or a configured column does not exist.
+    pub async fn inspect(
+        client: &Client,
+        schema: &str,
+        table: &str,
+        dead_letter_table: &str,
+        mut columns: Columns,
+        after_publish: AfterPublish,
+        partitions: i32,
+    ) -> Result<Self, PgError> {
+        let rows = client
+            .query(
+                "SELECT column_name::text, data_type::text FROM information_schema.columns \
+                 WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+                &[&schema, &table],
+            )
+            .await
+            .map_err(db("reading the outbox table's columns"))?;
+        let existing: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        if existing.is_empty() {
+            return Err(PgError::Schema(format!(
+                "table {schema}.{table} does not exist or the relay's user cannot see it"
+            )));
+        }
+        let type_of = |name: &str| {
+            existing
+                .iter()
+                .find(|(c, _)| c == name)
+                .map(|(_, t)| t.clone())
+        };
+        let mut required = vec![
+            ("table.columns.id", columns.id.clone()),
+            (
+                "table.columns.aggregateType",
+                columns.aggregate_type.clone(),
+            ),
+            ("table.columns.aggregateId", columns.aggregate_id.clone()),
+            ("table.columns.type", columns.event_type.clone()),
+            ("table.columns.payload", columns.payload.clone()),
+        ];
+        if after_publish == AfterPublish::Mark {
+            required.push(("table.columns.publishedAt", columns.published_at.clone()));
+        }
+        if let Some(timestamp) = &columns.timestamp {
+            required.push(("table.columns.timestamp", timestamp.clone()));
+        }
+        for column in &columns.extra {
+            required.push(("table.headers / table.additionalFields", column.clone()));
+        }
+        let missing: Vec<String> = required
+            .iter()
+            .filter(|(_, c)| type_of(c).is_none())
+            .map(|(field, c)| format!("{field}: column {c} is missing"))
+            .collect();
+        if !missing.is_empty() {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: {}",
+                missing.join("; ")
+            )));
+        }
+        if let Some(timestamp) = &columns.timestamp
+            && let Some(ty) = type_of(timestamp)
+            && !TIMESTAMP_TYPES.contains(&ty.as_str())
+        {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: table.columns.timestamp: column {timestamp} is {ty}; \
+                 it must be timestamp with time zone or timestamp (read as UTC)"
+            )));
+        }
+        // createdAt is optional: without it there is no age or lag metric.
+        if columns
+            .created_at
+            .as_deref()
+            .is_some_and(|c| type_of(c).is_none())
+        {
+            columns.created_at = None;
+        }
+        let payload_is_bytea = type_of(&columns.payload).as_deref() == Some("bytea");
+        let payload = if payload_is_bytea {
+            quote(&columns.payload)
+        } else {
+            format!("convert_to({}::text, 'UTF8')", quote(&columns.payload))
+        };
+        let created = columns.created_at.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM {})::float8", quote(c)),
+        );
+        // `timestamp` (without time zone) is read as UTC, as Debezium reads it.
+        let event_time = columns.timestamp.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM {})::float8", quote(c)),
+        );
+        let headers: String = columns
+            .extra
+            .iter()
+            .map(|h| format!(", {}::text", quote(h)))
+            .collect();
+        let extra_kinds = columns
+            .extra
+            .iter()
+            .map(|c| crate::broker::ValueKind::of_type_name(&type_of(c).unwrap_or_default()))
+            .collect();
+        let qualified = format!("{}.{}", quote(schema), quote(table));
+        // A row marked published is published, whatever this relay does after
+        // publishing: a table that was polled with `afterPublish: mark` keeps a day of
+        // marked rows, which the back-fill relay (deleting), the sweep and a gap's
+        // back-fill of a relay switched to log tailing must not send again. The same
+        // rule as the operator's backlog and handover counts.
+        let unpublished = if type_of(&columns.published_at).is_some() {
+            format!("{} IS NULL AND ", quote(&columns.published_at))
+        } else {
+            String::new()
+        };
+        let pexpr = partition_expr(&columns.aggregate_id, partitions);
+        // ORDER BY id: always from the oldest unpublished row, never from a remembered
+        // position, because rows commit out of id order.
+        //
+        // The candidates are the first `$1` rows, in id order, of a merge of one ordered
+        // scan of the `(partition, id)` index per owned partition: a UNION ALL of one
+        // branch per partition under `ORDER BY id LIMIT $1` is planned as a Merge
+        // Append, which pulls a row at a time from the branch with the lowest id and
+        // stops after `$1`, so it reads `$1` index entries plus one per partition. (A
+        // single `<partition> = ANY(...) ORDER BY id` cannot read that index in id order
+        // across partitions and sorted the whole backlog, 105 ms at 40,000 waiting rows;
+        // a LATERAL scan per partition read `$1` entries from each, and dead entries
+        // with them: four times the rows with four partitions.) Each partition's
+        // candidates are a prefix of it in id order, so per-aggregate order holds. The
+        // partitions are literals (integers the relay computed), so the statement text
+        // is one per owned set.
+        //
+        // Only the chosen rows are locked, in the outer statement. FOR UPDATE re-checks
+        // the predicate on the current row version, so a row published meanwhile drops
+        // out; SKIP LOCKED leaves rows a concurrent batch holds (ordering none, or a
+        // dying owner's open transaction) alone instead of waiting for them.
+        // What a row is read as (see `row_of`).
+        let row_list = format!(
+            "{id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+             {pexpr}, {created}, {event_time}{headers}",
+            id = quote(&columns.id),
+            at = quote(&columns.aggregate_type),
+            aid = quote(&columns.aggregate_id),
+            ty = quote(&columns.event_type),
+        );
+        let select = SelectSql {
+            branch_head: format!(
+                "(SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = ",
+                id = quote(&columns.id)
+            ),
+            branch_tail: format!(" ORDER BY {} LIMIT $1)", quote(&columns.id)),
+            tail: format!(
+                ") AS u ORDER BY u.id LIMIT $1) \
+                 SELECT {row_list} \
+                 FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
+                 ORDER BY {id} FOR UPDATE SKIP LOCKED",
+                id = quote(&columns.id),
+            ),
+            // The sweep's: rows inserted before $1 (Unix seconds) by a transaction that
+            // precedes xid $3 (`age` compares xids as the server does, modulo 2^32; a
+            // frozen xmin is the oldest of all), oldest first.
+            stale: columns.created_at.as_deref().map(|c| {
+                format!(
+                    "SELECT {row_list} FROM {qualified} \
+                     WHERE {unpublished}extract(epoch FROM {created_at}) < $1::float8 \
+                       AND age(xmin) > age($3::text::xid) \
+                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                    created_at = quote(c),
+                    id = quote(&columns.id),
+                )
+            }),
+            after: format!(
+                "SELECT {row_list} FROM {qualified} WHERE {unpublished}{id} > $1::int8 \
+                 ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                id = quote(&columns.id),
+            ),
+        };
+        Ok(Self {
+            qualified,
+            dead_letter: format!("{}.{}", quote(schema), quote(dead_letter_table)),
+            all_columns: existing.iter().map(|(c, _)| quote(c)).collect(),
+            unpublished_where: unpublished
+                .strip_suffix(" AND ")
+                .map_or_else(String::new, |c| format!("WHERE {c}")),
+            columns,
+            after_publish,
+            partitions,
+            select,
+            extra_kinds,
+        })
+    }
+
+    /// Number of partitions rows are hashed into.
+    pub fn partitions(&self) -> i32 {
+        self.partitions
+    }
+
+    /// The oldest unpublished rows of `partitions`, locked for this transaction.
+    pub async fn select_batch(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        partitions: &BTreeSet<i64>,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
+        // The planner underestimates how many rows one partition holds and would rather
+        // bitmap-scan all of them and sort than walk the index in order and stop early.
+        tx.batch_execute("SET LOCAL enable_bitmapscan = off")
+            .await
+            .map_err(db("preparing the batch query"))?;
+        let rows = tx
+            .query(&self.select.for_partitions(partitions), &[&limit])
+            .await
+            .map_err(db("selecting a batch"))?;
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// Rows inserted before `cutoff` (Unix seconds) by a transaction older than `xid`
+    /// ([`Horizon`](super::horizon::Horizon)) that are still in the table, oldest
+    /// first, at most `limit`, locked for this transaction (the log-tailing relay's
+    /// reconciliation sweep); an error when the table has no created-at column.
+    pub async fn select_stale(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        cutoff: f64,
+        xid: u32,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        let sql = self.select.stale.as_deref().ok_or_else(|| {
+            PgError::Schema(format!(
+                "{}: the sweep needs the createdAt column (table.columns.createdAt)",
+                self.qualified
+            ))
+        })?;
+        let rows = tx
+            .query(sql, &[&cutoff, &limit, &xid.to_string()])
+            .await
+            .map_err(db("sweeping for missed rows"))?;
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// Rows after id `after` still in the table, oldest first, at most `limit`, locked
+    /// for this transaction (what a log-tailing relay publishes from the table when the
+    /// publication may have skipped inserts).
+    pub async fn select_after(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, PgError> {
+        let rows = tx
+            .query(&self.select.after, &[&after, &limit])
+            .await
+            .map_err(db("reading the rows a publication change left behind"))?;
+        Ok(rows.iter().map(|r| self.row_of(r)).collect())
+    }
+
+    /// An outbox row from a row of the batch or sweep query.
+    fn row_of(&self, r: &tokio_postgres::Row) -> OutboxRow {
+        OutboxRow {
+            id: r.get(0),
+            aggregate_type: r.get(1),
+            aggregate_id: r.get(2),
+            event_type: r.get(3),
+            payload: r.get::<_, Option<Vec<u8>>>(4).map(Into::into),
+            partition: r.get(5),
+            created_at: r.get(6),
+            timestamp: r.get(7),
+            extra: self
+                .columns
+                .extra
+                .iter()
+                .zip(&self.extra_kinds)
+                .enumerate()
+                .filter_map(|(i, (name, kind))| {
+                    r.get::<_, Option<String>>(8 + i)
+                        .map(|v| crate::broker::ColumnValue::new(name, v, *kind))
+                })
+                .collect(),
+        }
+    }
+
+    /// Marks (`published_at = now()`) or deletes published rows, per `afterPublish`.
+    pub async fn finish_published(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        ids: &[i64],
+    ) -> Result<(), PgError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let sql = match self.after_publish {
+            AfterPublish::Mark => format!(
+                "UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[])",
+                self.qualified,
+                quote(&self.columns.published_at),
+                quote(&self.columns.id)
+            ),
+            AfterPublish::Delete => format!(
+                "DELETE FROM {} WHERE {} = ANY($1::int8[])",
+                self.qualified,
+                quote(&self.columns.id)
+            ),
+        };
+        tx.execute(&sql, &[&ids])
+            .await
+            .map_err(db("marking published rows"))?;
+        Ok(())
+    }
+
+    /// Creates the dead-letter table when it does not exist: the outbox's columns plus
+    /// why and when the row was moved.
+    pub async fn ensure_dead_letter_table(&self, client: &Client) -> Result<(), PgError> {
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {} (LIKE {}, \
+                 dead_letter_reason text NOT NULL, \
+                 dead_lettered_at timestamptz NOT NULL DEFAULT now())",
+                self.dead_letter, self.qualified
+            ))
+            .await
+            .map_err(db("creating the dead-letter table"))
+    }
+
+    /// Moves one row to the dead-letter table in one statement (so it is atomic on any
+    /// connection, in a transaction or not); returns how many rows moved (0 when the
+    /// row is no longer in the table).
+    pub async fn dead_letter(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        id: i64,
+        reason: &str,
+    ) -> Result<u64, PgError> {
+        let cols = self.all_columns.join(", ");
+        let id_col = quote(&self.columns.id);
+        client
+            .execute(
+                &format!(
+                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = $1 RETURNING {cols}) \
+                     INSERT INTO {} ({cols}, dead_letter_reason) SELECT {cols}, $2 FROM moved",
+                    self.qualified, self.dead_letter
+                ),
+                &[&id, &reason],
+            )
+            .await
+            .map_err(db("moving a row to the dead-letter table"))
+    }
+
+    /// [`dead_letter`](Self::dead_letter) inside a batch's transaction, in a savepoint:
+    /// a dead-letter write that fails (the table dropped, a privilege revoked) is rolled
+    /// back alone (the inner error), and the batch's marks still commit, so the rows it
+    /// published are not published again. The outer error: the transaction itself
+    /// failed.
+    pub async fn dead_letter_in_batch(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        id: i64,
+        reason: &str,
+    ) -> Result<Result<u64, PgError>, PgError> {
+        tx.batch_execute("SAVEPOINT outbox_dead_letter")
+            .await
+            .map_err(db("starting the dead-letter savepoint"))?;
+        match self.dead_letter(tx, id, reason).await {
+            Ok(moved) => {
+                tx.batch_execute("RELEASE SAVEPOINT outbox_dead_letter")
+                    .await
+                    .map_err(db("releasing the dead-letter savepoint"))?;
+                Ok(Ok(moved))
+            }
+            Err(err) => {
+                tx.batch_execute("ROLLBACK TO SAVEPOINT outbox_dead_letter")
+                    .await
+                    .map_err(db("rolling back the dead-letter savepoint"))?;
+                Ok(Err(err))
+            }
+        }
+    }
+
+    /// Deletes up to `limit` rows published before `older_than`; returns how many. Each
+    /// call is its own short statement, so retention never holds long locks.
+    pub async fn delete_published_before(
+        &self,
+        client: &Client,
+        older_than: Duration,
+        limit: i64,
+    ) -> Result<u64, PgError> {
+        if self.after_publish == AfterPublish::Delete {
+            return Ok(0);
+        }
+        let id = quote(&self.columns.id);
+        let at = quote(&self.columns.published_at);
+        client
+            .execute(
+                &format!(
+                    "DELETE FROM {t} WHERE {id} IN (SELECT {id} FROM {t} \
+                     WHERE {at} < now() - make_interval(secs => $1) \
+                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                    t = self.qualified
+                ),
+                &[&older_than.as_secs_f64(), &limit],
+            )
+            .await
+            .map_err(db("deleting old published rows"))
+    }
+
+    /// Rows waiting to be published and the age in seconds of the oldest (when the table
+    /// has a created-at column).
+    pub async fn backlog(&self, client: &Client) -> Result<(i64, Option<f64>), PgError> {
+        let unpublished = &self.unpublished_where;
+        let age = self.columns.created_at.as_deref().map_or_else(
+            || "NULL::float8".to_owned(),
+            |c| format!("extract(epoch FROM now() - min({}))::float8", quote(c)),
+        );
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT count(*), {age} FROM {} {unpublished}",
+                    self.qualified
+                ),
+                &[],
+            )
+            .await
+            .map_err(db("measuring the backlog"))?;
+        Ok((row.get(0), row.get(1)))
+    }
+}
