@@ -155,6 +155,15 @@ pub fn read_pem(path: &str) -> Result<String, TlsError> {
     })
 }
 
+/// Makes rustls's ring provider the process default. Every TLS client of the binary
+/// (kube, lapin, async-nats, tokio-postgres) is built on ring, but pgwire-replication
+/// enables tokio-rustls's default features, which compile aws-lc-rs in as well; with two
+/// providers rustls no longer picks one by itself. Idempotent; call before any client
+/// is built.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

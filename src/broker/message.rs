@@ -152,6 +152,17 @@ pub struct Message {
     pub content_type: Option<String>,
 }
 
+/// An extra column and where it goes, its name resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// The column.
+    pub column: String,
+    /// Where.
+    pub placement: crate::api::Placement,
+    /// The header or envelope field name (the column's unless aliased).
+    pub name: String,
+}
+
 /// How one relay turns rows into messages: the broker's rules, the destination
 /// template, where extra columns go and the options of `spec.message`.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,7 +173,7 @@ pub struct Shape {
     pub template: String,
     /// Extra columns and where each goes (`table.headers`, then
     /// `table.additionalFields`).
-    pub placed: Vec<crate::spec::Placed>,
+    pub placed: Vec<Placed>,
     /// `spec.message.tombstoneOnEmptyPayload`.
     pub tombstone_on_empty_payload: bool,
     /// `spec.message.expandJsonPayload`.
@@ -198,17 +209,6 @@ impl Shape {
             tombstone_on_empty_payload: false,
             expand_json_payload: false,
             cloud_events: None,
-        }
-    }
-
-    /// The shape a parsed relay asks for.
-    pub fn of(valid: &crate::spec::ValidRelay) -> Self {
-        Self {
-            placed: valid.table.placed(),
-            tombstone_on_empty_payload: valid.tombstone_on_empty_payload,
-            expand_json_payload: valid.expand_json_payload,
-            cloud_events: valid.cloud_events.clone(),
-            ..Self::new(valid.broker.kind(), valid.broker.template())
         }
     }
 

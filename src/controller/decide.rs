@@ -177,10 +177,8 @@ fn decide_pass(
     let kept_slot = last_slot.cloned();
     // A CloudNativePG cluster that cannot be used says so first: its Secrets are
     // CloudNativePG's, and a missing one follows from the cluster.
-    if let (Some(reference), Some(seen)) = (
-        valid.relay().spec.database.database_ref.as_ref(),
-        observed.cluster.as_ref(),
-    ) && let Some(problem) = crate::cnpg::problem(reference, seen, tailing)
+    if let (Some(reference), Some(seen)) = (valid.database_ref(), observed.cluster.as_ref())
+        && let Some(problem) = crate::cnpg::problem(reference, seen, tailing)
     {
         let mut conds = vec![
             Cond::no(
@@ -541,10 +539,7 @@ fn cluster_facts<'a>(
     valid: &'a ValidRelay,
     observed: &'a Observed,
 ) -> Option<(&'a crate::api::DatabaseRef, &'a crate::cnpg::ClusterFacts)> {
-    match (
-        valid.relay().spec.database.database_ref.as_ref(),
-        observed.cluster.as_ref(),
-    ) {
+    match (valid.database_ref(), observed.cluster.as_ref()) {
         (Some(r), Some(crate::cnpg::ClusterSeen::Found { facts, .. })) => Some((r, facts)),
         _ => None,
     }

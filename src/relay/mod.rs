@@ -166,7 +166,7 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         .await
         .map_err(|e| RelayError::Broker(e.message().into_owned()))?;
     let kind = settings.broker.kind();
-    let shape = crate::broker::Shape::of(&settings.valid);
+    let shape = settings.valid.shape();
     let (broker, traces) = match settings.valid.tracing.clone() {
         Some(t) => {
             let (ns, name) = (identity.namespace.clone(), identity.name.clone());

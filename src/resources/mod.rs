@@ -14,8 +14,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::Resource;
 use kube::api::DynamicObject;
-use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
 use crate::api::OutboxRelay;
@@ -113,9 +113,9 @@ pub fn build(relay: &ValidRelay, options: &BuildOptions) -> Result<Desired, Buil
     let config_map = config_map(relay)?;
     let deployment = deployment(relay, options, &config_map);
     Ok(Desired {
-        service: service(relay.relay()),
+        service: service(relay),
         pod_disruption_budget: pod_disruption_budget(relay),
-        service_monitor: service_monitor(relay.relay()),
+        service_monitor: service_monitor(relay),
         prometheus_rule: prometheus_rule(relay),
         deployment,
         config_map,
@@ -265,26 +265,29 @@ fn to_value(object: &impl Serialize) -> Result<serde_yaml::Value, serde_yaml::Er
 
 /// Name of the relay's Deployment, Service, PDB, ServiceMonitor and PrometheusRule.
 /// The CRD limits OutboxRelay names so that this stays a valid DNS label.
-pub fn relay_object_name(relay: &OutboxRelay) -> String {
-    format!("{}-relay", relay.name_any())
+pub fn relay_object_name(relay: &impl RelayRef) -> String {
+    format!("{}-relay", relay.relay_name())
 }
 
 /// Name of the relay's ConfigMap.
-pub fn config_map_name(relay: &OutboxRelay) -> String {
-    format!("{}-relay-config", relay.name_any())
+pub fn config_map_name(relay: &impl RelayRef) -> String {
+    format!("{}-relay-config", relay.relay_name())
 }
 
 /// The labels that select one relay's pods. A Deployment's selector is immutable, so
 /// this set never grows.
-pub fn selector_labels(relay: &OutboxRelay) -> BTreeMap<String, String> {
+pub fn selector_labels(relay: &impl RelayRef) -> BTreeMap<String, String> {
     BTreeMap::from([
         ("app.kubernetes.io/name".to_owned(), APP_NAME.to_owned()),
-        ("app.kubernetes.io/instance".to_owned(), relay.name_any()),
+        (
+            "app.kubernetes.io/instance".to_owned(),
+            relay.relay_name().to_owned(),
+        ),
     ])
 }
 
 /// [`selector_labels`] as a label selector (`k=v,k=v`), to list the relay's pods.
-pub fn pod_selector(relay: &OutboxRelay) -> String {
+pub fn pod_selector(relay: &impl RelayRef) -> String {
     selector_labels(relay)
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -293,7 +296,7 @@ pub fn pod_selector(relay: &OutboxRelay) -> String {
 }
 
 /// The labels of every child object, `component` saying which part it is.
-pub fn labels(relay: &OutboxRelay, component: &str) -> BTreeMap<String, String> {
+pub fn labels(relay: &impl RelayRef, component: &str) -> BTreeMap<String, String> {
     let mut labels = selector_labels(relay);
     labels.insert(
         "app.kubernetes.io/component".to_owned(),
@@ -312,28 +315,26 @@ pub fn labels(relay: &OutboxRelay, component: &str) -> BTreeMap<String, String> 
 
 /// The label selector that finds every child of one relay (to delete the ones no longer
 /// built); ownership is then confirmed through the controller owner reference.
-pub fn children_selector(relay: &OutboxRelay) -> String {
+pub fn children_selector(relay: &impl RelayRef) -> String {
     format!(
         "app.kubernetes.io/managed-by={MANAGED_BY},app.kubernetes.io/instance={}",
-        relay.name_any()
+        relay.relay_name()
     )
 }
 
 /// The owner reference (controller=true) that ties a child to its relay, so that garbage
 /// collection removes it with the relay and `.owns()` maps its events back.
-pub fn owner_reference(relay: &OutboxRelay) -> OwnerReference {
-    // `controller_owner_ref` is None only without a uid, which `render` (offline) has:
-    // then the reference is still rendered, with an empty uid, so the output shows it.
-    relay
-        .controller_owner_ref(&())
-        .unwrap_or_else(|| OwnerReference {
-            api_version: OutboxRelay::api_version(&()).into_owned(),
-            kind: OutboxRelay::kind(&()).into_owned(),
-            name: relay.name_any(),
-            uid: String::new(),
-            controller: Some(true),
-            block_owner_deletion: Some(true),
-        })
+pub fn owner_reference(relay: &impl RelayRef) -> OwnerReference {
+    // Without a uid (`render`, offline) the reference is still rendered, with an empty
+    // uid, so the output shows it.
+    OwnerReference {
+        api_version: OutboxRelay::api_version(&()).into_owned(),
+        kind: OutboxRelay::kind(&()).into_owned(),
+        name: relay.relay_name().to_owned(),
+        uid: relay.relay_uid().unwrap_or_default().to_owned(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
 }
 
 /// Whether `have` (an object as the API server returns it) holds every field of `want`
@@ -365,7 +366,7 @@ pub fn holds(have: &serde_json::Value, want: &serde_json::Value) -> bool {
 }
 
 /// Metadata of a child: name, namespace, labels and the owner reference.
-pub fn child_meta(relay: &OutboxRelay, name: String, component: &str) -> ObjectMeta {
+pub fn child_meta(relay: &impl RelayRef, name: String, component: &str) -> ObjectMeta {
     ObjectMeta {
         name: Some(name),
         namespace: Some(namespace(relay)),
@@ -376,12 +377,45 @@ pub fn child_meta(relay: &OutboxRelay, name: String, component: &str) -> ObjectM
 }
 
 /// The relay's namespace; `default` for a manifest without one, as kubectl would do.
-pub fn namespace(relay: &OutboxRelay) -> String {
-    relay
-        .metadata
-        .namespace
-        .clone()
-        .unwrap_or_else(|| "default".to_owned())
+pub fn namespace(relay: &impl RelayRef) -> String {
+    relay.relay_namespace()
+}
+
+/// The relay a child object belongs to: an `OutboxRelay` as read, or one parsed.
+pub trait RelayRef {
+    /// `metadata.name`.
+    fn relay_name(&self) -> &str;
+    /// `metadata.namespace`; `default` for a manifest without one, as kubectl would do.
+    fn relay_namespace(&self) -> String;
+    /// `metadata.uid` (none offline).
+    fn relay_uid(&self) -> Option<&str>;
+}
+
+impl RelayRef for OutboxRelay {
+    fn relay_name(&self) -> &str {
+        self.metadata.name.as_deref().unwrap_or_default()
+    }
+    fn relay_namespace(&self) -> String {
+        self.metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".to_owned())
+    }
+    fn relay_uid(&self) -> Option<&str> {
+        self.metadata.uid.as_deref()
+    }
+}
+
+impl RelayRef for ValidRelay {
+    fn relay_name(&self) -> &str {
+        &self.name
+    }
+    fn relay_namespace(&self) -> String {
+        self.namespace.clone()
+    }
+    fn relay_uid(&self) -> Option<&str> {
+        self.uid()
+    }
 }
 
 #[cfg(test)]

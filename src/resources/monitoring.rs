@@ -7,13 +7,11 @@
 
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::ResourceExt;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
 use super::workload::METRICS_PORT_NAME;
 use super::{MONITORING_API_VERSION, child_meta, labels, namespace, relay_object_name};
-use crate::api::OutboxRelay;
 use crate::spec::config::HTTP_PORT;
 use crate::spec::{ValidMode, ValidRelay};
 
@@ -30,7 +28,7 @@ pub const PROMETHEUS_RULE_PLURAL: &str = "prometheusrules";
 /// scrape discovery (Prometheus reads its endpoints), nothing connects to a virtual IP,
 /// so none is taken from the cluster's Service range — and creating one is the
 /// costliest write of a new relay (the API server allocates the address).
-pub fn service(relay: &OutboxRelay) -> Service {
+pub fn service(relay: &ValidRelay) -> Service {
     Service {
         metadata: child_meta(relay, relay_object_name(relay), "metrics"),
         spec: Some(ServiceSpec {
@@ -54,7 +52,7 @@ pub fn service(relay: &OutboxRelay) -> Service {
     }
 }
 
-fn dynamic(relay: &OutboxRelay, kind: &str, component: &str, spec: Value) -> DynamicObject {
+fn dynamic(relay: &ValidRelay, kind: &str, component: &str, spec: Value) -> DynamicObject {
     DynamicObject {
         types: Some(kube::api::TypeMeta {
             api_version: MONITORING_API_VERSION.to_owned(),
@@ -66,7 +64,7 @@ fn dynamic(relay: &OutboxRelay, kind: &str, component: &str, spec: Value) -> Dyn
 }
 
 /// Scrapes the metrics Service every 30 s.
-pub fn service_monitor(relay: &OutboxRelay) -> DynamicObject {
+pub fn service_monitor(relay: &ValidRelay) -> DynamicObject {
     dynamic(
         relay,
         SERVICE_MONITOR_KIND,
@@ -160,13 +158,13 @@ pub fn runbook_url(alert: &str) -> String {
 
 /// The alerts, from `spec.alerting`'s thresholds; `None` when alerting is off.
 pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
-    let relay = valid.relay();
+    let relay = valid;
     let alerting = &valid.alerting;
     if !alerting.enabled {
         return None;
     }
     let ns = namespace(relay);
-    let name = relay.name_any();
+    let name = relay.name.clone();
     // Two selectors, on purpose:
     // - The relay's own metrics carry `relay_namespace`/`relay_name` (constant labels set
     //   by the relay from its config), so selecting on them works whatever the scrape
@@ -209,7 +207,7 @@ pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
         summary: format!("{who} is falling behind: its oldest unpublished row is too old"),
         description: format!(
             "The oldest unpublished outbox row of {who} is {{{{ $value | humanizeDuration }}}} old, above the threshold of {} (spec.alerting.oldestUnpublishedAge): consumers are not getting events.",
-            relay.spec.alerting.oldest_unpublished_age
+            alerting.as_written.0
         ),
     });
     alerts.push(Alert {
@@ -302,7 +300,7 @@ pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
             summary: format!("The replication slot of {who} retains too much WAL"),
             description: format!(
                 "The slot of {who} keeps {{{{ $value | humanize1024 }}}}B of WAL on the database server, above {} (spec.alerting.slotRetainedWal); the server's disk fills if it keeps growing.",
-                relay.spec.alerting.slot_retained_wal
+                alerting.as_written.1
             ),
         });
         alerts.push(Alert {

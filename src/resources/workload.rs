@@ -42,14 +42,9 @@ fn config_dir() -> &'static str {
 /// The ConfigMap holding the relay config file. It holds no secret: Secrets are named,
 /// and their values reach the pod as the variables and files of the catalogue.
 pub fn config_map(valid: &ValidRelay) -> Result<ConfigMap, BuildError> {
-    let relay = valid.relay();
+    let relay = valid;
     let text = RelayConfig::for_relay(valid).to_yaml()?;
-    let baseline = relay
-        .status
-        .as_ref()
-        .and_then(|s| s.slot.as_ref())
-        .and_then(|s| s.coverage_baseline.clone())
-        .unwrap_or_default();
+    let baseline = valid.coverage_baseline().unwrap_or_default().to_owned();
     Ok(ConfigMap {
         metadata: child_meta(relay, config_map_name(relay), "relay"),
         data: Some(BTreeMap::from([
@@ -123,8 +118,8 @@ pub fn deployment(
     options: &BuildOptions,
     config_map: &ConfigMap,
 ) -> Deployment {
-    let relay = valid.relay();
-    let pod = &relay.spec.relay;
+    let relay = valid;
+    let pod = valid.pod();
     let image = pod
         .image
         .clone()
@@ -364,7 +359,7 @@ fn relative(path: &str, dir: &str) -> String {
 /// A budget that lets voluntary disruptions (node drains) take one pod at a time, when
 /// the relay runs more than one; with one pod a budget would block drains forever.
 pub fn pod_disruption_budget(valid: &ValidRelay) -> Option<PodDisruptionBudget> {
-    let relay = valid.relay();
+    let relay = valid;
     (valid.effective_replicas() > 1).then(|| PodDisruptionBudget {
         metadata: child_meta(relay, relay_object_name(relay), "relay"),
         spec: Some(PodDisruptionBudgetSpec {

@@ -98,7 +98,7 @@ impl RelayConfig {
     /// alerting, pod overrides) are left at their defaults: the file's hash rolls the
     /// pods, and scaling or a new alert threshold must not restart them.
     pub fn for_relay(valid: &ValidRelay) -> Self {
-        let mut spec = valid.relay().spec.clone();
+        let mut spec = valid.relay.spec.clone();
         spec.replicas = 1;
         spec.alerting = crate::api::AlertingSpec::default();
         spec.relay = crate::api::RelayPodSpec::default();
@@ -119,7 +119,7 @@ impl RelayConfig {
             secret_files,
             listen: default_listen(),
             coverage_accepted: valid
-                .relay()
+                .relay
                 .metadata
                 .annotations
                 .as_ref()

@@ -147,16 +147,7 @@ pub struct Table {
     pub additional: Vec<crate::api::AdditionalField>,
 }
 
-/// An extra column and where it goes, its name resolved.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placed {
-    /// The column.
-    pub column: String,
-    /// Where.
-    pub placement: crate::api::Placement,
-    /// The header or envelope field name (the column's unless aliased).
-    pub name: String,
-}
+pub use crate::broker::Placed;
 
 impl Table {
     /// Every extra column and where it goes: `headers` (under the column's name), then
@@ -327,6 +318,8 @@ pub struct Alerting {
     pub backlog_rows: i64,
     /// Retained WAL threshold, bytes.
     pub slot_retained_wal_bytes: u64,
+    /// The two thresholds as the spec writes them (`5m`, `10Gi`), for the alerts' text.
+    pub as_written: (String, String),
 }
 
 /// An OutboxRelay that passed every rule. Only [`parse`] makes one, so a function that
@@ -387,10 +380,40 @@ pub const PG_CLIENT_CERT_FIELD: &str = "spec.database.postgres.clientCertSecretR
 pub const PG_CLIENT_KEY_FIELD: &str = "spec.database.postgres.clientKeySecretRef";
 
 impl ValidRelay {
-    /// The resource as parsed, with the slot and publication names filled in for log
-    /// tailing and the namespace set.
-    pub fn relay(&self) -> &OutboxRelay {
-        &self.relay
+    /// How this relay turns rows into messages.
+    pub fn shape(&self) -> crate::broker::Shape {
+        crate::broker::Shape {
+            placed: self.table.placed(),
+            tombstone_on_empty_payload: self.tombstone_on_empty_payload,
+            expand_json_payload: self.expand_json_payload,
+            cloud_events: self.cloud_events.clone(),
+            ..crate::broker::Shape::new(self.broker.kind(), self.broker.template())
+        }
+    }
+
+    /// `metadata.uid` (none for a manifest not read from the API server).
+    pub fn uid(&self) -> Option<&str> {
+        self.relay.metadata.uid.as_deref()
+    }
+
+    /// `spec.relay`: the pods' image, resources and scheduling.
+    pub fn pod(&self) -> &crate::api::RelayPodSpec {
+        &self.relay.spec.relay
+    }
+
+    /// `spec.database.databaseRef`: the CloudNativePG Cluster, if the relay names one.
+    pub fn database_ref(&self) -> Option<&crate::api::DatabaseRef> {
+        self.relay.spec.database.database_ref.as_ref()
+    }
+
+    /// What published the table when the operator first saw the slot with its
+    /// publication (`status.slot.coverageBaseline`), for the relay's config.
+    pub fn coverage_baseline(&self) -> Option<&str> {
+        self.relay
+            .status
+            .as_ref()
+            .and_then(|s| s.slot.as_ref())
+            .and_then(|s| s.coverage_baseline.as_deref())
     }
 
     /// Pods the Deployment runs: the spec's count, at most one for log tailing (a

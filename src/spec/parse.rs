@@ -9,8 +9,8 @@ use super::{
     ValidRelay,
 };
 use crate::api::{
-    AfterPublish, Broker, Mode, OnExhausted, OrderingMode, OutboxRelay, SslMode, parse_bytes,
-    parse_duration,
+    AfterPublish, Broker, LogTailingSpec, Mode, OnExhausted, OrderingMode, OutboxRelay,
+    OutboxRelaySpec, PollingSpec, SslMode, parse_bytes, parse_duration,
 };
 use crate::rules::{
     MIN_HEARTBEAT, RESERVED_HEADERS, check_identifier, check_secret_ref, check_slot_name,
@@ -21,10 +21,62 @@ use crate::rules::{
 /// `spec.mode.logTailing.returnAfter` says otherwise.
 pub const DEFAULT_RETURN_AFTER: Duration = Duration::from_secs(300);
 
-/// Parses an OutboxRelay: every rule of the spec, all problems at once.
+/// Parses an OutboxRelay: every rule of the spec, all problems at once. Each section
+/// below checks its part of the spec and adds to the same problems.
 pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
     let mut p = Problems(Vec::new());
     let spec = &relay.spec;
+    let (namespace, name) = metadata(relay, &mut p);
+    let ssl_mode = database(spec, &mut p);
+    let table = table(spec, &mut p);
+    let (cloud_events, tracing) = message(spec, &namespace, &name, &mut p);
+    let mode = mode(spec, &namespace, &name, &mut p);
+    let broker = broker(spec, &mut p);
+    let (partitions, retention) = ordering(spec, mode.as_ref(), &mut p);
+    let failure = failure(spec, &table.name, &mut p);
+    let alerting = alerting(spec, &mut p);
+    let (Some(mode), Some(broker)) = (mode, broker) else {
+        return Err(p);
+    };
+    if !p.is_empty() {
+        return Err(p);
+    }
+    let mut relay = relay.clone();
+    relay.metadata.namespace = Some(namespace.clone());
+    if let (ValidMode::LogTailing(l), Some(spec_l)) = (&mode, relay.spec.mode.log_tailing.as_mut())
+    {
+        spec_l.slot_name = Some(l.slot.clone());
+        spec_l.publication_name = Some(l.publication.clone());
+    }
+    let login = spec
+        .database
+        .database_ref
+        .as_ref()
+        .and_then(|r| r.login(&namespace));
+    Ok(ValidRelay {
+        connection: spec.database.postgres().connection_secret_ref.clone(),
+        relay,
+        namespace,
+        name,
+        login,
+        ssl_mode,
+        table,
+        mode,
+        broker,
+        per_aggregate: spec.ordering.mode == OrderingMode::PerAggregate,
+        partitions,
+        retention,
+        failure,
+        alerting,
+        tombstone_on_empty_payload: spec.message.tombstone_on_empty_payload,
+        expand_json_payload: spec.message.expand_json_payload,
+        cloud_events,
+        tracing,
+    })
+}
+
+/// `metadata`: the relay's namespace and name.
+fn metadata(relay: &OutboxRelay, p: &mut Problems) -> (String, String) {
     let namespace = relay
         .metadata
         .namespace
@@ -48,7 +100,11 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         );
     }
 
-    // Database.
+    (namespace, name)
+}
+
+/// `spec.database`: one source, its Secret references, TLS.
+fn database(spec: &OutboxRelaySpec, p: &mut Problems) -> SslMode {
     let pg = spec.database.postgres();
     if spec.database.postgres.is_some() == spec.database.database_ref.is_some() {
         p.push(
@@ -75,7 +131,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             );
         }
     }
-    let ssl_mode = pg.ssl_mode;
     let db = &pg.connection_secret_ref;
     let connection_field = if spec.database.database_ref.is_some() {
         "spec.database.databaseRef.secretName"
@@ -83,7 +138,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         "spec.database.postgres.connectionSecretRef"
     };
     if !(db.name.is_empty() && spec.database.database_ref.is_none()) {
-        check_secret_ref(&mut p, connection_field, &db.name, &db.key);
+        check_secret_ref(p, connection_field, &db.name, &db.key);
     }
     for (field, reference) in [
         (super::PG_CA_FIELD, &pg.ca_secret_ref),
@@ -91,7 +146,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         (super::PG_CLIENT_KEY_FIELD, &pg.client_key_secret_ref),
     ] {
         if let Some(r) = reference {
-            check_secret_ref(&mut p, field, &r.name, &r.key);
+            check_secret_ref(p, field, &r.name, &r.key);
         }
     }
     if pg.client_cert_secret_ref.is_some() != pg.client_key_secret_ref.is_some() {
@@ -101,7 +156,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             "set both clientCertSecretRef and clientKeySecretRef, or neither",
         );
     }
-    if pg.client_cert_secret_ref.is_some() && ssl_mode == SslMode::Disable {
+    if pg.client_cert_secret_ref.is_some() && pg.ssl_mode == SslMode::Disable {
         p.push(
             "spec.database.postgres.sslMode",
             "is disable, but a client certificate is only sent over TLS",
@@ -109,7 +164,11 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         );
     }
 
-    // Table.
+    pg.ssl_mode
+}
+
+/// `spec.table`: names, columns, headers and additional fields.
+fn table(spec: &OutboxRelaySpec, p: &mut Problems) -> Table {
     let t = &spec.table;
     let c = &t.columns;
     let columns = Columns {
@@ -126,17 +185,17 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         ("spec.table.schema", &t.schema),
         ("spec.table.name", &t.name),
     ] {
-        identifier(&mut p, field, value);
+        identifier(p, field, value);
     }
     for (field, value, _) in columns.catalogue() {
-        identifier(&mut p, field, value);
+        identifier(p, field, value);
     }
     if let Some(timestamp) = &columns.timestamp {
-        identifier(&mut p, "spec.table.columns.timestamp", timestamp);
+        identifier(p, "spec.table.columns.timestamp", timestamp);
     }
     for (i, header) in t.headers.iter().enumerate() {
         let field = format!("spec.table.headers[{i}]");
-        identifier(&mut p, &field, header);
+        identifier(p, &field, header);
         if RESERVED_HEADERS.contains(&header.as_str()) {
             p.push(
                 &field,
@@ -145,7 +204,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             );
         }
     }
-    check_additional_fields(&mut p, t, spec.broker.get());
+    check_additional_fields(p, t, spec.broker.get());
     if t.headers.len() > 32 {
         p.push(
             "spec.table.headers",
@@ -154,7 +213,25 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         );
     }
 
-    // CloudEvents.
+    Table {
+        schema: t.schema.clone(),
+        name: t.name.clone(),
+        columns,
+        headers: t.headers.clone(),
+        additional: t.additional_fields.clone(),
+    }
+}
+
+/// `spec.message` and `spec.tracing`: CloudEvents and the span exporter.
+fn message(
+    spec: &OutboxRelaySpec,
+    namespace: &str,
+    name: &str,
+    p: &mut Problems,
+) -> (
+    Option<crate::broker::CloudEvents>,
+    Option<crate::spec::Tracing>,
+) {
     let cloud_events = spec.message.cloud_events.as_ref().map(|ce| {
         let printable = |s: &str| !s.is_empty() && !s.chars().any(char::is_control);
         if let Some(source) = &ce.source
@@ -183,7 +260,6 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         }
     });
 
-    // Tracing.
     let tracing = spec.tracing.as_ref().map(|t| {
         let endpoint = t.otlp_endpoint.trim_end_matches('/');
         if endpoint.starts_with("https://") {
@@ -212,158 +288,183 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         }
     });
 
-    // Mode.
-    let mode = match (&spec.mode.polling, &spec.mode.log_tailing) {
-        (Some(_), Some(_)) | (None, None) => {
-            p.push(
-                "spec.mode",
-                "set exactly one of polling and logTailing",
-                "keep the one mode the relay should run",
-            );
-            None
-        }
-        _ => match spec.mode.get() {
-            Some(Mode::Polling(poll)) => {
-                let interval = duration(
-                    &mut p,
-                    "spec.mode.polling.interval",
-                    &poll.interval,
-                    Duration::from_millis(1),
-                );
-                if !(1..=10_000).contains(&poll.batch_size) {
-                    p.push(
-                        "spec.mode.polling.batchSize",
-                        format!("{} is not between 1 and 10000", poll.batch_size),
-                        "choose a batch size from 1 to 10000",
-                    );
-                }
-                if !(1..=16).contains(&poll.workers) {
-                    p.push(
-                        "spec.mode.polling.workers",
-                        format!("{} is not between 1 and 16", poll.workers),
-                        "choose 1 to 16 workers",
-                    );
-                }
-                Some(ValidMode::Polling(Polling {
-                    interval: interval.unwrap_or_default(),
-                    batch_size: i64::from(poll.batch_size),
-                    after_publish: poll.after_publish,
-                    workers: usize::try_from(poll.workers).unwrap_or(1).max(1),
-                }))
-            }
-            Some(Mode::LogTailing(l)) => {
-                let slot = l
-                    .slot_name
-                    .clone()
-                    .unwrap_or_else(|| default_slot_name(&namespace, &name));
-                let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
-                if let Err(message) = check_slot_name(&slot) {
-                    p.push(
-                        "spec.mode.logTailing.slotName",
-                        message,
-                        "use lowercase letters, digits and _ (PostgreSQL's rule for slot names)",
-                    );
-                }
-                if let Err(message) = check_slot_name(&publication) {
-                    p.push(
-                        "spec.mode.logTailing.publicationName",
-                        message,
-                        "use lowercase letters, digits and _ (pgoutput folds unquoted publication names to lower case)",
-                    );
-                }
-                let heartbeat = duration(
-                    &mut p,
-                    "spec.mode.logTailing.heartbeatInterval",
-                    &l.heartbeat_interval,
-                    MIN_HEARTBEAT,
-                );
-                let sweep = l.sweep.as_ref().map(|s| {
-                    if !l.delete_after_publish {
-                        p.push(
-                            "spec.mode.logTailing.sweep",
-                            "needs deleteAfterPublish: with published rows kept, the table cannot tell a missed row from a published one",
-                            "set deleteAfterPublish: true, or remove the sweep",
-                        );
-                    }
-                    let interval = duration(
-                        &mut p,
-                        "spec.mode.logTailing.sweep.interval",
-                        &s.interval,
-                        Duration::from_secs(1),
-                    );
-                    let older_than = duration(
-                        &mut p,
-                        "spec.mode.logTailing.sweep.olderThan",
-                        &s.older_than,
-                        Duration::from_secs(1),
-                    );
-                    crate::spec::Sweep {
-                        interval: interval.unwrap_or_default(),
-                        older_than: older_than.unwrap_or_default(),
-                    }
-                });
-                // Checked whenever it is set, as the CRD's rule does, though only a
-                // budget uses it.
-                let return_after =
-                    l.return_after
-                        .as_deref()
-                        .map_or(Some(DEFAULT_RETURN_AFTER), |text| {
-                            duration(
-                                &mut p,
-                                "spec.mode.logTailing.returnAfter",
-                                text,
-                                Duration::from_secs(1),
-                            )
-                        });
-                let budget = l.max_retained_wal.as_ref().map(|max| {
-                    if !l.delete_after_publish {
-                        p.push(
-                            "spec.mode.logTailing.maxRetainedWal",
-                            "needs deleteAfterPublish: the fall back to polling finds the rows not yet published only when published rows leave the table",
-                            "set deleteAfterPublish: true, or remove maxRetainedWal",
-                        );
-                    }
-                    let bytes = match parse_bytes(max) {
-                        Ok(0) => {
-                            p.push(
-                                "spec.mode.logTailing.maxRetainedWal",
-                                "is zero",
-                                "choose a positive size such as 10Gi",
-                            );
-                            0
-                        }
-                        Ok(bytes) => bytes,
-                        Err(e) => {
-                            p.push(
-                                "spec.mode.logTailing.maxRetainedWal",
-                                e.to_string(),
-                                "write a quantity such as 512Mi or 10Gi",
-                            );
-                            0
-                        }
-                    };
-                    crate::spec::WalBudget {
-                        max_retained_wal: bytes,
-                        return_after: return_after.unwrap_or_default(),
-                    }
-                });
-                Some(ValidMode::LogTailing(LogTailing {
-                    slot_named: slot != default_slot_name(&namespace, &name),
-                    slot,
-                    publication,
-                    heartbeat: heartbeat.unwrap_or_default(),
-                    delete_after_publish: l.delete_after_publish,
-                    sweep,
-                    budget,
-                    standby_slots: standby_slots(&mut p, &l.synchronized_standby_slots),
-                }))
-            }
-            None => None,
-        },
-    };
+    (cloud_events, tracing)
+}
 
-    // Broker.
-    let broker = match spec.broker.get() {
+/// `spec.mode`: exactly one of polling and log tailing.
+fn mode(
+    spec: &OutboxRelaySpec,
+    namespace: &str,
+    name: &str,
+    p: &mut Problems,
+) -> Option<ValidMode> {
+    if spec.mode.polling.is_some() == spec.mode.log_tailing.is_some() {
+        p.push(
+            "spec.mode",
+            "set exactly one of polling and logTailing",
+            "keep the one mode the relay should run",
+        );
+        return None;
+    }
+    match spec.mode.get()? {
+        Mode::Polling(poll) => Some(polling(poll, p)),
+        Mode::LogTailing(l) => Some(log_tailing(l, namespace, name, p)),
+    }
+}
+
+/// `spec.mode.polling`.
+fn polling(poll: &PollingSpec, p: &mut Problems) -> ValidMode {
+    let interval = duration(
+        p,
+        "spec.mode.polling.interval",
+        &poll.interval,
+        Duration::from_millis(1),
+    );
+    if !(1..=10_000).contains(&poll.batch_size) {
+        p.push(
+            "spec.mode.polling.batchSize",
+            format!("{} is not between 1 and 10000", poll.batch_size),
+            "choose a batch size from 1 to 10000",
+        );
+    }
+    if !(1..=16).contains(&poll.workers) {
+        p.push(
+            "spec.mode.polling.workers",
+            format!("{} is not between 1 and 16", poll.workers),
+            "choose 1 to 16 workers",
+        );
+    }
+    ValidMode::Polling(Polling {
+        interval: interval.unwrap_or_default(),
+        batch_size: i64::from(poll.batch_size),
+        after_publish: poll.after_publish,
+        workers: usize::try_from(poll.workers).unwrap_or(1).max(1),
+    })
+}
+
+/// `spec.mode.logTailing`: the slot and publication names (defaulted from the relay's),
+/// the heartbeat, the sweep, the WAL budget and the standby slots.
+fn log_tailing(l: &LogTailingSpec, namespace: &str, name: &str, p: &mut Problems) -> ValidMode {
+    let slot = l
+        .slot_name
+        .clone()
+        .unwrap_or_else(|| default_slot_name(namespace, name));
+    let publication = l.publication_name.clone().unwrap_or_else(|| slot.clone());
+    if let Err(message) = check_slot_name(&slot) {
+        p.push(
+            "spec.mode.logTailing.slotName",
+            message,
+            "use lowercase letters, digits and _ (PostgreSQL's rule for slot names)",
+        );
+    }
+    if let Err(message) = check_slot_name(&publication) {
+        p.push(
+            "spec.mode.logTailing.publicationName",
+            message,
+            "use lowercase letters, digits and _ (pgoutput folds unquoted publication names to lower case)",
+        );
+    }
+    let heartbeat = duration(
+        p,
+        "spec.mode.logTailing.heartbeatInterval",
+        &l.heartbeat_interval,
+        MIN_HEARTBEAT,
+    );
+    let sweep = sweep(l, p);
+    let budget = budget(l, p);
+    ValidMode::LogTailing(LogTailing {
+        slot_named: slot != default_slot_name(namespace, name),
+        slot,
+        publication,
+        heartbeat: heartbeat.unwrap_or_default(),
+        delete_after_publish: l.delete_after_publish,
+        sweep,
+        budget,
+        standby_slots: standby_slots(p, &l.synchronized_standby_slots),
+    })
+}
+
+/// `spec.mode.logTailing.sweep`.
+fn sweep(l: &LogTailingSpec, p: &mut Problems) -> Option<crate::spec::Sweep> {
+    l.sweep.as_ref().map(|s| {
+        if !l.delete_after_publish {
+            p.push(
+                "spec.mode.logTailing.sweep",
+                "needs deleteAfterPublish: with published rows kept, the table cannot tell a missed row from a published one",
+                "set deleteAfterPublish: true, or remove the sweep",
+            );
+        }
+        let interval = duration(
+            p,
+            "spec.mode.logTailing.sweep.interval",
+            &s.interval,
+            Duration::from_secs(1),
+        );
+        let older_than = duration(
+            p,
+            "spec.mode.logTailing.sweep.olderThan",
+            &s.older_than,
+            Duration::from_secs(1),
+        );
+        crate::spec::Sweep {
+            interval: interval.unwrap_or_default(),
+            older_than: older_than.unwrap_or_default(),
+        }
+    })
+}
+
+/// `spec.mode.logTailing.maxRetainedWal` and `returnAfter`.
+fn budget(l: &LogTailingSpec, p: &mut Problems) -> Option<crate::spec::WalBudget> {
+    // Checked whenever it is set, as the CRD's rule does, though only a
+    // budget uses it.
+    let return_after = l
+        .return_after
+        .as_deref()
+        .map_or(Some(DEFAULT_RETURN_AFTER), |text| {
+            duration(
+                p,
+                "spec.mode.logTailing.returnAfter",
+                text,
+                Duration::from_secs(1),
+            )
+        });
+    l.max_retained_wal.as_ref().map(|max| {
+        if !l.delete_after_publish {
+            p.push(
+                "spec.mode.logTailing.maxRetainedWal",
+                "needs deleteAfterPublish: the fall back to polling finds the rows not yet published only when published rows leave the table",
+                "set deleteAfterPublish: true, or remove maxRetainedWal",
+            );
+        }
+        let bytes = match parse_bytes(max) {
+            Ok(0) => {
+                p.push(
+                    "spec.mode.logTailing.maxRetainedWal",
+                    "is zero",
+                    "choose a positive size such as 10Gi",
+                );
+                0
+            }
+            Ok(bytes) => bytes,
+            Err(e) => {
+                p.push(
+                    "spec.mode.logTailing.maxRetainedWal",
+                    e.to_string(),
+                    "write a quantity such as 512Mi or 10Gi",
+                );
+                0
+            }
+        };
+        crate::spec::WalBudget {
+            max_retained_wal: bytes,
+            return_after: return_after.unwrap_or_default(),
+        }
+    })
+}
+
+/// `spec.broker`: exactly one broker, checked by its module.
+fn broker(spec: &OutboxRelaySpec, p: &mut Problems) -> Option<ValidBroker> {
+    match spec.broker.get() {
         None => {
             p.push(
                 "spec.broker",
@@ -373,7 +474,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             None
         }
         Some(Broker::Kafka(k)) => {
-            crate::broker::kafka::check(k, &mut p);
+            crate::broker::kafka::check(k, p);
             if spec.ordering.mode == OrderingMode::PerAggregate
                 && let Some(why) = crate::broker::kafka::partitioner_scatters_keys(&k.properties)
             {
@@ -386,16 +487,19 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             Some(ValidBroker::Kafka(k.clone()))
         }
         Some(Broker::Nats(n)) => {
-            crate::broker::nats::check(n, &mut p);
+            crate::broker::nats::check(n, p);
             Some(ValidBroker::Nats(n.clone()))
         }
         Some(Broker::RabbitMq(r)) => {
-            crate::broker::amqp::check(r, &mut p);
+            crate::broker::amqp::check(r, p);
             Some(ValidBroker::RabbitMq(r.clone()))
         }
-    };
+    }
+}
 
-    // Ordering, retention, failure, alerting, replicas.
+/// `spec.ordering`, `spec.replicas` and `spec.retention`: the partition count and how
+/// long published rows stay.
+fn ordering(spec: &OutboxRelaySpec, mode: Option<&ValidMode>, p: &mut Problems) -> (i32, Duration) {
     let partitions = spec.ordering.partitions;
     if !(1..=1024).contains(&partitions) {
         p.push(
@@ -412,12 +516,12 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         );
     }
     let retention = duration(
-        &mut p,
+        p,
         "spec.retention.publishedRows",
         &spec.retention.published_rows,
         Duration::from_secs(1),
     );
-    if let (Some(retention), Some(ValidMode::Polling(poll))) = (retention, &mode)
+    if let (Some(retention), Some(ValidMode::Polling(poll))) = (retention, mode)
         && poll.after_publish == AfterPublish::Mark
         && retention < poll.interval
     {
@@ -434,6 +538,11 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             "keep published rows at least one poll interval",
         );
     }
+    (partitions, retention.unwrap_or_default())
+}
+
+/// `spec.failure`: attempts, and the dead-letter table (by default `<table>_dead_letter`).
+fn failure(spec: &OutboxRelaySpec, table_name: &str, p: &mut Problems) -> Failure {
     let max_attempts = match u32::try_from(spec.failure.max_attempts) {
         Ok(n) if (1..=1000).contains(&n) => n,
         _ => {
@@ -449,7 +558,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         spec.failure
             .dead_letter_table
             .clone()
-            .unwrap_or_else(|| format!("{}_dead_letter", t.name))
+            .unwrap_or_else(|| format!("{table_name}_dead_letter"))
     });
     if let Some(table) = &dead_letter_table {
         if let Err(message) = check_identifier(table) {
@@ -459,7 +568,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
                 "the default <table>_dead_letter is too long: set spec.failure.deadLetterTable"
             };
             p.push("spec.failure.deadLetterTable", message, fix);
-        } else if *table == t.name {
+        } else if *table == table_name {
             p.push(
                 "spec.failure.deadLetterTable",
                 format!("`{table}` is the outbox table itself"),
@@ -467,8 +576,16 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
             );
         }
     }
+    Failure {
+        max_attempts,
+        dead_letter_table,
+    }
+}
+
+/// `spec.alerting`: the thresholds of the shipped alerts.
+fn alerting(spec: &OutboxRelaySpec, p: &mut Problems) -> Alerting {
     let oldest = duration(
-        &mut p,
+        p,
         "spec.alerting.oldestUnpublishedAge",
         &spec.alerting.oldest_unpublished_age,
         Duration::from_secs(1),
@@ -500,57 +617,15 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         }
     };
 
-    match (mode, broker) {
-        (Some(mode), Some(broker)) if p.is_empty() => {
-            let mut relay = relay.clone();
-            relay.metadata.namespace = Some(namespace.clone());
-            if let (ValidMode::LogTailing(l), Some(spec_l)) =
-                (&mode, relay.spec.mode.log_tailing.as_mut())
-            {
-                spec_l.slot_name = Some(l.slot.clone());
-                spec_l.publication_name = Some(l.publication.clone());
-            }
-            let login = spec
-                .database
-                .database_ref
-                .as_ref()
-                .and_then(|r| r.login(&namespace));
-            Ok(ValidRelay {
-                relay,
-                namespace,
-                name,
-                connection: pg.connection_secret_ref.clone(),
-                login,
-                ssl_mode,
-                table: Table {
-                    schema: t.schema.clone(),
-                    name: t.name.clone(),
-                    columns,
-                    headers: t.headers.clone(),
-                    additional: t.additional_fields.clone(),
-                },
-                mode,
-                broker,
-                per_aggregate: spec.ordering.mode == OrderingMode::PerAggregate,
-                partitions,
-                retention: retention.unwrap_or_default(),
-                failure: Failure {
-                    max_attempts,
-                    dead_letter_table,
-                },
-                alerting: Alerting {
-                    enabled: spec.alerting.enabled,
-                    oldest_unpublished_age: oldest.unwrap_or_default(),
-                    backlog_rows: spec.alerting.backlog_rows,
-                    slot_retained_wal_bytes: wal.unwrap_or_default(),
-                },
-                tombstone_on_empty_payload: spec.message.tombstone_on_empty_payload,
-                expand_json_payload: spec.message.expand_json_payload,
-                cloud_events,
-                tracing,
-            })
-        }
-        _ => Err(p),
+    Alerting {
+        enabled: spec.alerting.enabled,
+        oldest_unpublished_age: oldest.unwrap_or_default(),
+        backlog_rows: spec.alerting.backlog_rows,
+        slot_retained_wal_bytes: wal.unwrap_or_default(),
+        as_written: (
+            spec.alerting.oldest_unpublished_age.clone(),
+            spec.alerting.slot_retained_wal.clone(),
+        ),
     }
 }
 

@@ -50,7 +50,7 @@ fn log_tailing_names_its_slot_and_the_resource_carries_it() {
     let lt = valid.mode.log_tailing().unwrap();
     assert_eq!(lt.slot, "outbox_shop_orders");
     assert_eq!(lt.publication, "outbox_shop_orders");
-    let spec_lt = valid.relay().spec.mode.log_tailing.as_ref().unwrap();
+    let spec_lt = valid.relay.spec.mode.log_tailing.as_ref().unwrap();
     assert_eq!(spec_lt.slot_name.as_deref(), Some("outbox_shop_orders"));
     assert_eq!(valid.effective_replicas(), 1);
 }

@@ -18,6 +18,7 @@ mod chart_install;
 mod chart_lint;
 mod chart_rbac_controller;
 mod cli;
+mod code_layers;
 mod image_libraries;
 mod readme_reference;
 mod render_cli;

@@ -21,7 +21,7 @@ fn row() -> OutboxRow {
 /// A shape placing `traceparent` as a header, as `table.headers: [traceparent]`.
 fn traced(kind: BrokerKind, template: &str) -> Shape {
     Shape {
-        placed: vec![crate::spec::Placed {
+        placed: vec![super::Placed {
             column: "traceparent".into(),
             placement: Placement::Header,
             name: "traceparent".into(),
@@ -187,8 +187,8 @@ mod shape {
         assert_eq!(shape.build(&r).unwrap().timestamp_ms, None);
     }
 
-    fn placed(column: &str, placement: Placement, name: &str) -> crate::spec::Placed {
-        crate::spec::Placed {
+    fn placed(column: &str, placement: Placement, name: &str) -> super::Placed {
+        super::Placed {
             column: column.into(),
             placement,
             name: name.into(),
