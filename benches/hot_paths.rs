@@ -28,7 +28,7 @@ fn payload(seq: i64) -> Vec<u8> {
 
 fn row(id: i64) -> OutboxRow {
     OutboxRow {
-        id,
+        id: id.into(),
         aggregate_type: "order".into(),
         aggregate_id: Some(format!("agg-{}", id % 1000)),
         event_type: Some("Happened".into()),

@@ -700,7 +700,7 @@ impl Hex {
 
 fn row(id: i64) -> OutboxRow {
     OutboxRow {
-        id,
+        id: id.into(),
         aggregate_type: "order".into(),
         aggregate_id: Some(format!("agg-{}", id % AGGREGATES)),
         event_type: Some("Happened".into()),
@@ -1121,7 +1121,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
                             .select_batch(&tx, &share, limit)
                             .await
                             .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
-                        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                        let ids: Vec<_> = rows.into_iter().map(|r| r.id).collect();
                         table
                             .finish_published(&tx, &ids)
                             .await

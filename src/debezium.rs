@@ -210,7 +210,7 @@ pub fn translate(
     if let Some(c) = take("table.field.event.id") {
         columns.id = c.to_owned();
         notes.push(format!(
-            "table.field.event.id {c}: the relay needs a bigint id that grows with insertion (bigserial or identity); a uuid id column does not work"
+            "table.field.event.id {c}: its text is the message id; bigint, integer, smallint, uuid, text and varchar ids work (the relay written here tails the log; polling a uuid or text id needs table.columns.createdAt)"
         ));
     }
     if let Some(c) = take("table.field.event.key") {

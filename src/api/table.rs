@@ -95,9 +95,11 @@ fn default_table() -> String {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ColumnsSpec {
-    /// Debezium's `table.field.event.id`: the row id, a bigint that grows with
-    /// insertion (`bigserial` or an identity column); it becomes the message id (the
-    /// `id` header).
+    /// Debezium's `table.field.event.id`: the row id, unique and NOT NULL, of type
+    /// `bigint`, `integer`, `smallint`, `uuid`, `text` or `varchar`; its text (a uuid as
+    /// PostgreSQL prints it) is the message id (the `id` header, `Nats-Msg-Id`, AMQP
+    /// `message_id`, the CloudEvents `id`). Polling sends an integer id's rows in id
+    /// order, any other id's by `createdAt`, then id.
     #[serde(default = "col_id")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub id: String,

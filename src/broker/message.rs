@@ -7,11 +7,47 @@ use crate::rules::{AGGREGATE_TYPE_PLACEHOLDER, BrokerKind, check_destination};
 
 use super::PublishError;
 
+/// A row's id, the message id: an integer column's value, or the text of any other id
+/// column (a uuid as PostgreSQL prints it, lowercase with hyphens). Ids are only ever
+/// compared for equality: nothing assumes they grow with insertion or commit order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RowId {
+    /// `smallint`, `integer` or `bigint`.
+    Int(i64),
+    /// `uuid`, `text`, `varchar`: the canonical text.
+    Text(std::sync::Arc<str>),
+}
+
+impl RowId {
+    /// The integer, for an integer id.
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            RowId::Int(id) => Some(*id),
+            RowId::Text(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for RowId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RowId::Int(id) => write!(f, "{id}"),
+            RowId::Text(id) => f.write_str(id),
+        }
+    }
+}
+
+impl From<i64> for RowId {
+    fn from(id: i64) -> Self {
+        RowId::Int(id)
+    }
+}
+
 /// One outbox row as the relay publishes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRow {
     /// Row id: the message id.
-    pub id: i64,
+    pub id: RowId,
     /// Aggregate type (empty when NULL).
     pub aggregate_type: String,
     /// Aggregate id: the message key.

@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 
 pub use crate::rules::{AGGREGATE_TYPE_PLACEHOLDER, BrokerKind, check_destination, check_template};
 pub use message::{
-    CLOUDEVENTS_JSON, CloudEvents, ColumnValue, Message, OutboxRow, Placed, Shape, ValueKind,
+    CLOUDEVENTS_JSON, CloudEvents, ColumnValue, Message, OutboxRow, Placed, RowId, Shape, ValueKind,
 };
 
 /// How a chain's next message goes out.

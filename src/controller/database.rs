@@ -153,18 +153,12 @@ pub(super) async fn provision(
     conn: &Conn,
     actions: &[crate::postgres::provision::Action],
     ctx: &Context,
-) -> Result<(), String> {
+) -> Result<(), PgError> {
     if actions.is_empty() {
         return Ok(());
     }
-    let client = ctx
-        .pools
-        .get(relay, conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    crate::postgres::provision::execute(&client, actions)
-        .await
-        .map_err(|e| e.to_string())
+    let client = ctx.pools.get(relay, conn).await?;
+    crate::postgres::provision::execute(&client, actions).await
 }
 
 /// The snapshot a switch from polling to log tailing hands over at, read right after
@@ -173,15 +167,9 @@ pub(super) async fn handover_snapshot(
     relay: &OutboxRelay,
     conn: &Conn,
     ctx: &Context,
-) -> Result<String, String> {
-    let client = ctx
-        .pools
-        .get(relay, conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    admin::handover_snapshot(&client)
-        .await
-        .map_err(|e| e.to_string())
+) -> Result<String, PgError> {
+    let client = ctx.pools.get(relay, conn).await?;
+    admin::handover_snapshot(&client).await
 }
 
 /// The backlog, or `None` when it cannot be measured cheaply right now (a statement

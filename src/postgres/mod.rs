@@ -263,7 +263,7 @@ pub async fn connect_operator(url: &str, env: &str, tls: &PgTls) -> Result<Clien
     Ok(client)
 }
 
-pub use crate::broker::OutboxRow;
+pub use crate::broker::{OutboxRow, RowId};
 
 #[cfg(test)]
 mod tests {

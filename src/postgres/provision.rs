@@ -310,6 +310,7 @@ mod tests {
                 exists: true,
                 columns: Vec::new(),
                 timestamp_type: None,
+                id_column: Some(("bigint".into(), true)),
                 owned: true,
                 missing_privileges: Vec::new(),
             },

@@ -14,7 +14,8 @@
 
 use tokio_postgres::Client;
 
-use super::{PgError, db, quote};
+use super::table::{IdKind, id_param};
+use super::{PgError, RowId, db, quote};
 
 /// Type OID of `bytea`: its text form is `\x` + hex and is decoded back to bytes, so a
 /// bytea payload is published as the stored bytes (as the polling relay does).
@@ -463,8 +464,18 @@ pub async fn current_snapshot(client: &Client) -> Result<String, PgError> {
 /// chunk became a sequential scan of the whole table. PostgreSQL compares the integer
 /// types with each other inside one operator family, so the key serves all three.
 pub fn delete_rows_sql(schema: &str, table: &str, id_column: &str) -> String {
+    delete_rows_sql_of(schema, table, id_column, IdKind::Int)
+}
+
+/// [`delete_rows_sql`] for ids of `kind`: a uuid or text id compares with the parameter
+/// cast to the column's type, so its key serves too.
+fn delete_rows_sql_of(schema: &str, table: &str, id_column: &str, kind: IdKind) -> String {
+    let array = match kind {
+        IdKind::Int => "$1::int8[]".to_owned(),
+        IdKind::Text { cast } => format!("$1::text[]::{cast}[]"),
+    };
     format!(
-        "DELETE FROM {}.{} WHERE {} = ANY($1::int8[])",
+        "DELETE FROM {}.{} WHERE {} = ANY({array})",
         quote(schema),
         quote(table),
         quote(id_column)
@@ -478,12 +489,46 @@ pub async fn delete_rows(
     schema: &str,
     table: &str,
     id_column: &str,
-    ids: &[i64],
+    ids: &[RowId],
 ) -> Result<u64, PgError> {
+    let kind = if ids.iter().all(|id| id.as_int().is_some()) {
+        IdKind::Int
+    } else {
+        id_kind_of(client, schema, table, id_column).await?
+    };
     client
-        .execute(&delete_rows_sql(schema, table, id_column), &[&ids])
+        .execute(
+            &delete_rows_sql_of(schema, table, id_column, kind),
+            &[&*id_param(kind, ids)],
+        )
         .await
         .map_err(db("deleting published rows"))
+}
+
+/// How the ids of `schema.table`'s `id_column` compare (its type, read from the
+/// catalogue).
+pub async fn id_kind_of(
+    client: &Client,
+    schema: &str,
+    table: &str,
+    id_column: &str,
+) -> Result<IdKind, PgError> {
+    let ty: Option<String> = client
+        .query_opt(
+            "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
+             JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = $3 AND NOT a.attisdropped",
+            &[&schema, &table, &id_column],
+        )
+        .await
+        .map_err(db("reading the id column's type"))?
+        .map(|r| r.get(0));
+    let ty = ty.unwrap_or_default();
+    IdKind::of_type(&ty).ok_or_else(|| {
+        PgError::Schema(format!(
+            "{schema}.{table}: table.columns.id: column {id_column} is {ty}, which the relay cannot read"
+        ))
+    })
 }
 
 #[cfg(test)]

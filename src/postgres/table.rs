@@ -9,11 +9,47 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use super::polling::partition_expr;
-use super::{OutboxRow, PgError, db, quote};
+use super::{OutboxRow, PgError, RowId, db, quote};
 use crate::api::AfterPublish;
 
 /// The column types `table.columns.timestamp` may have (`information_schema` names).
 const TIMESTAMP_TYPES: [&str; 2] = ["timestamp with time zone", "timestamp without time zone"];
+
+/// The id types the relays read, as `format_type` and `information_schema` name them:
+/// integers (the message id is the decimal text), and uuid and text ids (the message id
+/// is the id's text; a uuid as PostgreSQL prints it).
+pub const ID_TYPES: [&str; 6] = [
+    "smallint",
+    "integer",
+    "bigint",
+    "uuid",
+    "text",
+    "character varying",
+];
+
+/// How the relay reads and names the ids of a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdKind {
+    /// An integer id: read as `int8`, compared as `int8`; it orders the rows.
+    Int,
+    /// A uuid or text id: read as text, compared as `cast` (`uuid` or `text`); rows
+    /// are ordered by the created-at column, the id breaking ties.
+    Text { cast: &'static str },
+}
+
+impl IdKind {
+    /// The kind of an id column of type `ty` (`information_schema` or `format_type`
+    /// spelling, a length modifier allowed); `None` for a type the relay cannot use.
+    pub fn of_type(ty: &str) -> Option<Self> {
+        let base = ty.split('(').next().unwrap_or(ty).trim();
+        match base {
+            "smallint" | "integer" | "bigint" => Some(IdKind::Int),
+            "uuid" => Some(IdKind::Text { cast: "uuid" }),
+            "text" | "character varying" => Some(IdKind::Text { cast: "text" }),
+            _ => None,
+        }
+    }
+}
 
 /// Column names of the outbox table, already checked.
 #[derive(Debug, Clone)]
@@ -76,6 +112,8 @@ pub struct OutboxTable {
     select: SelectSql,
     /// How each extra column's values go into JSON, in `columns.extra`'s order.
     extra_kinds: Vec<crate::broker::ValueKind>,
+    /// How the ids are read and compared.
+    id_kind: IdKind,
 }
 
 /// The batch query in pieces: a branch per owned partition goes between `WITH
@@ -177,6 +215,14 @@ impl OutboxTable {
                  it must be timestamp with time zone or timestamp (read as UTC)"
             )));
         }
+        let id_type = type_of(&columns.id).unwrap_or_default();
+        let Some(id_kind) = IdKind::of_type(&id_type) else {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: table.columns.id: column {} is {id_type}; the relay reads \
+                 integer (bigint, integer, smallint), uuid and text (text, varchar) ids",
+                columns.id
+            )));
+        };
         // createdAt is optional: without it there is no age or lag metric.
         if columns
             .created_at
@@ -243,25 +289,40 @@ impl OutboxTable {
         // out; SKIP LOCKED leaves rows a concurrent batch holds (ordering none, or a
         // dying owner's open transaction) alone instead of waiting for them.
         // What a row is read as (see `row_of`).
+        let id_read = match id_kind {
+            IdKind::Int => "int8",
+            IdKind::Text { .. } => "text",
+        };
         let row_list = format!(
-            "{id}::int8, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
+            "{id}::{id_read}, coalesce({at}::text, ''), {aid}::text, {ty}::text, {payload}, \
              {pexpr}, {created}, {event_time}{headers}",
             id = quote(&columns.id),
             at = quote(&columns.aggregate_type),
             aid = quote(&columns.aggregate_id),
             ty = quote(&columns.event_type),
         );
+        // The order rows go out in: the id where it is an integer (it grows with
+        // insertion); else the created-at column, the id breaking ties (a uuid or text
+        // id says nothing of when its row was written).
+        let order_by = match (id_kind, columns.created_at.as_deref()) {
+            (IdKind::Text { .. }, Some(c)) => format!("{}, {}", quote(c), quote(&columns.id)),
+            _ => quote(&columns.id),
+        };
+        let (order_column, u_order) = match (id_kind, columns.created_at.as_deref()) {
+            (IdKind::Text { .. }, Some(c)) => (format!(", {} AS o", quote(c)), "u.o, u.id"),
+            _ => (String::new(), "u.id"),
+        };
         let select = SelectSql {
             branch_head: format!(
-                "(SELECT {id} AS id FROM {qualified} WHERE {unpublished}{pexpr} = ",
+                "(SELECT {id} AS id{order_column} FROM {qualified} WHERE {unpublished}{pexpr} = ",
                 id = quote(&columns.id)
             ),
-            branch_tail: format!(" ORDER BY {} LIMIT $1)", quote(&columns.id)),
+            branch_tail: format!(" ORDER BY {order_by} LIMIT $1)"),
             tail: format!(
-                ") AS u ORDER BY u.id LIMIT $1) \
+                ") AS u ORDER BY {u_order} LIMIT $1) \
                  SELECT {row_list} \
                  FROM {qualified} WHERE {unpublished}{id} = ANY(ARRAY(SELECT id FROM candidates)) \
-                 ORDER BY {id} FOR UPDATE SKIP LOCKED",
+                 ORDER BY {order_by} FOR UPDATE SKIP LOCKED",
                 id = quote(&columns.id),
             ),
             // The sweep's: rows inserted before $1 (Unix seconds) by a transaction that
@@ -272,16 +333,26 @@ impl OutboxTable {
                     "SELECT {row_list} FROM {qualified} \
                      WHERE {unpublished}extract(epoch FROM {created_at}) < $1::float8 \
                        AND age(xmin) > age($3::text::xid) \
-                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                     ORDER BY {order_by} LIMIT $2 FOR UPDATE SKIP LOCKED",
                     created_at = quote(c),
-                    id = quote(&columns.id),
                 )
             }),
-            after: format!(
-                "SELECT {row_list} FROM {qualified} WHERE {unpublished}{id} > $1::int8 \
-                 ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
-                id = quote(&columns.id),
-            ),
+            // Integer ids page by the last id; other ids cannot (they do not grow), so
+            // each page is the oldest rows left: the back-fill deletes what it published.
+            after: match id_kind {
+                IdKind::Int => format!(
+                    "SELECT {row_list} FROM {qualified} WHERE {unpublished}{id} > $1::int8 \
+                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
+                    id = quote(&columns.id),
+                ),
+                IdKind::Text { .. } => format!(
+                    "SELECT {row_list} FROM {qualified} {where_unpublished} \
+                     ORDER BY {order_by} LIMIT $1 FOR UPDATE SKIP LOCKED",
+                    where_unpublished = unpublished
+                        .strip_suffix(" AND ")
+                        .map_or_else(String::new, |c| format!("WHERE {c}")),
+                ),
+            },
         };
         Ok(Self {
             qualified,
@@ -295,7 +366,19 @@ impl OutboxTable {
             partitions,
             select,
             extra_kinds,
+            id_kind,
         })
+    }
+
+    /// How the ids are read and compared.
+    pub fn id_kind(&self) -> IdKind {
+        self.id_kind
+    }
+
+    /// Whether the rows go out in insertion order: by an integer id, or by the
+    /// created-at column (polling needs one of them for per-aggregate order).
+    pub fn ordered_by_insertion(&self) -> bool {
+        self.id_kind == IdKind::Int || self.columns.created_at.is_some()
     }
 
     /// Number of partitions rows are hashed into.
@@ -355,20 +438,28 @@ impl OutboxTable {
     pub async fn select_after(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
-        after: i64,
+        after: Option<&RowId>,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
-        let rows = tx
-            .query(&self.select.after, &[&after, &limit])
-            .await
-            .map_err(db("reading the rows a publication change left behind"))?;
+        let rows = match self.id_kind {
+            IdKind::Int => {
+                let after = after.and_then(RowId::as_int).unwrap_or(i64::MIN);
+                tx.query(&self.select.after, &[&after, &limit]).await
+            }
+            // The oldest rows left (see the statement).
+            IdKind::Text { .. } => tx.query(&self.select.after, &[&limit]).await,
+        }
+        .map_err(db("reading the rows a publication change left behind"))?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())
     }
 
     /// An outbox row from a row of the batch or sweep query.
     fn row_of(&self, r: &tokio_postgres::Row) -> OutboxRow {
         OutboxRow {
-            id: r.get(0),
+            id: match self.id_kind {
+                IdKind::Int => RowId::Int(r.get(0)),
+                IdKind::Text { .. } => RowId::Text(r.get::<_, String>(0).into()),
+            },
             aggregate_type: r.get(1),
             aggregate_id: r.get(2),
             event_type: r.get(3),
@@ -394,28 +485,33 @@ impl OutboxTable {
     pub async fn finish_published(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
-        ids: &[i64],
+        ids: &[RowId],
     ) -> Result<(), PgError> {
         if ids.is_empty() {
             return Ok(());
         }
+        let any = format!("{} = ANY({})", quote(&self.columns.id), self.id_array("$1"));
         let sql = match self.after_publish {
             AfterPublish::Mark => format!(
-                "UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[])",
+                "UPDATE {} SET {} = now() WHERE {any}",
                 self.qualified,
                 quote(&self.columns.published_at),
-                quote(&self.columns.id)
             ),
-            AfterPublish::Delete => format!(
-                "DELETE FROM {} WHERE {} = ANY($1::int8[])",
-                self.qualified,
-                quote(&self.columns.id)
-            ),
+            AfterPublish::Delete => format!("DELETE FROM {} WHERE {any}", self.qualified),
         };
-        tx.execute(&sql, &[&ids])
+        tx.execute(&sql, &[&*id_param(self.id_kind, ids)])
             .await
             .map_err(db("marking published rows"))?;
         Ok(())
+    }
+
+    /// Parameter `param` (from [`id_param`]) as an array of the id column's type: the
+    /// cast is on the parameter, so the id's index serves the comparison.
+    fn id_array(&self, param: &str) -> String {
+        match self.id_kind {
+            IdKind::Int => format!("{param}::int8[]"),
+            IdKind::Text { cast } => format!("{param}::text[]::{cast}[]"),
+        }
     }
 
     /// Creates the dead-letter table when it does not exist: the outbox's columns plus
@@ -438,19 +534,23 @@ impl OutboxTable {
     pub async fn dead_letter(
         &self,
         client: &impl tokio_postgres::GenericClient,
-        id: i64,
+        id: &RowId,
         reason: &str,
     ) -> Result<u64, PgError> {
         let cols = self.all_columns.join(", ");
         let id_col = quote(&self.columns.id);
+        let ids = id_param(self.id_kind, std::slice::from_ref(id));
         client
             .execute(
                 &format!(
-                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = $1 RETURNING {cols}) \
+                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = ANY({})
+                     RETURNING {cols}) \
                      INSERT INTO {} ({cols}, dead_letter_reason) SELECT {cols}, $2 FROM moved",
-                    self.qualified, self.dead_letter
+                    self.qualified,
+                    self.id_array("$1"),
+                    self.dead_letter
                 ),
-                &[&id, &reason],
+                &[&*ids, &reason],
             )
             .await
             .map_err(db("moving a row to the dead-letter table"))
@@ -464,7 +564,7 @@ impl OutboxTable {
     pub async fn dead_letter_in_batch(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
-        id: i64,
+        id: &RowId,
         reason: &str,
     ) -> Result<Result<u64, PgError>, PgError> {
         tx.batch_execute("SAVEPOINT outbox_dead_letter")
@@ -532,5 +632,19 @@ impl OutboxTable {
             .await
             .map_err(db("measuring the backlog"))?;
         Ok((row.get(0), row.get(1)))
+    }
+}
+
+/// `ids` as one statement parameter: `int8[]` for integer ids, `text[]` for the others
+/// (the statement casts it to the column's type).
+pub fn id_param(
+    kind: IdKind,
+    ids: &[RowId],
+) -> Box<dyn tokio_postgres::types::ToSql + Sync + Send> {
+    match kind {
+        IdKind::Int => Box::new(ids.iter().filter_map(RowId::as_int).collect::<Vec<i64>>()),
+        IdKind::Text { .. } => {
+            Box::new(ids.iter().map(ToString::to_string).collect::<Vec<String>>())
+        }
     }
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use tokio_postgres::Client;
 
 use crate::broker::{Broker, Clearance, PublishError, Shape};
-use crate::postgres::OutboxRow;
+use crate::postgres::{OutboxRow, RowId};
 
 /// A batch's right to send (see `relay::polling`, "Fencing"): the session that holds
 /// its locks (polling's partition locks; the row locks of log tailing's sweep and
@@ -53,7 +53,7 @@ impl Clearance for Fence<'_> {
 /// One chain's outcome.
 pub(super) struct ChainResult {
     /// Rows the broker acknowledged: id and creation time (unix seconds).
-    pub published: Vec<(i64, Option<f64>)>,
+    pub published: Vec<(RowId, Option<f64>)>,
     /// When a row failed: that row first, then the rest of its chain (not sent), with
     /// the error.
     pub failed: Option<(Vec<OutboxRow>, PublishError)>,
@@ -144,7 +144,7 @@ async fn publish_chain(
         Ok(delivered) => delivered,
         Err(err) => return failed_from(published, first, rows, err),
     };
-    published.push((first.id, first.created_at));
+    published.push((first.id.clone(), first.created_at));
     if let Err(err) = fence.check()
         && let Some(row) = rows.next()
     {
@@ -177,7 +177,7 @@ async fn publish_chain(
     for outcome in outcomes {
         let Some(row) = rest.next() else { break };
         match outcome {
-            Ok(_) => published.push((row.id, row.created_at)),
+            Ok(_) => published.push((row.id.clone(), row.created_at)),
             Err(err) => return failed_from(published, row, rest, err),
         }
     }
@@ -200,7 +200,7 @@ pub(crate) const BEHIND_A_FAILURE: &str =
 /// A chain that stopped at `row` with `err`: `row` and the rows after it come back
 /// unsent.
 fn failed_from(
-    published: Vec<(i64, Option<f64>)>,
+    published: Vec<(RowId, Option<f64>)>,
     row: OutboxRow,
     rows: impl Iterator<Item = OutboxRow>,
     err: PublishError,
@@ -326,7 +326,7 @@ mod tests {
 
     fn row(id: i64, aggregate: &str) -> OutboxRow {
         OutboxRow {
-            id,
+            id: id.into(),
             aggregate_type: "A".into(),
             aggregate_id: Some(aggregate.into()),
             event_type: None,
@@ -372,13 +372,17 @@ mod tests {
 
     /// The ids a chain published.
     fn published(result: &ChainResult) -> Vec<i64> {
-        result.published.iter().map(|(id, _)| *id).collect()
+        result
+            .published
+            .iter()
+            .filter_map(|(id, _)| id.as_int())
+            .collect()
     }
 
     /// The ids a chain sent back unpublished, and why.
     fn failed(result: &ChainResult) -> (Vec<i64>, &PublishError) {
         let (rows, err) = result.failed.as_ref().expect("a failure");
-        (rows.iter().map(|r| r.id).collect(), err)
+        (rows.iter().filter_map(|r| r.id.as_int()).collect(), err)
     }
 
     #[tokio::test]
@@ -559,7 +563,7 @@ mod tests {
         ];
         let ids: Vec<Vec<i64>> = chains(rows.clone(), true)
             .iter()
-            .map(|c| c.iter().map(|r| r.id).collect())
+            .map(|c| c.iter().filter_map(|r| r.id.as_int()).collect())
             .collect();
         assert_eq!(ids, vec![vec![9, 3], vec![2, 1], vec![4]]);
         assert_eq!(chains(rows, false).len(), 5);

@@ -293,7 +293,7 @@ pub(crate) async fn nap_as(
 #[derive(Default)]
 pub(crate) struct Outage {
     rows: usize,
-    first: Option<(i64, crate::broker::PublishError)>,
+    first: Option<(crate::postgres::RowId, crate::broker::PublishError)>,
 }
 
 impl Outage {
@@ -315,7 +315,7 @@ impl Outage {
             .as_ref()
             .is_none_or(|(_, kept)| kept.is_held_back() && !err.is_held_back())
         {
-            self.first = Some((first.id, err.clone()));
+            self.first = Some((first.id.clone(), err.clone()));
         }
     }
 
@@ -331,7 +331,7 @@ impl Outage {
             }
             tracing::warn!(
                 rows = self.rows,
-                first_row = row,
+                first_row = %row,
                 error = %error,
                 "rows not published this round, not for a fault of their own; will retry"
             );
@@ -354,8 +354,8 @@ mod tests {
 
     #[test]
     fn an_outage_counts_every_waiting_row_and_keeps_the_first_failure() {
-        let row = |id| crate::postgres::OutboxRow {
-            id,
+        let row = |id: i64| crate::postgres::OutboxRow {
+            id: id.into(),
             aggregate_type: "order".to_owned(),
             aggregate_id: None,
             event_type: None,
@@ -378,7 +378,7 @@ mod tests {
         outage.add(&[row(8)], &crate::broker::PublishError::outage("later"));
         assert_eq!(outage.rows, 3);
         let (first, error) = outage.first.clone().expect("a first failure");
-        assert_eq!(first, 7);
+        assert_eq!(first, 7.into());
         assert_eq!(error.message(), "timed out");
         // The relay's own "not sent" gives way to the broker's reason.
         let mut outage = Outage::default();
@@ -387,7 +387,7 @@ mod tests {
         outage.add(&[row(4)], &crate::broker::PublishError::outage("refused"));
         outage.add(&[row(5)], &held);
         let (first, error) = outage.first.clone().expect("a first failure");
-        assert_eq!((first, &*error.message()), (4, "refused"));
+        assert_eq!((first, &*error.message()), (4.into(), "refused"));
     }
 
     #[test]

@@ -236,3 +236,103 @@ async fn provision_checks_adopt_drop_and_measure_against_a_real_server() {
     assert_eq!(left, 0);
     drop(pg);
 }
+
+/// Debezium's documented outbox table (`id uuid`, no created-at column), a varchar id, a
+/// numeric id and an integer id that may be NULL, against a real server: log tailing
+/// takes the uuid and varchar ids; polling a uuid id without a created-at column, a
+/// numeric id and a nullable id are refused with their fix. The relay's own table check
+/// agrees (a uuid id is read as text; a numeric one is refused in one line).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_id_checks_take_uuid_and_text_ids_and_refuse_what_no_relay_can_read() {
+    let db = common::fresh_database().await;
+    // Log tailing keeping rows (as `render --from-debezium` writes it), or polling.
+    let check = |table: &'static str, tailing: bool| {
+        let mut p = plan("unused", false);
+        p.table = table.to_owned();
+        p.columns = vec![("table.columns.id".to_owned(), "id".to_owned())];
+        p.privileges = vec![("SELECT", "reads")];
+        if !tailing {
+            p.log_tailing = None;
+        }
+        p
+    };
+    db.client
+        .batch_execute(
+            "CREATE TABLE public.debezium_outbox (
+                id uuid NOT NULL PRIMARY KEY,
+                aggregatetype varchar(255) NOT NULL,
+                aggregateid varchar(255) NOT NULL,
+                type varchar(255) NOT NULL,
+                payload jsonb);
+             CREATE TABLE public.varchar_outbox (id varchar(64) PRIMARY KEY, payload jsonb,
+                created_at timestamptz NOT NULL DEFAULT clock_timestamp());
+             CREATE TABLE public.numeric_outbox (id numeric PRIMARY KEY, payload jsonb);
+             CREATE TABLE public.nullable_outbox (id bigint, payload jsonb);",
+        )
+        .await
+        .unwrap();
+    let failure = |table: &'static str, tailing: bool| {
+        let client = &db.client;
+        async move {
+            let p = check(table, tailing);
+            let checks = admin::evaluate(&p, &admin::gather(client, &p).await.unwrap());
+            first_failure(&checks, Scope::Database).map(|c| (c.reason, c.message.clone()))
+        }
+    };
+    assert_eq!(failure("debezium_outbox", true).await, None);
+    assert_eq!(failure("varchar_outbox", true).await, None);
+    assert_eq!(failure("varchar_outbox", false).await, None);
+    let (reason, message) = failure("debezium_outbox", false).await.expect("refused");
+    assert_eq!(reason, "IdColumnOrder");
+    assert!(
+        message.contains("ADD COLUMN created_at timestamptz"),
+        "{message}"
+    );
+    let (reason, message) = failure("numeric_outbox", true).await.expect("refused");
+    assert_eq!(reason, "IdColumnType");
+    assert!(message.contains("is numeric"), "{message}");
+    let (reason, message) = failure("nullable_outbox", true).await.expect("refused");
+    assert_eq!(reason, "IdColumnNullable");
+    assert!(message.contains("SET NOT NULL"), "{message}");
+    let inspect = |table: &'static str| {
+        let client = &db.client;
+        async move {
+            outbox_operator::postgres::table::OutboxTable::inspect(
+                client,
+                "public",
+                table,
+                "unused_dead_letter",
+                outbox_operator::postgres::table::Columns {
+                    id: "id".into(),
+                    aggregate_type: "payload".into(),
+                    aggregate_id: "payload".into(),
+                    event_type: "payload".into(),
+                    payload: "payload".into(),
+                    created_at: None,
+                    published_at: "published_at".into(),
+                    timestamp: None,
+                    extra: Vec::new(),
+                },
+                outbox_operator::api::AfterPublish::Delete,
+                1,
+            )
+            .await
+        }
+    };
+    let table = inspect("debezium_outbox").await.expect("a uuid id is read");
+    assert_eq!(
+        table.id_kind(),
+        outbox_operator::postgres::table::IdKind::Text { cast: "uuid" }
+    );
+    assert!(
+        !table.ordered_by_insertion(),
+        "no created-at column to order by"
+    );
+    let refused = inspect("numeric_outbox")
+        .await
+        .expect_err("a numeric id is refused");
+    assert!(
+        refused.to_string().contains("column id is numeric"),
+        "{refused}"
+    );
+}

@@ -64,7 +64,7 @@ async fn each_codec_is_stored_as_set_and_read_back_whole() {
             .zip(1..)
             .map(|(payload, id)| {
                 let row = OutboxRow {
-                    id,
+                    id: outbox_operator::broker::RowId::Int(id),
                     aggregate_type: "order".into(),
                     aggregate_id: Some("order-1".into()),
                     event_type: Some("Placed".into()),

@@ -1076,8 +1076,10 @@ async fn published_rows_are_deleted_through_the_primary_key_for_every_integer_id
             plan.contains(&format!("Index Scan using {table}_pkey")) && !plan.contains("Seq Scan"),
             "{ty} id: the delete does not go through the primary key:\n{plan}"
         );
+        let row_ids: Vec<outbox_operator::postgres::RowId> =
+            ids.iter().map(|i| (*i).into()).collect();
         let deleted = outbox_operator::postgres::replication::delete_rows(
-            &db.client, "public", &table, "id", &ids,
+            &db.client, "public", &table, "id", &row_ids,
         )
         .await
         .unwrap();

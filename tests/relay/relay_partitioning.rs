@@ -155,7 +155,7 @@ pub(crate) fn relay_broker_with(topic: &str, properties: &[(&str, &str)]) -> Kaf
 /// The message the relay builds for row `id` of aggregate `key` (no placed partition).
 fn keyed_message(topic: &str, id: i64, key: &str) -> outbox_operator::broker::Message {
     let row = OutboxRow {
-        id,
+        id: id.into(),
         aggregate_type: "order".into(),
         aggregate_id: Some(key.to_owned()),
         event_type: Some("Placed".into()),

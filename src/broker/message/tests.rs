@@ -2,7 +2,7 @@ use super::*;
 
 fn row() -> OutboxRow {
     OutboxRow {
-        id: 42,
+        id: 42.into(),
         aggregate_type: "Order".into(),
         aggregate_id: Some("o-1".into()),
         event_type: Some("OrderCreated".into()),
@@ -117,7 +117,7 @@ mod shape {
 
     fn row(payload: Option<&'static [u8]>) -> OutboxRow {
         OutboxRow {
-            id: 7,
+            id: 7.into(),
             aggregate_type: "Order".into(),
             aggregate_id: Some("o-1".into()),
             event_type: None,

@@ -73,7 +73,9 @@ pub(super) async fn carry_out(
     let conn = pass.observed.and_then(|o| o.connection.as_ref());
     let outcome = match conn {
         _ if plan.provision.is_empty() => Ok(()),
-        Some(conn) => database::provision(relay, conn, &plan.provision, ctx).await,
+        Some(conn) => database::provision(relay, conn, &plan.provision, ctx)
+            .await
+            .map_err(|e| e.to_string()),
         None => Err("the Secrets hold no usable connection".to_owned()),
     };
     plan = match outcome {
@@ -91,7 +93,9 @@ pub(super) async fn carry_out(
         // The slot exists now: every transaction committed before it is visible in a
         // snapshot taken from here on.
         let snapshot = match conn {
-            Some(conn) => database::handover_snapshot(relay, conn, ctx).await,
+            Some(conn) => database::handover_snapshot(relay, conn, ctx)
+                .await
+                .map_err(|e| e.to_string()),
             None => Err("the Secrets hold no usable connection".to_owned()),
         };
         if let Err(err) = &snapshot {

@@ -77,6 +77,7 @@ pub(super) fn facts(
             exists: true,
             columns,
             timestamp_type: None,
+            id_column: Some(("bigint".into(), true)),
             owned: true,
             missing_privileges: Vec::new(),
         },

@@ -39,15 +39,27 @@ pub(super) fn unpublished_filter(plan: &Plan, has_marker: bool) -> String {
 pub(super) async fn optional_columns(
     client: &Client,
     plan: &Plan,
-) -> Result<(bool, bool), PgError> {
+) -> Result<(bool, bool, bool), PgError> {
     let row = client
         .query_one(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns                 WHERE table_schema = $1 AND table_name = $2 AND column_name = $3),              EXISTS (SELECT 1 FROM information_schema.columns                 WHERE table_schema = $1 AND table_name = $2 AND column_name = $4)",
-            &[&plan.schema, &plan.table, &plan.created_at, &plan.marker],
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+                WHERE table_schema = $1 AND table_name = $2 AND column_name = $3), \
+             EXISTS (SELECT 1 FROM information_schema.columns \
+                WHERE table_schema = $1 AND table_name = $2 AND column_name = $4), \
+             EXISTS (SELECT 1 FROM information_schema.columns \
+                WHERE table_schema = $1 AND table_name = $2 AND column_name = $5 \
+                  AND data_type IN ('bigint', 'integer', 'smallint'))",
+            &[
+                &plan.schema,
+                &plan.table,
+                &plan.created_at,
+                &plan.marker,
+                &plan.id,
+            ],
         )
         .await
-        .map_err(db("looking up the created-at and published-at columns"))?;
-    Ok((row.get(0), row.get(1)))
+        .map_err(db("looking up the created-at, published-at and id columns"))?;
+    Ok((row.get(0), row.get(1), row.get(2)))
 }
 
 /// The backlog SQL for a plan: `None` when the table does not show it (log tailing
@@ -56,6 +68,7 @@ pub fn backlog_sql(
     plan: &Plan,
     has_created_at: bool,
     has_marker: bool,
+    integer_id: bool,
 ) -> Option<(String, Option<String>)> {
     if plan
         .log_tailing
@@ -69,13 +82,18 @@ pub fn backlog_sql(
     let count = format!(
         "SELECT count(*) FROM (SELECT 1 FROM {table} {filter} LIMIT {BACKLOG_COUNT_LIMIT}) b"
     );
-    // Oldest by id: the id grows with insertion, and the primary key finds it without
-    // reading every waiting row.
+    // Oldest by id where the id is an integer: it grows with insertion, and the
+    // primary key finds it without reading every waiting row. A uuid or text id says
+    // nothing of age: the oldest created-at it is.
+    let oldest = if integer_id {
+        quote(&plan.id)
+    } else {
+        quote(&plan.created_at)
+    };
     let age = has_created_at.then(|| {
         format!(
-            "SELECT extract(epoch FROM now() - {})::float8 FROM {table} {filter} ORDER BY {} LIMIT 1",
+            "SELECT extract(epoch FROM now() - {})::float8 FROM {table} {filter} ORDER BY {oldest} LIMIT 1",
             quote(&plan.created_at),
-            quote(&plan.id)
         )
     });
     Some((count, age))
@@ -84,8 +102,9 @@ pub fn backlog_sql(
 /// Measures the backlog with short statement timeouts; `None` when the mode does not
 /// show one in the table.
 pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, PgError> {
-    let (has_created_at, has_marker) = optional_columns(client, plan).await?;
-    let Some((count_sql, age_sql)) = backlog_sql(plan, has_created_at, has_marker) else {
+    let (has_created_at, has_marker, integer_id) = optional_columns(client, plan).await?;
+    let Some((count_sql, age_sql)) = backlog_sql(plan, has_created_at, has_marker, integer_id)
+    else {
         return Ok(None);
     };
     client
@@ -232,29 +251,32 @@ mod tests {
     #[test]
     fn backlog_queries_follow_the_mode() {
         let mark = relay(&TAILING.replace("{logTailing: {}}", "{polling: {}}"));
-        let (count, age) = backlog_sql(&Plan::for_relay(&mark), true, true).unwrap();
+        let (count, age) = backlog_sql(&Plan::for_relay(&mark), true, true, true).unwrap();
         assert!(
             count.contains("WHERE \"published_at\" IS NULL LIMIT 100000"),
             "{count}"
         );
         assert!(age.unwrap().contains("ORDER BY \"id\" LIMIT 1"));
-        let (_, age) = backlog_sql(&Plan::for_relay(&mark), false, true).unwrap();
+        // A uuid or text id: the oldest is the oldest created-at.
+        let (_, age) = backlog_sql(&Plan::for_relay(&mark), true, true, false).unwrap();
+        assert!(age.unwrap().contains("ORDER BY \"created_at\" LIMIT 1"));
+        let (_, age) = backlog_sql(&Plan::for_relay(&mark), false, true, true).unwrap();
         assert!(age.is_none());
         let delete =
             relay(&TAILING.replace("{logTailing: {}}", "{polling: {afterPublish: delete}}"));
-        let (count, _) = backlog_sql(&Plan::for_relay(&delete), true, false).unwrap();
+        let (count, _) = backlog_sql(&Plan::for_relay(&delete), true, false, true).unwrap();
         assert!(!count.contains("WHERE"), "{count}");
         // Log tailing that deletes rows: the table is the backlog, except rows polling
         // marked published before a switch.
-        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, false).unwrap();
+        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, false, true).unwrap();
         assert!(!count.contains("WHERE"), "{count}");
-        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, true).unwrap();
+        let (count, _) = backlog_sql(&Plan::for_relay(&relay(TAILING)), true, true, true).unwrap();
         assert!(count.contains("WHERE \"published_at\" IS NULL"), "{count}");
         let keep = relay(&TAILING.replace(
             "{logTailing: {}}",
             "{logTailing: {deleteAfterPublish: false}}",
         ));
-        assert!(backlog_sql(&Plan::for_relay(&keep), true, true).is_none());
+        assert!(backlog_sql(&Plan::for_relay(&keep), true, true, true).is_none());
     }
 
     #[test]

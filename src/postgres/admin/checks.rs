@@ -3,6 +3,7 @@
 
 use super::{Check, Facts, Plan, Scope};
 use crate::postgres::quote;
+use crate::postgres::table::IdKind;
 
 /// The checks, in order, from the facts (pure). Database checks come first; slot
 /// checks only for log tailing.
@@ -76,6 +77,9 @@ pub fn evaluate(plan: &Plan, facts: &Facts) -> Vec<Check> {
                     missing.join(", no column ")
                 ),
             ));
+        }
+        if let Some(check) = id_check(&table, plan, &t.columns, t.id_column.as_ref()) {
+            checks.push(check);
         }
         if t.missing_privileges.is_empty() {
             let names: Vec<&str> = plan.privileges.iter().map(|(p, _)| *p).collect();
@@ -261,6 +265,64 @@ pub fn first_failure(checks: &[Check], scope: Scope) -> Option<&Check> {
     checks.iter().find(|c| c.scope == scope && !c.ok)
 }
 
+/// Whether the relays can read the id column (`id_column`: its type and NOT NULL): an
+/// integer, uuid or text id that is never NULL; polling a uuid or text id also needs the
+/// created-at column to order rows by. `None` when the column is missing (the columns check
+/// says so).
+fn id_check(
+    table: &str,
+    plan: &Plan,
+    columns: &[String],
+    id_column: Option<&(String, bool)>,
+) -> Option<Check> {
+    let (ty, not_null) = id_column?;
+    let column = plan
+        .columns
+        .iter()
+        .find(|(f, _)| f == "table.columns.id")
+        .map_or("", |(_, c)| c.as_str());
+    let kind = IdKind::of_type(ty);
+    Some(if kind.is_none() {
+        Check::fail(
+            Scope::Database,
+            "id",
+            "IdColumnType",
+            format!(
+                "column {column} of table {table} (table.columns.id) is {ty}; the relay reads integer (bigint, integer, smallint), uuid and text (text, varchar) ids: change the column's type, or add an id column of one of those types and name it in spec.table.columns.id"
+            ),
+        )
+    } else if kind != Some(IdKind::Int)
+        && plan.log_tailing.as_ref().is_none_or(|lt| lt.delete_after_publish)
+        && !columns.contains(&plan.created_at)
+    {
+        Check::fail(
+            Scope::Database,
+            "id",
+            "IdColumnOrder",
+            format!(
+                "column {column} of table {table} (table.columns.id) is {ty}, which says nothing of when a row was written, so a polling relay (the mode, or log tailing's back-fill and fall-back relays with deleteAfterPublish) orders rows by table.columns.createdAt ({created}), which the table lacks: ALTER TABLE {table} ADD COLUMN {created} timestamptz NOT NULL DEFAULT clock_timestamp() (or tail the log keeping rows, which streams in commit order)",
+                created = plan.created_at
+            ),
+        )
+    } else if !not_null {
+        Check::fail(
+            Scope::Database,
+            "id",
+            "IdColumnNullable",
+            format!(
+                "column {column} of table {table} (table.columns.id) may be NULL; every row needs an id (it is the message id): ALTER TABLE {table} ALTER COLUMN {column} SET NOT NULL, or make it the primary key"
+            ),
+        )
+    } else {
+        Check::pass(
+            Scope::Database,
+            "id",
+            "IdColumnUsable",
+            format!("column {column} of table {table} is a {ty} that is never NULL"),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{TAILING, relay};
@@ -297,6 +359,7 @@ mod tests {
                 .map(str::to_owned)
                 .to_vec(),
                 timestamp_type: None,
+                id_column: Some(("bigint".into(), true)),
                 owned: true,
                 missing_privileges: Vec::new(),
             },
@@ -453,6 +516,56 @@ mod tests {
     }
 
     #[test]
+    fn ids_the_relay_cannot_read_or_order_are_refused_with_the_fix() {
+        let mut tailing = Plan::for_relay(&relay(TAILING));
+        let mut polling = tailing.clone();
+        polling.log_tailing = None;
+        // Log tailing that deletes rows runs polling relays at times (the back-fill).
+        let deleting = tailing.clone();
+        if let Some(lt) = tailing.log_tailing.as_mut() {
+            lt.delete_after_publish = false;
+        }
+        let id = |plan: &Plan, f: &Facts| {
+            evaluate(plan, f)
+                .into_iter()
+                .find(|c| c.name == "id")
+                .unwrap()
+        };
+        let mut f = facts();
+        for ty in crate::postgres::table::ID_TYPES {
+            f.table.id_column = Some((ty.to_owned(), true));
+            assert!(id(&tailing, &f).ok, "{ty}");
+            assert!(id(&polling, &f).ok, "{ty}: the table has created_at");
+        }
+        f.table.id_column = Some(("numeric".into(), true));
+        let check = id(&tailing, &f);
+        assert_eq!((check.ok, check.reason), (false, "IdColumnType"));
+        // Debezium's own table has no created_at: log tailing streams it in commit
+        // order; the poller has nothing to order a uuid id by.
+        f.table.id_column = Some(("uuid".into(), true));
+        f.table.columns.retain(|c| c != "created_at");
+        assert!(id(&tailing, &f).ok);
+        assert_eq!(id(&deleting, &f).reason, "IdColumnOrder");
+        let check = id(&polling, &f);
+        assert_eq!((check.ok, check.reason), (false, "IdColumnOrder"));
+        assert!(
+            check.message.contains("ADD COLUMN created_at timestamptz"),
+            "{}",
+            check.message
+        );
+        f.table.id_column = Some(("bigint".into(), true));
+        assert!(id(&polling, &f).ok, "an integer id orders the rows itself");
+        f.table.id_column = Some(("bigint".into(), false));
+        let check = id(&tailing, &f);
+        assert_eq!((check.ok, check.reason), (false, "IdColumnNullable"));
+        assert!(check.message.contains("SET NOT NULL"), "{}", check.message);
+        assert_eq!(
+            first_failure(&evaluate(&tailing, &f), Scope::Database).map(|c| c.reason),
+            Some("IdColumnNullable")
+        );
+    }
+
+    #[test]
     fn a_missing_table_is_one_clear_failure() {
         let plan = Plan::for_relay(&relay(TAILING));
         let mut f = facts();
@@ -460,6 +573,7 @@ mod tests {
             exists: false,
             columns: Vec::new(),
             timestamp_type: None,
+            id_column: None,
             owned: false,
             missing_privileges: Vec::new(),
         };

@@ -61,6 +61,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             exists: false,
             columns: Vec::new(),
             timestamp_type: None,
+            id_column: None,
             owned: false,
             missing_privileges: Vec::new(),
         },
@@ -93,6 +94,22 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                     .map(|r| r.get(0)),
                 None => None,
             };
+            let id_column = match plan
+                .columns
+                .iter()
+                .find(|(field, _)| field == "table.columns.id")
+            {
+                Some((_, column)) => client
+                    .query_opt(
+                        "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute \
+                         WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
+                        &[&oid, column],
+                    )
+                    .await
+                    .map_err(db("reading the id column's type"))?
+                    .map(|r| (r.get(0), r.get(1))),
+                None => None,
+            };
             let mut missing_privileges = Vec::new();
             for (privilege, why) in &plan.privileges {
                 let has: bool = client
@@ -111,6 +128,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 exists: true,
                 columns,
                 timestamp_type,
+                id_column,
                 owned: row.get(1),
                 missing_privileges,
             }

@@ -32,7 +32,7 @@ pub async fn unpublished_before(
     let snapshot = Snapshot::parse(snapshot).ok_or_else(|| {
         PgError::Replication(format!("{snapshot:?} is not a PostgreSQL snapshot"))
     })?;
-    let (_, has_marker) = optional_columns(client, plan).await?;
+    let (_, has_marker, _) = optional_columns(client, plan).await?;
     let sql = format!(
         "SELECT xmin::text, count(*) FROM {} {} GROUP BY 1",
         plan.qualified(),

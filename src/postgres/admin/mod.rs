@@ -376,6 +376,9 @@ pub struct TableFacts {
     pub columns: Vec<String>,
     /// The type of the `table.columns.timestamp` column, as `format_type` spells it.
     pub timestamp_type: Option<String>,
+    /// The id column's type (as `format_type` spells it) and whether it is NOT NULL;
+    /// `None` when the column is missing.
+    pub id_column: Option<(String, bool)>,
     /// The role owns it (or is a member of its owner): needed to create a publication.
     pub owned: bool,
     /// Privileges the plan asks for that the role lacks.

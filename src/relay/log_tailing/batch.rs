@@ -413,7 +413,7 @@ impl LogTailer {
             m.publish_errors
                 .get_or_create(&ErrorLabels { kind: "row" })
                 .inc();
-            let attempts = self.attempts.entry(row.id).or_insert(0);
+            let attempts = self.attempts.entry(row.id.clone()).or_insert(0);
             *attempts += 1;
             let attempts = *attempts;
             if attempts >= self.settings.max_attempts
@@ -435,7 +435,7 @@ impl LogTailer {
                 )));
             }
             tracing::error!(
-                row = row.id,
+                row = %row.id,
                 attempts,
                 error = %err,
                 "row refused by the broker; the stream waits until it is published or dead-lettered"
@@ -461,19 +461,19 @@ impl LogTailer {
         let Some(table) = &self.table else {
             return false;
         };
-        match table.dead_letter(client, row.id, &err.message()).await {
+        match table.dead_letter(client, &row.id, &err.message()).await {
             Ok(moved) => {
                 self.attempts.remove(&row.id);
                 m.dead_lettered.inc();
                 if moved == 0 {
                     tracing::error!(
-                        row = row.id,
+                        row = %row.id,
                         error = %err,
                         "row exhausted its attempts but is no longer in the outbox table; skipped"
                     );
                 } else {
                     tracing::error!(
-                        row = row.id,
+                        row = %row.id,
                         error = %err,
                         dead_letter_table = %self.settings.dead_letter_table,
                         "row exhausted its attempts; moved to the dead-letter table"
@@ -488,7 +488,7 @@ impl LogTailer {
                     })
                     .inc();
                 tracing::error!(
-                    row = row.id,
+                    row = %row.id,
                     error = %dead,
                     "row exhausted its attempts and cannot be dead-lettered; the stream waits until it can"
                 );
@@ -542,7 +542,7 @@ mod tests {
 
     fn row(bytes: usize) -> OutboxRow {
         OutboxRow {
-            id: 1,
+            id: 1.into(),
             aggregate_type: "order".into(),
             aggregate_id: Some("a".into()),
             event_type: None,

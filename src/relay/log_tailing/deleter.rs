@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use super::DELETE_CHUNK;
+use crate::postgres::RowId;
 use crate::postgres::snapshot::all_visible;
 use crate::postgres::{self, replication as repl};
 use crate::relay::backoff::Backoff;
@@ -37,7 +38,7 @@ pub(super) struct Handed {
     /// The commit position that covers the batch.
     pub(super) through: Lsn,
     /// The published row ids.
-    pub(super) ids: Vec<i64>,
+    pub(super) ids: Vec<RowId>,
     /// The batch's transactions (32-bit xids, as the stream gives them).
     pub(super) xids: Vec<u32>,
     /// Unix time up to which every commit has been streamed with this batch (its last

@@ -28,7 +28,7 @@ use super::{LogTailer, SessionEnd};
 use crate::api::AfterPublish;
 use crate::postgres::coverage::{Coverage, coverage};
 use crate::postgres::table::{Columns, OutboxTable};
-use crate::postgres::{self, OutboxRow, PgError};
+use crate::postgres::{self, OutboxRow, PgError, RowId};
 use crate::relay::backoff::Backoff;
 use crate::relay::chains::{Fence, chains, publish_chains};
 
@@ -43,7 +43,7 @@ pub(super) struct Gate {
     /// The coverage identity last seen, and the WAL position read with it.
     seen: Option<(String, Lsn)>,
     /// Ids the back-fill published, skipped when they stream …
-    skip: HashSet<i64>,
+    skip: HashSet<RowId>,
     /// … until the stream passes this position.
     skip_until: Lsn,
     /// The WAL position read before the last back-fill began: a streamed transaction
@@ -176,7 +176,7 @@ impl LogTailer {
     /// Publishes every row left in the table, oldest first, and deletes it, on a
     /// connection of its own; retries until all are out. Returns their ids and the WAL
     /// position read after the last one: any of them streams before it.
-    async fn back_fill(&mut self) -> Result<(HashSet<i64>, Lsn), SessionEnd> {
+    async fn back_fill(&mut self) -> Result<(HashSet<RowId>, Lsn), SessionEnd> {
         // What was published and handed to the delete task is deleted first, so that
         // the back-fill does not publish it again.
         let drain = std::time::Instant::now() + super::DELETER_DRAIN;
@@ -203,7 +203,7 @@ impl LogTailer {
     /// One pass over the table; `Some(position)` once no row is left, `None` when a row
     /// could not be published (it stays, with the rest of its aggregate, for the next
     /// pass).
-    async fn back_fill_once(&self, published: &mut HashSet<i64>) -> Result<Option<Lsn>, PgError> {
+    async fn back_fill_once(&self, published: &mut HashSet<RowId>) -> Result<Option<Lsn>, PgError> {
         let s = &self.settings;
         let t = &s.valid.table;
         let mut client = postgres::connect(&s.database_url, &s.url_env, &s.pg_tls).await?;
@@ -218,14 +218,14 @@ impl LogTailer {
             s.valid.partitions,
         )
         .await?;
-        let mut after = i64::MIN;
+        let mut after: Option<RowId> = None;
         loop {
             let tx = client.transaction().await.map_err(|source| PgError::Db {
                 what: "starting a back-fill",
                 source,
             })?;
-            let rows = table.select_after(&tx, after, FILL_BATCH).await?;
-            let Some(last) = rows.last().map(|r| r.id) else {
+            let rows = table.select_after(&tx, after.as_ref(), FILL_BATCH).await?;
+            let Some(last) = rows.last().map(|r| r.id.clone()) else {
                 tx.commit().await.map_err(|source| PgError::Db {
                     what: "ending a back-fill",
                     source,
@@ -247,7 +247,7 @@ impl LogTailer {
             let mut ids = Vec::new();
             let mut failed = None;
             for result in results {
-                ids.extend(result.published.iter().map(|(id, _)| *id));
+                ids.extend(result.published.into_iter().map(|(id, _)| id));
                 if let Some((_, err)) = result.failed {
                     failed = Some(err);
                 }
@@ -266,7 +266,7 @@ impl LogTailer {
                 tracing::warn!(error = %err, "a row left in the table could not be published; retrying");
                 return Ok(None);
             }
-            after = last;
+            after = Some(last);
         }
     }
 }

@@ -2,7 +2,10 @@
 //! the outbox row an inserted tuple becomes.
 
 use crate::broker::{ColumnValue, ValueKind};
-use crate::postgres::OutboxRow;
+use crate::postgres::{OutboxRow, RowId};
+
+/// `int2`, `int4`, `int8`: id columns whose values are integers.
+const INT_OIDS: [u32; 3] = [21, 23, 20];
 use crate::postgres::replication::{self as repl, BYTEA_OID, Relation, TupleValue};
 use crate::postgres::table::Columns;
 
@@ -30,14 +33,14 @@ pub(super) enum LayoutError {
     /// The tuple is shorter than the relation.
     #[error("column {0} missing from the tuple")]
     MissingValue(usize),
-    /// The id column does not hold a bigint.
-    #[error("the id column is not a bigint")]
+    /// The id is NULL, or not an integer where the column is one.
+    #[error("the id is NULL, or not an integer in an integer id column")]
     Id,
     /// The event-time column does not parse.
     #[error("row {id}: timestamp column: {error}")]
     Timestamp {
         /// The row.
-        id: i64,
+        id: RowId,
         /// Why.
         error: repl::DecodeError,
     },
@@ -45,7 +48,7 @@ pub(super) enum LayoutError {
     #[error("row {id}: payload: {error}")]
     Payload {
         /// The row.
-        id: i64,
+        id: RowId,
         /// Why.
         error: repl::DecodeError,
     },
@@ -53,7 +56,7 @@ pub(super) enum LayoutError {
     #[error("row {id}: payload column missing")]
     NoPayload {
         /// The row.
-        id: i64,
+        id: RowId,
     },
 }
 
@@ -61,6 +64,8 @@ pub(super) enum LayoutError {
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Layout {
     id: usize,
+    /// The id column is an integer (`int2`, `int4`, `int8`); else its text is the id.
+    id_int: bool,
     aggregate_type: usize,
     aggregate_id: usize,
     event_type: usize,
@@ -104,8 +109,10 @@ impl Layout {
                 })
         };
         let payload = find(&columns.payload)?;
+        let id = find(&columns.id)?;
         Ok(Some(Self {
-            id: find(&columns.id)?,
+            id,
+            id_int: INT_OIDS.contains(&relation.columns[id].type_oid),
             aggregate_type: find(&columns.aggregate_type)?,
             aggregate_id: find(&columns.aggregate_id)?,
             event_type: find(&columns.event_type)?,
@@ -146,17 +153,21 @@ impl Layout {
                 None => Err(LayoutError::MissingValue(i)),
             }
         };
-        let id = text(self.id)?
-            .and_then(|s| s.parse::<i64>().ok())
-            .ok_or(LayoutError::Id)?;
+        let id = match text(self.id)? {
+            Some(s) if self.id_int => RowId::Int(s.parse::<i64>().map_err(|_| LayoutError::Id)?),
+            Some(s) => RowId::Text(s.into()),
+            None => return Err(LayoutError::Id),
+        };
         let aggregate_type = text(self.aggregate_type)?.unwrap_or_default();
         let aggregate_id = text(self.aggregate_id)?;
         let event_type = text(self.event_type)?;
         let timestamp = match self.timestamp {
             Some(i) => match text(i)? {
                 // `infinity` and its kin have no instant: the commit time stands in.
-                Some(t) => repl::parse_timestamp(&t)
-                    .map_err(|error| LayoutError::Timestamp { id, error })?,
+                Some(t) => repl::parse_timestamp(&t).map_err(|error| LayoutError::Timestamp {
+                    id: id.clone(),
+                    error,
+                })?,
                 None => None,
             },
             None => None,
@@ -174,12 +185,15 @@ impl Layout {
         {
             Some(TupleValue::Text(b)) if self.payload_bytea => Some(
                 repl::decode_bytea_hex(&b)
-                    .map_err(|error| LayoutError::Payload { id, error })?
+                    .map_err(|error| LayoutError::Payload {
+                        id: id.clone(),
+                        error,
+                    })?
                     .into(),
             ),
             Some(TupleValue::Text(b)) => Some(b),
             Some(TupleValue::Null) => None,
-            _ => return Err(LayoutError::NoPayload { id }),
+            _ => return Err(LayoutError::NoPayload { id: id.clone() }),
         };
         Ok(OutboxRow {
             id,
@@ -252,7 +266,7 @@ mod tests {
             text("00-abc-01"),
         ];
         let row = layout.row(tuple.to_vec(), 5.0).unwrap();
-        assert_eq!(row.id, 42);
+        assert_eq!(row.id, RowId::Int(42));
         assert_eq!(row.aggregate_id.as_deref(), Some("o-1"));
         assert_eq!(row.payload.as_deref(), Some(&br#"{"a": 1}"#[..]));
         assert_eq!(

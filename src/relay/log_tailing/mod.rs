@@ -107,7 +107,7 @@ use crate::api::AfterPublish;
 use crate::broker::{Broker, Shape};
 use crate::postgres::replication as repl;
 use crate::postgres::table::{Columns, OutboxTable};
-use crate::postgres::{self, PgError, admin};
+use crate::postgres::{self, PgError, RowId, admin};
 use crate::spec::LogTailing as LogTailingSettings;
 use deleter::{DeleteTarget, delete_loop};
 use stats::{StatsTarget, slot_stats_loop};
@@ -189,7 +189,7 @@ pub(super) struct LogTailer {
     covered: watch::Receiver<Lsn>,
     covered_tx: Option<watch::Sender<Lsn>>,
     /// Failed attempts per row id, against `failure.maxAttempts`.
-    attempts: HashMap<i64, u32>,
+    attempts: HashMap<RowId, u32>,
     /// The outbox table as the session inspected it (for dead-lettering).
     table: Option<OutboxTable>,
     /// The publication gate's memory (`gap`).

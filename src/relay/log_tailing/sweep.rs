@@ -182,10 +182,10 @@ async fn sweep_once(
         let mut ids = Vec::with_capacity(selected);
         let mut failed = false;
         for result in results {
-            ids.extend(result.published.iter().map(|(id, _)| *id));
+            ids.extend(result.published.into_iter().map(|(id, _)| id));
             if let Some((rest, err)) = result.failed {
                 failed = true;
-                tracing::warn!(id = rest.first().map(|r| r.id), error = %err, "sweep: a missed row could not be published; it stays for the next sweep");
+                tracing::warn!(id = rest.first().map(|r| r.id.to_string()), error = %err, "sweep: a missed row could not be published; it stays for the next sweep");
             }
         }
         table.finish_published(&tx, &ids).await?;

@@ -182,7 +182,7 @@ async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTab
         crate::spec::ValidMode::Polling(p) => p.after_publish,
         crate::spec::ValidMode::LogTailing(_) => AfterPublish::Delete,
     };
-    OutboxTable::inspect(
+    let table = OutboxTable::inspect(
         client,
         &t.schema,
         &t.name,
@@ -191,5 +191,14 @@ async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTab
         after_publish,
         valid.partitions,
     )
-    .await
+    .await?;
+    if !table.ordered_by_insertion() {
+        return Err(PgError::Schema(format!(
+            "{}.{}: the id is not an integer, so the poller orders rows by \
+             table.columns.createdAt ({}), which the table lacks: add it \
+             (ALTER TABLE … ADD COLUMN {} timestamptz NOT NULL DEFAULT clock_timestamp())",
+            t.schema, t.name, t.columns.created_at, t.columns.created_at
+        )));
+    }
+    Ok(table)
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::api::OnExhausted;
 use crate::broker::PublishError;
 use crate::postgres::table::OutboxTable;
-use crate::postgres::{OutboxRow, PgError};
+use crate::postgres::{OutboxRow, PgError, RowId};
 use crate::relay::backoff::MAX_BACKOFF;
 use crate::relay::config::Settings;
 use crate::relay::http::Health;
@@ -29,7 +29,7 @@ pub(super) struct Pause {
 /// Failed rows, counted per process whichever worker meets them.
 #[derive(Default)]
 pub(super) struct Failures {
-    pub(super) attempts: HashMap<i64, u32>,
+    pub(super) attempts: HashMap<RowId, u32>,
     pub(super) paused: HashMap<i64, Pause>,
 }
 
@@ -119,7 +119,7 @@ impl Shared {
             .inc();
         let attempts = {
             let mut failures = self.failures();
-            let attempts = failures.attempts.entry(row.id).or_insert(0);
+            let attempts = failures.attempts.entry(row.id.clone()).or_insert(0);
             *attempts += 1;
             *attempts
         };
@@ -128,7 +128,7 @@ impl Shared {
                 .saturating_mul(1 << attempts.min(8))
                 .min(MAX_BACKOFF);
             tracing::warn!(
-                row = row.id,
+                row = %row.id,
                 partition = row.partition,
                 attempts,
                 error = %err,
@@ -149,14 +149,14 @@ impl Shared {
                 // privilege revoked) must not roll back the batch's marks, or every row
                 // the batch published would be published again on each attempt.
                 match table
-                    .dead_letter_in_batch(tx, row.id, &err.message())
+                    .dead_letter_in_batch(tx, &row.id, &err.message())
                     .await?
                 {
                     Ok(_) => {
                         self.failures().attempts.remove(&row.id);
                         m.dead_lettered.inc();
                         tracing::error!(
-                            row = row.id,
+                            row = %row.id,
                             partition = row.partition,
                             attempts,
                             error = %err,
@@ -171,7 +171,7 @@ impl Shared {
                             })
                             .inc();
                         tracing::error!(
-                            row = row.id,
+                            row = %row.id,
                             partition = row.partition,
                             error = %dead,
                             "row exhausted its attempts and cannot be dead-lettered; its partition is blocked until it can"
@@ -188,7 +188,7 @@ impl Shared {
             }
             OnExhausted::Block => {
                 tracing::error!(
-                    row = row.id,
+                    row = %row.id,
                     partition = row.partition,
                     attempts,
                     error = %err,
