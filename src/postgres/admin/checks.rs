@@ -292,7 +292,10 @@ fn id_check(
             ),
         )
     } else if kind != Some(IdKind::Int)
-        && plan.log_tailing.as_ref().is_none_or(|lt| lt.delete_after_publish)
+        && plan
+            .log_tailing
+            .as_ref()
+            .is_none_or(|lt| lt.delete_after_publish)
         && !columns.contains(&plan.created_at)
     {
         Check::fail(
