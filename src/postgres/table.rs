@@ -304,13 +304,13 @@ impl OutboxTable {
         // The order rows go out in: the id where it is an integer (it grows with
         // insertion); else the created-at column, the id breaking ties (a uuid or text
         // id says nothing of when its row was written).
-        let order_by = match (id_kind, columns.created_at.as_deref()) {
-            (IdKind::Text { .. }, Some(c)) => format!("{}, {}", quote(c), quote(&columns.id)),
-            _ => quote(&columns.id),
-        };
-        let (order_column, u_order) = match (id_kind, columns.created_at.as_deref()) {
-            (IdKind::Text { .. }, Some(c)) => (format!(", {} AS o", quote(c)), "u.o, u.id"),
-            _ => (String::new(), "u.id"),
+        let (order_by, order_column, u_order) = match (id_kind, columns.created_at.as_deref()) {
+            (IdKind::Text { .. }, Some(c)) => (
+                format!("{}, {}", quote(c), quote(&columns.id)),
+                format!(", {} AS o", quote(c)),
+                "u.o, u.id",
+            ),
+            _ => (quote(&columns.id), String::new(), "u.id"),
         };
         let select = SelectSql {
             branch_head: format!(
@@ -543,8 +543,7 @@ impl OutboxTable {
         client
             .execute(
                 &format!(
-                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = ANY({})
-                     RETURNING {cols}) \
+                    "WITH moved AS (DELETE FROM {} WHERE {id_col} = ANY({}) RETURNING {cols}) \
                      INSERT INTO {} ({cols}, dead_letter_reason) SELECT {cols}, $2 FROM moved",
                     self.qualified,
                     self.id_array("$1"),
