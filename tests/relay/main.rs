@@ -19,6 +19,7 @@ mod relay_failover;
 mod relay_failures;
 mod relay_fatal;
 mod relay_ids;
+mod relay_ids_faults;
 mod relay_lock_session;
 mod relay_log_tailing;
 mod relay_maintenance;

@@ -33,7 +33,7 @@ const TRANSACTIONS_PER_HALF: usize = 20;
 
 /// The id column under test and how its values are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum IdKind {
+pub(crate) enum IdKind {
     /// `uuid` from `gen_random_uuid()` (version 4): no order at all.
     Uuid,
     /// `uuid` in UUIDv7's layout (milliseconds since the epoch, then random bits): grows
@@ -89,7 +89,7 @@ enum Target {
 }
 
 /// What a test reads its messages back from.
-enum Sink {
+pub(crate) enum Sink {
     Kafka(String),
     Nats(common::TestStream),
     RabbitMq(common::TestQueue),
@@ -97,7 +97,7 @@ enum Sink {
 
 /// One message as a consumer saw it.
 #[derive(Debug)]
-struct Delivery {
+pub(crate) struct Delivery {
     /// The message id (Kafka and NATS header `id`, RabbitMQ `message_id`).
     id: String,
     /// Other places that must carry the same id, by name (`None`: missing).
@@ -117,15 +117,15 @@ struct Row {
 /// What the writer committed: rows by id text, ids in insertion order, and each
 /// aggregate's last `seq`.
 #[derive(Default)]
-struct Written {
+pub(crate) struct Written {
     rows: HashMap<String, Row>,
-    order: Vec<String>,
+    pub(crate) order: Vec<String>,
     seqs: HashMap<String, i64>,
 }
 
 /// Creates `public.outbox` with Debezium's columns and an id of `kind`, and the
 /// UUIDv7-like generator.
-async fn create_table(client: &tokio_postgres::Client, kind: IdKind) {
+pub(crate) async fn create_table(client: &tokio_postgres::Client, kind: IdKind) {
     client
         .batch_execute(&format!(
             "CREATE TABLE public.outbox (
@@ -149,7 +149,7 @@ async fn create_table(client: &tokio_postgres::Client, kind: IdKind) {
 
 /// Commits `transactions` transactions of [`ROWS_PER_TRANSACTION`] rows, each of a
 /// random aggregate with the aggregate's next `seq` in its payload.
-async fn write(
+pub(crate) async fn write(
     client: &mut tokio_postgres::Client,
     kind: IdKind,
     transactions: usize,
@@ -221,7 +221,7 @@ async fn open(target: Target) -> (RelayBroker, Sink) {
 
 /// Every message of `sink`, in the order a consumer gets them. (`common`'s consumers
 /// read ids as integers.) `at_least`: what must be there already.
-async fn drain(sink: &Sink, at_least: usize) -> Vec<Delivery> {
+pub(crate) async fn drain(sink: &Sink, at_least: usize) -> Vec<Delivery> {
     match sink {
         Sink::Kafka(topic) => {
             let topic = topic.clone();
@@ -308,21 +308,21 @@ async fn drain(sink: &Sink, at_least: usize) -> Vec<Delivery> {
 
 /// What the deliveries say about the written rows.
 #[derive(Debug, Default)]
-struct Report {
-    received: usize,
-    duplicates: usize,
+pub(crate) struct Report {
+    pub(crate) received: usize,
+    pub(crate) duplicates: usize,
     /// Rows that never arrived, in insertion order.
-    missing: Vec<String>,
+    pub(crate) missing: Vec<String>,
     /// Message ids of no written row.
-    orphans: Vec<String>,
+    pub(crate) orphans: Vec<String>,
     /// First deliveries after a later row of their aggregate.
-    order_violations: Vec<String>,
+    pub(crate) order_violations: Vec<String>,
     /// Messages whose other ids, key or payload disagree with their id's row.
-    mismatches: Vec<String>,
+    pub(crate) mismatches: Vec<String>,
 }
 
 /// Compares every delivery (redeliveries included) with the written rows.
-fn check(deliveries: &[Delivery], written: &Written) -> Report {
+pub(crate) fn check(deliveries: &[Delivery], written: &Written) -> Report {
     let mut report = Report {
         received: deliveries.len(),
         ..Report::default()
