@@ -482,20 +482,17 @@ fn delete_rows_sql_of(schema: &str, table: &str, id_column: &str, kind: IdKind) 
     )
 }
 
-/// Deletes published rows by id. The deletes stream through the slot too, and are
-/// ignored there (the publication publishes inserts only; the relay ignores deletes).
+/// Deletes published rows by id (`kind`: how the id column compares, see
+/// [`id_kind_of`]). The deletes stream through the slot too, and are ignored there (the
+/// publication publishes inserts only; the relay ignores deletes).
 pub async fn delete_rows(
     client: &Client,
     schema: &str,
     table: &str,
     id_column: &str,
+    kind: IdKind,
     ids: &[RowId],
 ) -> Result<u64, PgError> {
-    let kind = if ids.iter().all(|id| id.as_int().is_some()) {
-        IdKind::Int
-    } else {
-        id_kind_of(client, schema, table, id_column).await?
-    };
     client
         .execute(
             &delete_rows_sql_of(schema, table, id_column, kind),

@@ -1079,7 +1079,12 @@ async fn published_rows_are_deleted_through_the_primary_key_for_every_integer_id
         let row_ids: Vec<outbox_operator::postgres::RowId> =
             ids.iter().map(|i| (*i).into()).collect();
         let deleted = outbox_operator::postgres::replication::delete_rows(
-            &db.client, "public", &table, "id", &row_ids,
+            &db.client,
+            "public",
+            &table,
+            "id",
+            outbox_operator::postgres::table::IdKind::Int,
+            &row_ids,
         )
         .await
         .unwrap();

@@ -20,6 +20,7 @@ use tokio_postgres::Client;
 use super::DELETE_CHUNK;
 use crate::postgres::RowId;
 use crate::postgres::snapshot::all_visible;
+use crate::postgres::table::IdKind;
 use crate::postgres::{self, replication as repl};
 use crate::relay::backoff::Backoff;
 
@@ -81,6 +82,25 @@ async fn wait_visible(client: &Client, xids: &[u32]) -> Result<(), crate::postgr
     }
 }
 
+/// How the target's ids compare: integer ids need no lookup; a uuid or text id column's
+/// type is read from the catalogue once, not once per delete.
+async fn id_kind(
+    client: &Client,
+    target: &DeleteTarget,
+    known: &mut Option<IdKind>,
+    ids: &[RowId],
+) -> Result<IdKind, crate::postgres::PgError> {
+    if let Some(kind) = *known {
+        return Ok(kind);
+    }
+    if ids.iter().all(|id| id.as_int().is_some()) {
+        return Ok(IdKind::Int);
+    }
+    let kind = repl::id_kind_of(client, &target.schema, &target.table, &target.id_column).await?;
+    *known = Some(kind);
+    Ok(kind)
+}
+
 /// Deletes the ids it is handed (each batch with the commit position that covers it),
 /// in chunks, on its own connection; reconnects with backoff when the database is
 /// away. After each hand-over is deleted, `deleted` says through which position. Ends
@@ -94,6 +114,7 @@ pub(super) async fn delete_loop(
     stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
+    let mut kind: Option<IdKind> = None;
     let mut backoff = Backoff::new();
     while let Some(first) = ids_rx.recv().await {
         let Handed {
@@ -123,15 +144,19 @@ pub(super) async fn delete_loop(
                         match waited {
                             Ok(()) => {
                                 visible = true;
-                                repl::delete_rows(
-                                    c,
-                                    &target.schema,
-                                    &target.table,
-                                    &target.id_column,
-                                    chunk,
-                                )
-                                .await
-                                .map(|_| ())
+                                match id_kind(c, &target, &mut kind, chunk).await {
+                                    Ok(kind) => repl::delete_rows(
+                                        c,
+                                        &target.schema,
+                                        &target.table,
+                                        &target.id_column,
+                                        kind,
+                                        chunk,
+                                    )
+                                    .await
+                                    .map(|_| ()),
+                                    Err(err) => Err(err),
+                                }
                             }
                             Err(err) => Err(err),
                         }
