@@ -72,7 +72,7 @@ impl IdKind {
 
 /// The relay's mode.
 #[derive(Clone, Copy, Debug)]
-enum Mode {
+pub(crate) enum Mode {
     /// `polling` with `ordering: perAggregate` and `afterPublish: delete`, 25 rows a
     /// batch (several batches each way).
     Polling,
@@ -385,35 +385,50 @@ pub(crate) fn check(deliveries: &[Delivery], written: &Written) -> Report {
     report
 }
 
-/// Writes rows with ids of `kind`, runs a relay in `mode` to `target` until the table
-/// is empty (every row published and deleted), and checks every message.
-async fn ids_arrive_as_text_in_order(kind: IdKind, mode: Mode, target: Target) {
-    let rig = common::Rig::load();
-    let mut db = common::fresh_database().await;
-    create_table(&db.client, kind).await;
-    let (broker, sink) = open(target).await;
-    let yaml = common::relay_config_yaml(&broker, &RelayOptions::default());
+/// The config of a relay in `mode` to `broker` on Debezium's table (no header
+/// columns), deleting what it publishes; polling every `interval`, or tailing a slot
+/// made now (named after `slot_prefix`, dropped with the guard): rows committed from
+/// then on are in its stream.
+pub(crate) async fn relay_yaml(
+    db: &common::TestDatabase,
+    broker: &RelayBroker,
+    mode: Mode,
+    interval: &str,
+    slot_prefix: &str,
+) -> (String, Option<SlotGuard>) {
     let (yaml, guard) = match mode {
         Mode::Polling => (
             common::with_spec_line(
-                &yaml,
+                &common::relay_config_yaml(broker, &RelayOptions::default()),
                 "mode",
-                "{polling: {interval: 50ms, batchSize: 25, afterPublish: delete}}",
+                &format!(
+                    "{{polling: {{interval: {interval}, batchSize: 25, afterPublish: delete}}}}"
+                ),
             ),
             None,
         ),
         Mode::LogTailing => {
-            let guard = SlotGuard::new(rig.pg_url(), "ids");
-            // Rows committed from here on are in the slot's stream.
+            let guard = SlotGuard::new(common::Rig::load().pg_url(), slot_prefix);
             common::create_replication(&db.client, &guard.slot, &guard.slot).await;
             (
-                common::log_tailing_yaml(&broker, &guard.slot, true),
+                common::log_tailing_yaml(broker, &guard.slot, true),
                 Some(guard),
             )
         }
     };
-    // Debezium's table has no header columns.
-    let yaml = common::with_spec_line(&yaml, "table", "{schema: public, name: outbox}");
+    (
+        common::with_spec_line(&yaml, "table", "{schema: public, name: outbox}"),
+        guard,
+    )
+}
+
+/// Writes rows with ids of `kind`, runs a relay in `mode` to `target` until the table
+/// is empty (every row published and deleted), and checks every message.
+async fn ids_arrive_as_text_in_order(kind: IdKind, mode: Mode, target: Target) {
+    let mut db = common::fresh_database().await;
+    create_table(&db.client, kind).await;
+    let (broker, sink) = open(target).await;
+    let (yaml, guard) = relay_yaml(&db, &broker, mode, "50ms", "ids").await;
 
     let mut written = Written::default();
     write(&mut db.client, kind, TRANSACTIONS_PER_HALF, &mut written).await;

@@ -12,26 +12,17 @@
 //! its aggregate's next `seq`), the Kafka reader and the checker are relay_ids.rs's.
 
 use crate::common;
-use crate::relay_ids::{self, IdKind, Sink, Written};
+use crate::relay_ids::{self, IdKind, Mode, Sink, Written};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{RelayBroker, RelayOptions, RelayProcess, SlotGuard};
+use common::{RelayBroker, RelayProcess, SlotGuard};
 use rand::Rng;
 
 /// SIGKILLs per crash test.
 const KILLS: usize = 5;
-
-/// The relay's mode in the crash tests.
-#[derive(Clone, Copy, Debug)]
-enum Mode {
-    /// `polling`, `afterPublish: delete`, 25 rows a batch.
-    Polling,
-    /// `logTailing` with `deleteAfterPublish: true`.
-    LogTailing,
-}
 
 /// A fresh database with relay_ids.rs's uuid table, and a fresh 3-partition topic.
 async fn uuid_table_and_topic() -> (common::TestDatabase, RelayBroker, String) {
@@ -160,28 +151,8 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> i64 {
 /// and every delivery is checked.
 async fn crash_scenario(mode: Mode) {
     let started = Instant::now();
-    let rig = common::Rig::load();
     let (db, broker, topic) = uuid_table_and_topic().await;
-    let (yaml, guard) = match mode {
-        Mode::Polling => (
-            common::with_spec_line(
-                &common::relay_config_yaml(&broker, &RelayOptions::default()),
-                "mode",
-                "{polling: {interval: 20ms, batchSize: 25, afterPublish: delete}}",
-            ),
-            None,
-        ),
-        Mode::LogTailing => {
-            let guard = SlotGuard::new(rig.pg_url(), "idkill");
-            // Rows committed from here on are in the slot's stream.
-            common::create_replication(&db.client, &guard.slot, &guard.slot).await;
-            (
-                common::log_tailing_yaml(&broker, &guard.slot, true),
-                Some(guard),
-            )
-        }
-    };
-    let yaml = debezium_table(&yaml);
+    let (yaml, guard) = relay_ids::relay_yaml(&db, &broker, mode, "20ms", "idkill").await;
     let client = &db.client;
 
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
