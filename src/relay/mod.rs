@@ -136,6 +136,9 @@ pub enum RelayError {
 /// or rolled back and every lock is released.
 pub async fn run(path: &Path) -> Result<(), RelayError> {
     crate::telemetry::init_logging();
+    // First of all: a SIGTERM while the relay is still starting (the broker slow to
+    // answer, a pod deleted as it comes up) ends it cleanly rather than by the signal.
+    let mut stop_rx = stop_on_signal()?;
     let config = RelayConfig::load(path)?;
     let mut settings = Settings::from_config(&config)?;
     // Beside the config file, where the operator's ConfigMap puts it (absent or empty:
@@ -160,11 +163,14 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
             addr: settings.listen,
             source,
         })?;
-    let broker = settings
-        .broker
-        .connect()
-        .await
-        .map_err(|e| RelayError::Broker(e.message().into_owned()))?;
+    let connected = tokio::select! {
+        connected = settings.broker.connect() => connected,
+        _ = stop_rx.wait_for(|stop| *stop) => {
+            tracing::info!("relay stopped before it connected to the broker");
+            return Ok(());
+        }
+    };
+    let broker = connected.map_err(|e| RelayError::Broker(e.message().into_owned()))?;
     let kind = settings.broker.kind();
     let shape = settings.valid.shape();
     let (broker, traces) = match settings.valid.tracing.clone() {
@@ -191,17 +197,6 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
         partitions = settings.valid.partitions,
         "relay starting"
     );
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(RelayError::Signal)?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = sigterm.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        tracing::info!("shutdown requested: finishing the in-flight batch");
-        let _ = stop_tx.send(true);
-    });
     if let Some(refusal) = pooled_sessions(&settings, &stop_rx, &health).await {
         tracing::error!(error = %refusal, "refusing to run");
         return Err(RelayError::PooledSessions(refusal));
@@ -223,6 +218,22 @@ pub async fn run(path: &Path) -> Result<(), RelayError> {
     }
     tracing::info!("relay stopped");
     result
+}
+
+/// Installs the SIGTERM and SIGINT handlers; the receiver turns `true` on either.
+fn stop_on_signal() -> Result<watch::Receiver<bool>, RelayError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(RelayError::Signal)?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutdown requested: finishing the in-flight batch");
+        let _ = stop_tx.send(true);
+    });
+    Ok(stop_rx)
 }
 
 /// Probes the database URL for a pooler that lends sessions per transaction before

@@ -194,6 +194,46 @@ fn config_hash(deployment: &Deployment) -> Option<String> {
         .cloned()
 }
 
+/// The resourceVersions of the relay's ConfigMap and Service (objects without a status).
+async fn versions_of_unchanged_children(
+    config_maps: &Api<ConfigMap>,
+    services: &Api<Service>,
+) -> [Option<String>; 2] {
+    [
+        config_maps
+            .get("orders-relay-config")
+            .await
+            .unwrap()
+            .resource_version(),
+        services
+            .get("orders-relay")
+            .await
+            .unwrap()
+            .resource_version(),
+    ]
+}
+
+/// The generations of the relay's Deployment and PodDisruptionBudget (their spec).
+async fn generations(
+    deployments: &Api<Deployment>,
+    budgets: &Api<PodDisruptionBudget>,
+) -> [Option<i64>; 2] {
+    [
+        deployments
+            .get("orders-relay")
+            .await
+            .unwrap()
+            .metadata
+            .generation,
+        budgets
+            .get("orders-relay")
+            .await
+            .unwrap()
+            .metadata
+            .generation,
+    ]
+}
+
 // ---------------------------------------------------------------------------------------
 // Tests
 
@@ -327,33 +367,15 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     )
     .await;
 
-    // A second pass changes nothing: no child's resourceVersion or generation moves and
-    // the status keeps its timestamps.
-    let before_versions: Vec<Option<String>> = vec![
-        config_maps
-            .get("orders-relay-config")
-            .await
-            .unwrap()
-            .resource_version(),
-        services
-            .get("orders-relay")
-            .await
-            .unwrap()
-            .resource_version(),
-        budgets
-            .get("orders-relay")
-            .await
-            .unwrap()
-            .resource_version(),
-    ];
-    let before_generation = deployments
-        .get("orders-relay")
-        .await
-        .unwrap()
-        .metadata
-        .generation;
+    // A second pass changes nothing: the controller writes nothing, no child's
+    // resourceVersion (the Deployment's and the budget's generation: Kubernetes moves
+    // their status, and so their resourceVersion, as pods come and go) moves, and the
+    // status keeps its timestamps.
+    let before_versions = versions_of_unchanged_children(&config_maps, &services).await;
+    let before_generations = generations(&deployments, &budgets).await;
     let before_status = relays.get("orders").await.unwrap().status;
     let reconciles = running.metrics.reconciles_total();
+    let writes = running.metrics.writes_total();
     // Touching metadata (not spec) triggers a reconcile without a new generation.
     relays
         .patch(
@@ -367,35 +389,20 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
         running.metrics.reconciles_total() > reconciles
     })
     .await;
-    let after_versions: Vec<Option<String>> = vec![
-        config_maps
-            .get("orders-relay-config")
-            .await
-            .unwrap()
-            .resource_version(),
-        services
-            .get("orders-relay")
-            .await
-            .unwrap()
-            .resource_version(),
-        budgets
-            .get("orders-relay")
-            .await
-            .unwrap()
-            .resource_version(),
-    ];
     assert_eq!(
-        before_versions, after_versions,
+        running.metrics.writes_total(),
+        writes,
+        "a no-op reconcile wrote to the API server"
+    );
+    assert_eq!(
+        before_versions,
+        versions_of_unchanged_children(&config_maps, &services).await,
         "a no-op reconcile rewrote a child"
     );
     assert_eq!(
-        before_generation,
-        deployments
-            .get("orders-relay")
-            .await
-            .unwrap()
-            .metadata
-            .generation
+        before_generations,
+        generations(&deployments, &budgets).await,
+        "a no-op reconcile changed the Deployment's or the budget's spec"
     );
     assert_eq!(before_status, relays.get("orders").await.unwrap().status);
 

@@ -156,14 +156,8 @@ async fn debeziums_table_and_connector_give_the_records_debeziums_router_sends()
             .await
             .unwrap();
     }
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/golden/debezium-router.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("../golden/debezium-router.json")).unwrap();
     let expected = golden["records"].as_array().unwrap();
     // Every record of both topics, in each topic's order.
     let mut got: BTreeMap<String, Vec<common::KcatRecord>> = BTreeMap::new();

@@ -194,6 +194,9 @@ async fn crash_scenario(mode: Mode) {
         kills += 1;
         relay = RelayProcess::start(&yaml, &db.url, &broker);
     }
+    // The last relay has started (and handles SIGTERM) before the end is looked for:
+    // the killed one may have left nothing for it to publish.
+    relay.http_addr().await;
     stop.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap_or_else(|err| panic!("writer: {err}"));
     wait_table_empty(client, &relay, Duration::from_secs(120)).await;
