@@ -1099,8 +1099,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
                     .unwrap_or_else(|err| panic!("PostgreSQL: {err}"));
                 let table = OutboxTable::inspect(
                     &client,
-                    "public",
-                    "outbox",
+                    &outbox_operator::spec::Table::named("public", "outbox"),
                     "outbox_dead_letter",
                     columns.clone(),
                     after,

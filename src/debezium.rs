@@ -381,6 +381,7 @@ pub fn translate(
             columns,
             headers: Vec::new(),
             additional_fields,
+            archive: None,
         },
         mode: ModeSpec {
             polling: None,

@@ -98,7 +98,8 @@ pub struct OutboxRelaySpec {
     #[serde(default = "default_replicas")]
     #[schemars(range(min = 0, max = 64))]
     pub replicas: i32,
-    /// How long published rows are kept (polling with `afterPublish: mark`).
+    /// How long published rows are kept: marked rows in the outbox table, archived
+    /// rows in the archive.
     #[serde(default)]
     pub retention: RetentionSpec,
     /// What happens to a row that cannot be published.
@@ -260,7 +261,9 @@ pub enum OrderingMode {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RetentionSpec {
-    /// Published rows older than this are deleted (polling with `afterPublish: mark`).
+    /// Published rows older than this are deleted: marked rows (polling with
+    /// `afterPublish: mark`) from the outbox table, archived rows from the archive
+    /// table (`spec.table.archive`), by the time they were marked or archived.
     #[serde(default = "default_retention")]
     #[schemars(length(max = 32), regex(pattern = DURATION_PATTERN))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.retention.publishedRows must be at least 1s"))]

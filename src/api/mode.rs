@@ -116,6 +116,10 @@ pub enum AfterPublish {
     Mark,
     /// Delete the row in the same transaction.
     Delete,
+    /// Move the row to the archive table (`spec.table.archive`) in the same
+    /// transaction, with the time it was moved; `retention.publishedRows` deletes it
+    /// from there later.
+    Archive,
 }
 
 /// Log-tailing mode settings.

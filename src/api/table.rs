@@ -36,6 +36,30 @@ pub struct TableSpec {
     #[schemars(length(max = 32))]
     #[x_kube(validation = Rule::new("self.filter(f, f.placement == 'partition').size() <= 1").message("spec.table.additionalFields: at most one column sets the partition"))]
     pub additional_fields: Vec<AdditionalField>,
+    /// Where published rows go instead of being deleted: moved, in the transaction
+    /// that would have deleted them, to this table, which has the outbox table's
+    /// columns plus `columns.publishedAt` (set to the time of the move). Used by
+    /// polling with `afterPublish: archive` (left out there: `<table>_archive` in the
+    /// table's schema) and, when present, by log tailing with `deleteAfterPublish`
+    /// (its back-fill, sweep and WAL-budget polling included).
+    /// `retention.publishedRows` trims it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive: Option<ArchiveSpec>,
+}
+
+/// The archive table of `spec.table.archive`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ArchiveSpec {
+    /// Schema of the archive table; the outbox table's when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub schema: Option<String>,
+    /// Name of the archive table; the outbox table's name followed by `_archive` when
+    /// left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub name: Option<String>,
 }
 
 /// A column placed in the message (one item of Debezium's
@@ -80,6 +104,7 @@ impl Default for TableSpec {
             columns: ColumnsSpec::default(),
             headers: Vec::new(),
             additional_fields: Vec::new(),
+            archive: None,
         }
     }
 }
@@ -127,7 +152,8 @@ pub struct ColumnsSpec {
     #[serde(default = "col_created_at")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub created_at: String,
-    /// Publication time, set by polling with `afterPublish: mark`.
+    /// Publication time, set by polling with `afterPublish: mark`, and the archive
+    /// table's column for the time a row was archived.
     #[serde(default = "col_published_at")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub published_at: String,

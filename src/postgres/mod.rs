@@ -19,6 +19,7 @@ pub mod hosts;
 pub mod polling;
 pub mod pooling;
 pub mod provision;
+pub mod removal;
 pub mod replication;
 pub mod snapshot;
 pub mod standby;

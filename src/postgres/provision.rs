@@ -279,6 +279,7 @@ mod tests {
                 publication: "p".into(),
                 delete_after_publish: true,
             }),
+            archive: None,
         }
     }
 
@@ -331,6 +332,7 @@ mod tests {
             unpublished_before_slot: None,
             other_markers: Vec::new(),
             backlog: None,
+            archive: None,
         }
     }
 

@@ -14,8 +14,8 @@
 
 use tokio_postgres::Client;
 
-use super::table::{IdKind, id_param};
-use super::{PgError, RowId, db, quote};
+use super::table::IdKind;
+use super::{PgError, db};
 
 /// Type OID of `bytea`: its text form is `\x` + hex and is decoded back to bytes, so a
 /// bytea payload is published as the stored bytes (as the polling relay does).
@@ -455,51 +455,6 @@ pub async fn current_snapshot(client: &Client) -> Result<String, PgError> {
         .await
         .map_err(db("reading the current snapshot"))?
         .get(0))
-}
-
-/// The statement that deletes published rows by id (`$1`: the ids, `int8[]`).
-///
-/// The id column is compared as it is, never cast: `id::int8 = ANY(…)` on an
-/// `integer` or `smallint` id is an expression the primary key cannot serve, and every
-/// chunk became a sequential scan of the whole table. PostgreSQL compares the integer
-/// types with each other inside one operator family, so the key serves all three.
-pub fn delete_rows_sql(schema: &str, table: &str, id_column: &str) -> String {
-    delete_rows_sql_of(schema, table, id_column, IdKind::Int)
-}
-
-/// [`delete_rows_sql`] for ids of `kind`: a uuid or text id compares with the parameter
-/// cast to the column's type, so its key serves too.
-fn delete_rows_sql_of(schema: &str, table: &str, id_column: &str, kind: IdKind) -> String {
-    let array = match kind {
-        IdKind::Int => "$1::int8[]".to_owned(),
-        IdKind::Text { cast } => format!("$1::text[]::{cast}[]"),
-    };
-    format!(
-        "DELETE FROM {}.{} WHERE {} = ANY({array})",
-        quote(schema),
-        quote(table),
-        quote(id_column)
-    )
-}
-
-/// Deletes published rows by id (`kind`: how the id column compares, see
-/// [`id_kind_of`]). The deletes stream through the slot too, and are ignored there (the
-/// publication publishes inserts only; the relay ignores deletes).
-pub async fn delete_rows(
-    client: &Client,
-    schema: &str,
-    table: &str,
-    id_column: &str,
-    kind: IdKind,
-    ids: &[RowId],
-) -> Result<u64, PgError> {
-    client
-        .execute(
-            &delete_rows_sql_of(schema, table, id_column, kind),
-            &[&*id_param(kind, ids)],
-        )
-        .await
-        .map_err(db("deleting published rows"))
 }
 
 /// How the ids of `schema.table`'s `id_column` compare (its type, read from the

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use super::polling::partition_expr;
+use super::removal::{self, Removal};
 use super::{OutboxRow, PgError, RowId, db, quote};
 use crate::api::AfterPublish;
 
@@ -104,7 +105,10 @@ pub struct OutboxTable {
     columns: Columns,
     /// Every column of the table, quoted, for the dead-letter copy.
     all_columns: Vec<String>,
-    after_publish: AfterPublish,
+    /// How published rows leave the table (`None`: they are marked).
+    removal: Option<Removal>,
+    /// Where they go, with `afterPublish: archive`.
+    archive: Option<crate::spec::Archive>,
     /// `WHERE <publishedAt> IS NULL` where the table has that column, else empty: a
     /// row marked published is never unpublished, whatever the mode.
     unpublished_where: String,
@@ -146,16 +150,18 @@ impl SelectSql {
 
 impl OutboxTable {
     /// Reads the table's columns and builds its SQL. Fails with one line naming what is
-    /// missing when the table or a configured column does not exist.
+    /// missing when the table or a configured column does not exist, or when the
+    /// archive (`table.archive`, used unless `after_publish` marks rows) cannot take
+    /// its rows.
     pub async fn inspect(
         client: &Client,
-        schema: &str,
-        table: &str,
+        spec: &crate::spec::Table,
         dead_letter_table: &str,
         mut columns: Columns,
         after_publish: AfterPublish,
         partitions: i32,
     ) -> Result<Self, PgError> {
+        let (schema, table) = (spec.schema.as_str(), spec.name.as_str());
         let rows = client
             .query(
                 "SELECT column_name::text, data_type::text FROM information_schema.columns \
@@ -354,7 +360,27 @@ impl OutboxTable {
                 ),
             },
         };
+        let archive = spec
+            .archive
+            .clone()
+            .filter(|_| after_publish != AfterPublish::Mark);
+        let removal = match after_publish {
+            AfterPublish::Mark => None,
+            AfterPublish::Delete | AfterPublish::Archive => Some(
+                Removal::resolve(
+                    client,
+                    (schema, table),
+                    &columns.id,
+                    id_kind,
+                    archive.as_ref(),
+                    &columns.published_at,
+                )
+                .await?,
+            ),
+        };
         Ok(Self {
+            removal,
+            archive,
             qualified,
             dead_letter: format!("{}.{}", quote(schema), quote(dead_letter_table)),
             all_columns: existing.iter().map(|(c, _)| quote(c)).collect(),
@@ -362,7 +388,6 @@ impl OutboxTable {
                 .strip_suffix(" AND ")
                 .map_or_else(String::new, |c| format!("WHERE {c}")),
             columns,
-            after_publish,
             partitions,
             select,
             extra_kinds,
@@ -481,7 +506,8 @@ impl OutboxTable {
         }
     }
 
-    /// Marks (`published_at = now()`) or deletes published rows, per `afterPublish`.
+    /// Marks (`published_at = now()`), deletes or archives published rows, per
+    /// `afterPublish`, in the batch's transaction.
     pub async fn finish_published(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
@@ -490,28 +516,21 @@ impl OutboxTable {
         if ids.is_empty() {
             return Ok(());
         }
-        let any = format!("{} = ANY({})", quote(&self.columns.id), self.id_array("$1"));
-        let sql = match self.after_publish {
-            AfterPublish::Mark => format!(
-                "UPDATE {} SET {} = now() WHERE {any}",
-                self.qualified,
-                quote(&self.columns.published_at),
-            ),
-            AfterPublish::Delete => format!("DELETE FROM {} WHERE {any}", self.qualified),
-        };
+        if let Some(removal) = &self.removal {
+            removal.remove(tx, ids).await?;
+            return Ok(());
+        }
+        let sql = format!(
+            "UPDATE {} SET {} = now() WHERE {} = ANY({})",
+            self.qualified,
+            quote(&self.columns.published_at),
+            quote(&self.columns.id),
+            removal::id_array(self.id_kind),
+        );
         tx.execute(&sql, &[&*id_param(self.id_kind, ids)])
             .await
             .map_err(db("marking published rows"))?;
         Ok(())
-    }
-
-    /// Parameter `param` (from [`id_param`]) as an array of the id column's type: the
-    /// cast is on the parameter, so the id's index serves the comparison.
-    fn id_array(&self, param: &str) -> String {
-        match self.id_kind {
-            IdKind::Int => format!("{param}::int8[]"),
-            IdKind::Text { cast } => format!("{param}::text[]::{cast}[]"),
-        }
     }
 
     /// Creates the dead-letter table when it does not exist: the outbox's columns plus
@@ -546,7 +565,7 @@ impl OutboxTable {
                     "WITH moved AS (DELETE FROM {} WHERE {id_col} = ANY({}) RETURNING {cols}) \
                      INSERT INTO {} ({cols}, dead_letter_reason) SELECT {cols}, $2 FROM moved",
                     self.qualified,
-                    self.id_array("$1"),
+                    removal::id_array(self.id_kind),
                     self.dead_letter
                 ),
                 &[&*ids, &reason],
@@ -585,31 +604,45 @@ impl OutboxTable {
         }
     }
 
-    /// Deletes up to `limit` rows published before `older_than`; returns how many. Each
-    /// call is its own short statement, so retention never holds long locks.
+    /// Deletes up to `limit` rows published before `older_than` — marked rows from the
+    /// table, then archived ones from the archive — and returns how many. Marked rows go
+    /// whatever `afterPublish` is now: a table polled with `mark` before keeps them
+    /// otherwise for good. Each call is short statements, so retention never holds long
+    /// locks.
     pub async fn delete_published_before(
         &self,
         client: &Client,
         older_than: Duration,
         limit: i64,
     ) -> Result<u64, PgError> {
-        if self.after_publish == AfterPublish::Delete {
-            return Ok(0);
+        let mut deleted = 0;
+        if !self.unpublished_where.is_empty() {
+            let id = quote(&self.columns.id);
+            let at = quote(&self.columns.published_at);
+            deleted = client
+                .execute(
+                    &format!(
+                        "DELETE FROM {t} WHERE {id} IN (SELECT {id} FROM {t} \
+                         WHERE {at} < now() - make_interval(secs => $1) \
+                         ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                        t = self.qualified
+                    ),
+                    &[&older_than.as_secs_f64(), &limit],
+                )
+                .await
+                .map_err(db("deleting old published rows"))?;
         }
-        let id = quote(&self.columns.id);
-        let at = quote(&self.columns.published_at);
-        client
-            .execute(
-                &format!(
-                    "DELETE FROM {t} WHERE {id} IN (SELECT {id} FROM {t} \
-                     WHERE {at} < now() - make_interval(secs => $1) \
-                     ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED)",
-                    t = self.qualified
-                ),
-                &[&older_than.as_secs_f64(), &limit],
+        if let Some(archive) = self.archive.as_ref().filter(|_| deleted < limit as u64) {
+            deleted += removal::trim(
+                client,
+                archive,
+                &self.columns.published_at,
+                older_than,
+                limit,
             )
-            .await
-            .map_err(db("deleting old published rows"))
+            .await?;
+        }
+        Ok(deleted)
     }
 
     /// Rows waiting to be published and the age in seconds of the oldest (when the table

@@ -60,6 +60,7 @@ mod log_tailing;
 pub mod metrics;
 pub mod ownership;
 mod polling;
+mod retention;
 pub mod traces;
 
 use std::path::Path;

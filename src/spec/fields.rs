@@ -1,5 +1,6 @@
 //! Rules of the spec's lists of names: the extra columns a message carries
-//! (`table.additionalFields`) and the standby slots log tailing waits for.
+//! (`table.additionalFields`), the archive table and the standby slots log tailing
+//! waits for.
 
 use super::Problems;
 use crate::rules::{RESERVED_HEADERS, check_identifier, check_slot_name};
@@ -126,6 +127,54 @@ pub(super) fn identifier(p: &mut Problems, field: &str, value: &str) {
             "use letters, digits and _ (the name is quoted in SQL exactly as written)",
         );
     }
+}
+
+/// `spec.table.archive`, its names defaulted, where the mode moves published rows
+/// there: polling with `afterPublish: archive` (archive or not defaulted) and log tailing
+/// with `deleteAfterPublish`. Anywhere else the archive would never be written: said.
+pub(super) fn archive(
+    spec: &crate::api::OutboxRelaySpec,
+    mode: Option<&super::ValidMode>,
+    p: &mut Problems,
+) -> Option<super::Archive> {
+    use super::ValidMode;
+    use crate::api::AfterPublish;
+    let t = &spec.table;
+    let archives = match mode? {
+        ValidMode::Polling(poll) => poll.after_publish == AfterPublish::Archive,
+        ValidMode::LogTailing(lt) => t.archive.is_some() && lt.delete_after_publish,
+    };
+    if !archives {
+        if t.archive.is_some() {
+            let (why, fix) = match mode? {
+                ValidMode::Polling(_) => (
+                    "polling moves published rows to the archive only with afterPublish: archive",
+                    "set spec.mode.polling.afterPublish: archive, or remove spec.table.archive",
+                ),
+                ValidMode::LogTailing(_) => (
+                    "log tailing keeps published rows in the table (deleteAfterPublish: false), so none is archived",
+                    "set deleteAfterPublish: true, or remove spec.table.archive",
+                ),
+            };
+            p.push("spec.table.archive", why, fix);
+        }
+        return None;
+    }
+    let given = t.archive.clone().unwrap_or_default();
+    let archive = super::Archive {
+        schema: given.schema.unwrap_or_else(|| t.schema.clone()),
+        name: given.name.unwrap_or_else(|| format!("{}_archive", t.name)),
+    };
+    identifier(p, "spec.table.archive.schema", &archive.schema);
+    identifier(p, "spec.table.archive.name", &archive.name);
+    if (archive.schema.as_str(), archive.name.as_str()) == (t.schema.as_str(), t.name.as_str()) {
+        p.push(
+            "spec.table.archive",
+            "names the outbox table itself",
+            "name another table (by default <table>_archive)",
+        );
+    }
+    Some(archive)
 }
 
 /// `synchronizedStandbySlots`: physical slot names, each once.

@@ -145,11 +145,46 @@ pub struct Table {
     pub headers: Vec<String>,
     /// `table.additionalFields`, validated.
     pub additional: Vec<crate::api::AdditionalField>,
+    /// Where published rows are moved instead of deleted (`spec.table.archive`,
+    /// defaults filled in); `None`: they are deleted (or marked).
+    pub archive: Option<Archive>,
+}
+
+/// The archive table, its names resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Archive {
+    /// Schema.
+    pub schema: String,
+    /// Table name.
+    pub name: String,
 }
 
 pub use crate::broker::Placed;
 
 impl Table {
+    /// `schema.name` with the default (Debezium's) column names, no extra column and no
+    /// archive: a table looked at outside a relay (benchmarks, tools).
+    pub fn named(schema: &str, name: &str) -> Self {
+        let c = crate::api::ColumnsSpec::default();
+        Self {
+            schema: schema.to_owned(),
+            name: name.to_owned(),
+            columns: Columns {
+                id: c.id,
+                aggregate_type: c.aggregate_type,
+                aggregate_id: c.aggregate_id,
+                event_type: c.r#type,
+                payload: c.payload,
+                created_at: c.created_at,
+                published_at: c.published_at,
+                timestamp: c.timestamp,
+            },
+            headers: Vec::new(),
+            additional: Vec::new(),
+            archive: None,
+        }
+    }
+
     /// Every extra column and where it goes: `headers` (under the column's name), then
     /// `additionalFields`.
     pub fn placed(&self) -> Vec<Placed> {
@@ -185,7 +220,7 @@ pub struct Polling {
     pub interval: Duration,
     /// Rows per batch.
     pub batch_size: i64,
-    /// Mark or delete.
+    /// Mark, delete or archive.
     pub after_publish: AfterPublish,
     /// Batch loops per relay process, each on its own session.
     pub workers: usize,
@@ -439,7 +474,13 @@ impl ValidRelay {
         let mut relay = self.relay.clone();
         relay.spec.mode.log_tailing = None;
         relay.spec.mode.polling = Some(PollingSpec {
-            after_publish: AfterPublish::Delete,
+            // Published rows leave the table as the tail's do: archived when it
+            // archives them.
+            after_publish: if self.table.archive.is_some() {
+                AfterPublish::Archive
+            } else {
+                AfterPublish::Delete
+            },
             ..PollingSpec::default()
         });
         parse(&relay).ok()

@@ -31,6 +31,10 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
     let table = table(spec, &mut p);
     let (cloud_events, tracing) = message(spec, &namespace, &name, &mut p);
     let mode = mode(spec, &namespace, &name, &mut p);
+    let table = Table {
+        archive: super::fields::archive(spec, mode.as_ref(), &mut p),
+        ..table
+    };
     let broker = broker(spec, &mut p);
     let (partitions, retention) = ordering(spec, mode.as_ref(), &mut p);
     let failure = failure(spec, &table.name, &mut p);
@@ -219,6 +223,7 @@ fn table(spec: &OutboxRelaySpec, p: &mut Problems) -> Table {
         columns,
         headers: t.headers.clone(),
         additional: t.additional_fields.clone(),
+        archive: None,
     }
 }
 

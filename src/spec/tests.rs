@@ -454,3 +454,74 @@ fn standby_slots_are_physical_slot_names_named_once() {
     };
     assert!(l.standby_slots.is_empty());
 }
+
+#[test]
+fn the_archive_is_defaulted_where_the_mode_moves_rows_there_and_refused_elsewhere() {
+    let archive_of = |yaml: &str| parse(&relay(yaml)).map(|v| v.table.archive);
+    let polling = |after: &str, table: &str| {
+        BASE.replace(
+            "{polling: {}}",
+            &format!("{{polling: {{afterPublish: {after}}}}}"),
+        )
+        .replace("  mode:", &format!("  table: {table}\n  mode:"))
+    };
+    assert_eq!(
+        archive_of(&polling("archive", "{name: events}")).unwrap(),
+        Some(Archive {
+            schema: "public".to_owned(),
+            name: "events_archive".to_owned()
+        })
+    );
+    assert_eq!(
+        archive_of(&polling(
+            "archive",
+            "{schema: app, archive: {schema: history, name: sent}}"
+        ))
+        .unwrap(),
+        Some(Archive {
+            schema: "history".to_owned(),
+            name: "sent".to_owned()
+        })
+    );
+    // The backfill relay of an archiving log-tailing relay archives too.
+    let tailing = BASE
+        .replace("{polling: {}}", "{logTailing: {}}")
+        .replace("  mode:", "  table: {archive: {}}\n  mode:");
+    let valid = parse(&relay(&tailing)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        valid.table.archive.as_ref().map(|a| a.name.as_str()),
+        Some("outbox_archive")
+    );
+    let backfill = valid.backfill().expect("a backfill relay");
+    let ValidMode::Polling(p) = &backfill.mode else {
+        panic!("the backfill relay polls")
+    };
+    assert_eq!(p.after_publish, AfterPublish::Archive);
+    assert_eq!(backfill.table.archive, valid.table.archive);
+    // Without the archive, log tailing deletes and its backfill relay too.
+    let plain = parse(&relay(&BASE.replace("{polling: {}}", "{logTailing: {}}")))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(plain.table.archive, None);
+    let ValidMode::Polling(p) = &plain.backfill().expect("backfill").mode else {
+        panic!("the backfill relay polls")
+    };
+    assert_eq!(p.after_publish, AfterPublish::Delete);
+    // An archive that would never be written, or that is the outbox table itself.
+    for yaml in [
+        polling("delete", "{archive: {}}"),
+        polling("mark", "{archive: {name: old}}"),
+        BASE.replace("{polling: {}}", "{logTailing: {deleteAfterPublish: false}}")
+            .replace("  mode:", "  table: {archive: {}}\n  mode:"),
+        polling("archive", "{archive: {name: outbox}}"),
+        polling("archive", "{archive: {name: \"bad name\"}}"),
+    ] {
+        assert_eq!(
+            fields(&relay(&yaml))
+                .iter()
+                .filter(|f| f.starts_with("spec.table.archive"))
+                .count(),
+            1,
+            "{yaml}"
+        );
+    }
+}

@@ -1733,6 +1733,7 @@ pub async fn create_replication_for(
             publication: publication.to_owned(),
             delete_after_publish: true,
         }),
+        archive: None,
     };
     outbox_operator::postgres::provision::provision(client, &plan, owner)
         .await

@@ -28,6 +28,7 @@ fn plan(slot: &str, delete_after_publish: bool) -> Plan {
             publication: slot.to_owned(),
             delete_after_publish,
         }),
+        archive: None,
     }
 }
 
@@ -297,10 +298,10 @@ async fn the_id_checks_take_uuid_and_text_ids_and_refuse_what_no_relay_can_read(
     let inspect = |table: &'static str| {
         let client = &db.client;
         async move {
+            let spec = outbox_operator::spec::Table::named("public", table);
             outbox_operator::postgres::table::OutboxTable::inspect(
                 client,
-                "public",
-                table,
+                &spec,
                 "unused_dead_letter",
                 outbox_operator::postgres::table::Columns {
                     id: "id".into(),
@@ -335,4 +336,118 @@ async fn the_id_checks_take_uuid_and_text_ids_and_refuse_what_no_relay_can_read(
         refused.to_string().contains("column id is numeric"),
         "{refused}"
     );
+}
+
+/// The archive check on a real server: a missing archive, one lacking a column, and a
+/// role without the privileges each fail with a statement to run; running it (as the
+/// test does, verbatim) makes the check pass. The relay builds its move from the same
+/// column rule, so an archive the check passes is one the relay can move rows into.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_archive_check_names_what_to_run_and_passes_once_it_is_run() {
+    let db = common::fresh_database().await;
+    let client = &db.client;
+    common::create_outbox_table(client, 4).await;
+    let mut p = plan("unused_archive_slot", true);
+    p.archive = Some(admin::ArchivePlan {
+        schema: "public".to_owned(),
+        name: "outbox_archive".to_owned(),
+        moved_at: "published_at".to_owned(),
+    });
+    let archive_check = |facts: &admin::Facts| {
+        admin::evaluate(&p, facts)
+            .into_iter()
+            .find(|c| c.name == "archive")
+            .expect("an archive check")
+    };
+    // What the message says to run, between `run ` and `end`.
+    let statement = |message: &str, end: &str| -> String {
+        let from = message.find("run ").expect("a statement to run") + 4;
+        let rest = &message[from..];
+        rest[..rest.find(end).unwrap_or(rest.len())].to_owned()
+    };
+
+    let check = archive_check(&admin::gather(client, &p).await.unwrap());
+    assert_eq!(
+        (check.ok, check.reason),
+        (false, "ArchiveNotFound"),
+        "{}",
+        check.message
+    );
+    client
+        .batch_execute(&statement(&check.message, " (and"))
+        .await
+        .unwrap_or_else(|err| panic!("{}: {err}", check.message));
+    let check = archive_check(&admin::gather(client, &p).await.unwrap());
+    assert_eq!(
+        (check.ok, check.reason),
+        (true, "ArchiveReady"),
+        "{}",
+        check.message
+    );
+
+    client
+        .batch_execute("ALTER TABLE public.outbox_archive DROP COLUMN traceparent")
+        .await
+        .unwrap();
+    let check = archive_check(&admin::gather(client, &p).await.unwrap());
+    assert_eq!(
+        (check.ok, check.reason),
+        (false, "ArchiveColumns"),
+        "{}",
+        check.message
+    );
+    assert!(
+        check.message.contains("no column traceparent (text)"),
+        "{}",
+        check.message
+    );
+    client
+        .batch_execute(&statement(&check.message, "\u{0}"))
+        .await
+        .unwrap_or_else(|err| panic!("{}: {err}", check.message));
+    assert!(archive_check(&admin::gather(client, &p).await.unwrap()).ok);
+
+    let role = format!("archive_reader_{}", common::unique_suffix());
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} NOLOGIN;
+             GRANT SELECT ON public.outbox, public.outbox_archive TO {role};
+             SET ROLE {role};"
+        ))
+        .await
+        .unwrap();
+    let facts = admin::gather(client, &p).await.unwrap();
+    client.batch_execute("RESET ROLE").await.unwrap();
+    let check = archive_check(&facts);
+    assert_eq!(
+        (check.ok, check.reason),
+        (false, "ArchivePermissionDenied"),
+        "{}",
+        check.message
+    );
+    assert!(
+        check.message.contains("lacks INSERT, DELETE"),
+        "{}",
+        check.message
+    );
+    client
+        .batch_execute(&format!(
+            "{}; SET ROLE {role}",
+            statement(&check.message, "\u{0}")
+        ))
+        .await
+        .unwrap_or_else(|err| panic!("{}: {err}", check.message));
+    let facts = admin::gather(client, &p).await.unwrap();
+    client
+        .batch_execute(&format!(
+            "RESET ROLE; DROP OWNED BY {role}; DROP ROLE {role}"
+        ))
+        .await
+        .unwrap();
+    assert!(
+        archive_check(&facts).ok,
+        "{}",
+        archive_check(&facts).message
+    );
+    db.drop_database().await;
 }

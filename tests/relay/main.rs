@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod relay_archive;
 mod relay_broker_tls;
 mod relay_brokers;
 mod relay_cloudevents;

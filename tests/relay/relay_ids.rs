@@ -123,6 +123,13 @@ pub(crate) struct Written {
     seqs: HashMap<String, i64>,
 }
 
+impl Written {
+    /// The payload (as `payload::text`) row `id` was written with; `None`: no such row.
+    pub(crate) fn payload_of(&self, id: &str) -> Option<&str> {
+        self.rows.get(id).map(|row| row.payload.as_str())
+    }
+}
+
 /// Creates `public.outbox` with Debezium's columns and an id of `kind`, and the
 /// UUIDv7-like generator.
 pub(crate) async fn create_table(client: &tokio_postgres::Client, kind: IdKind) {

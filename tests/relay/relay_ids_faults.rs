@@ -12,6 +12,7 @@
 //! its aggregate's next `seq`), the Kafka reader and the checker are relay_ids.rs's.
 
 use crate::common;
+use crate::relay_archive;
 use crate::relay_ids::{self, IdKind, Mode, Sink, Written};
 
 use std::sync::Arc;
@@ -148,12 +149,20 @@ async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> i64 {
 /// [`KILLS`] times, each time once the running process has published a random 5–40
 /// messages (tailing: and confirmed past where the slot stood) and a random 0–40 ms
 /// later, and restarted on the same config; then the writer stops, the table drains,
-/// and every delivery is checked.
-async fn crash_scenario(mode: Mode) {
+/// and every delivery is checked. With `archive`, published rows move to an archive
+/// (relay_archive.rs): no row is ever in both tables, and in the end every row written
+/// is archived exactly once.
+async fn crash_scenario(mode: Mode, archive: bool) {
     let started = Instant::now();
     let (db, broker, topic) = uuid_table_and_topic().await;
     let (yaml, guard) = relay_ids::relay_yaml(&db, &broker, mode, "20ms", "idkill").await;
     let client = &db.client;
+    let yaml = if archive {
+        relay_archive::create_archive(client).await;
+        relay_archive::archiving(&yaml)
+    } else {
+        yaml
+    };
 
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     if let Some(guard) = &guard {
@@ -161,6 +170,9 @@ async fn crash_scenario(mode: Mode) {
     }
     let stop = Arc::new(AtomicBool::new(false));
     let writer = start_writer(db.url.clone(), stop.clone());
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watching =
+        archive.then(|| relay_archive::watch_both_tables(db.url.clone(), watch_stop.clone()));
     let mut kills = 0;
     for _ in 0..KILLS {
         // Kill only once this process publishes (and, tailing, has confirmed something
@@ -200,6 +212,7 @@ async fn crash_scenario(mode: Mode) {
     stop.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap_or_else(|err| panic!("writer: {err}"));
     wait_table_empty(client, &relay, Duration::from_secs(120)).await;
+    watch_stop.store(true, Ordering::Relaxed);
     let status = relay.terminate(Duration::from_secs(20));
     assert!(
         status.success(),
@@ -216,10 +229,20 @@ async fn crash_scenario(mode: Mode) {
     read_and_check(
         &topic,
         &written,
-        &format!("uuid ids, {mode:?}, {kills} SIGKILLs"),
+        &format!("uuid ids, {mode:?}, {kills} SIGKILLs, archive {archive}"),
         started,
     )
     .await;
+    if let Some(watching) = watching {
+        let both = watching
+            .await
+            .unwrap_or_else(|err| panic!("watcher: {err}"));
+        assert_eq!(
+            both, 0,
+            "rows seen in the outbox table and the archive at once"
+        );
+        relay_archive::check_archived_once(client, &written).await;
+    }
     drop(guard);
     db.drop_database().await;
 }
@@ -230,7 +253,7 @@ async fn crash_scenario(mode: Mode) {
 /// duplicates counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uuid_ids_polled_survive_sigkills_without_loss_or_reordering() {
-    crash_scenario(Mode::Polling).await;
+    crash_scenario(Mode::Polling, false).await;
 }
 
 /// Tailing a uuid table's log, SIGKILLed 5 times mid-stream under a steady writer: each
@@ -238,7 +261,24 @@ async fn uuid_ids_polled_survive_sigkills_without_loss_or_reordering() {
 /// and keeps each aggregate's first deliveries in commit order; duplicates counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uuid_ids_tailed_survive_sigkills_without_loss_or_reordering() {
-    crash_scenario(Mode::LogTailing).await;
+    crash_scenario(Mode::LogTailing, false).await;
+}
+
+/// The polling crash run with `afterPublish: archive`: each batch's rows move to the
+/// archive in the transaction that published them, so a relay killed mid-batch leaves
+/// every row in exactly one table (watched throughout), and every row written ends up
+/// archived exactly once, besides every delivery check above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_ids_polled_and_archived_survive_sigkills_in_exactly_one_table() {
+    crash_scenario(Mode::Polling, true).await;
+}
+
+/// The log-tailing crash run with an archive: the delete task moves the published rows;
+/// a commit streamed again after a kill finds its rows archived already and archives
+/// nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_ids_tailed_and_archived_survive_sigkills_in_exactly_one_table() {
+    crash_scenario(Mode::LogTailing, true).await;
 }
 
 /// Aggregates whose rows left in the table are in another order by id than by

@@ -1044,12 +1044,13 @@ async fn a_relay_killed_before_deleting_published_rows_leaves_none_behind() {
 }
 
 /// `deleteAfterPublish` deletes through the primary key whatever integer type the id
-/// column has. The statement once cast the column (`id::int8 = ANY($1)`), which no
-/// index serves: on a `serial` id every chunk of 1,000 deletes read the whole table.
-/// Checked on the plan PostgreSQL chooses for the relay's own statement, and by running
-/// it.
+/// column has, and so does the move into an archive table. The statement once cast the
+/// column (`id::int8 = ANY($1)`), which no index serves: on a `serial` id every chunk
+/// of 1,000 deletes read the whole table. Checked on the plan PostgreSQL chooses for the
+/// relay's own statements, and by running them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_rows_are_deleted_through_the_primary_key_for_every_integer_id_type() {
+    use outbox_operator::postgres::removal::Removal;
     let db = common::fresh_database().await;
     for ty in ["smallint", "integer", "bigint"] {
         let table = format!("outbox_{ty}");
@@ -1057,37 +1058,55 @@ async fn published_rows_are_deleted_through_the_primary_key_for_every_integer_id
             .batch_execute(&format!(
                 "CREATE TABLE public.{table} (id {ty} PRIMARY KEY, payload text NOT NULL);
                  INSERT INTO public.{table} SELECT i, repeat('x', 100) FROM generate_series(1, 20000) AS i;
-                 ANALYZE public.{table};"
+                 ANALYZE public.{table};
+                 CREATE TABLE public.{table}_archive (LIKE public.{table}, published_at timestamptz NOT NULL);"
             ))
             .await
             .unwrap();
-        let sql = outbox_operator::postgres::replication::delete_rows_sql("public", &table, "id");
-        let ids: Vec<i64> = (1..=1000).map(|i| i * 7).collect();
-        let plan: Vec<String> = db
-            .client
-            .query(&format!("EXPLAIN {sql}"), &[&ids])
+        let archive = outbox_operator::spec::Archive {
+            schema: "public".to_owned(),
+            name: format!("{table}_archive"),
+        };
+        for (archive, first) in [(None, 1), (Some(&archive), 2)] {
+            let removal = Removal::resolve(
+                &db.client,
+                ("public", &table),
+                "id",
+                outbox_operator::postgres::table::IdKind::Int,
+                archive,
+                "published_at",
+            )
             .await
-            .unwrap_or_else(|err| panic!("EXPLAIN {sql}: {err}"))
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let plan = plan.join("\n");
-        assert!(
-            plan.contains(&format!("Index Scan using {table}_pkey")) && !plan.contains("Seq Scan"),
-            "{ty} id: the delete does not go through the primary key:\n{plan}"
-        );
-        let row_ids: Vec<outbox_operator::postgres::RowId> =
-            ids.iter().map(|i| (*i).into()).collect();
-        let deleted = outbox_operator::postgres::replication::delete_rows(
-            &db.client,
-            "public",
-            &table,
-            "id",
-            outbox_operator::postgres::table::IdKind::Int,
-            &row_ids,
-        )
-        .await
-        .unwrap();
-        assert_eq!(deleted, 1000, "{ty} id: rows deleted");
+            .unwrap_or_else(|err| panic!("{ty} id: {err}"));
+            assert_eq!(removal.archives(), archive.is_some());
+            let sql = removal.sql();
+            // Odd ids (deleting), then even ones (moving): rows still there.
+            let ids: Vec<i64> = (1..=1000).map(|i| 2 * i - 2 + first).collect();
+            let plan: Vec<String> = db
+                .client
+                .query(&format!("EXPLAIN {sql}"), &[&ids])
+                .await
+                .unwrap_or_else(|err| panic!("EXPLAIN {sql}: {err}"))
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let plan = plan.join("\n");
+            assert!(
+                plan.contains(&format!("Index Scan using {table}_pkey"))
+                    && !plan.contains("Seq Scan"),
+                "{ty} id: {sql} does not go through the primary key:\n{plan}"
+            );
+            let row_ids: Vec<outbox_operator::postgres::RowId> =
+                ids.iter().map(|i| (*i).into()).collect();
+            let removed = removal.remove(&db.client, &row_ids).await.unwrap();
+            assert_eq!(removed, 1000, "{ty} id: rows taken out by {sql}");
+        }
+        let archived: i64 = db
+            .client
+            .query_one(&format!("SELECT count(*) FROM public.{table}_archive"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(archived, 1000, "{ty} id: rows archived");
     }
 }

@@ -98,6 +98,7 @@ pub(super) fn facts(
         unpublished_before_slot: None,
         other_markers: Vec::new(),
         backlog: None,
+        archive: None,
     }))
 }
 

@@ -112,6 +112,14 @@ pub fn evaluate(plan: &Plan, facts: &Facts) -> Vec<Check> {
             ));
         }
     }
+    if let (Some(archive), Some(archive_facts)) = (&plan.archive, &facts.archive) {
+        checks.push(super::archive::check(
+            archive,
+            archive_facts,
+            &plan.qualified(),
+            &s.user,
+        ));
+    }
     let Some(lt) = &plan.log_tailing else {
         return checks;
     };
@@ -371,6 +379,7 @@ mod tests {
             unpublished_before_slot: None,
             other_markers: Vec::new(),
             backlog: None,
+            archive: None,
         }
     }
 

@@ -165,6 +165,12 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             .map(|m| m.marker)
             .collect();
     }
+    let archive = match &plan.archive {
+        Some(archive) if table.exists => {
+            Some(super::archive::gather(client, archive, (&plan.schema, &plan.table)).await?)
+        }
+        _ => None,
+    };
     Ok(Facts {
         server,
         table,
@@ -173,6 +179,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         unpublished_before_slot: None,
         other_markers,
         backlog: None,
+        archive,
     })
 }
 

@@ -26,6 +26,7 @@
 //! (`checks`), the slot's presence and state (`slot`), dropping (`drop`), marked
 //! publications (`orphans`) and the backlog for status (`backlog`).
 
+pub mod archive;
 mod backlog;
 mod checks;
 mod drop;
@@ -49,6 +50,7 @@ use serde::{Deserialize, Serialize};
 use super::quote;
 use crate::api::AfterPublish;
 use crate::spec::{ColumnNeed, ValidMode, ValidRelay};
+pub use archive::{ArchiveFacts, ArchivePlan};
 
 /// Prefix of the publication comment that marks the operator's objects.
 pub const MARKER_PREFIX: &str = "outbox-operator ";
@@ -133,6 +135,8 @@ pub struct Plan {
     pub privileges: Vec<(&'static str, &'static str)>,
     /// Log tailing's slot and publication; `None` for polling.
     pub log_tailing: Option<SlotPlan>,
+    /// The archive published rows move to (`spec.table.archive`).
+    pub archive: Option<ArchivePlan>,
 }
 
 impl Plan {
@@ -169,12 +173,19 @@ impl Plan {
                     privileges.push(("UPDATE", "polling with afterPublish: mark sets it"));
                     privileges.push(("DELETE", "retention deletes old published rows"));
                 }
-                AfterPublish::Delete => {
+                AfterPublish::Delete | AfterPublish::Archive => {
                     privileges.push((
                         "UPDATE",
                         "polling locks a batch's rows (SELECT … FOR UPDATE SKIP LOCKED)",
                     ));
-                    privileges.push(("DELETE", "polling with afterPublish: delete"));
+                    privileges.push((
+                        "DELETE",
+                        if p.after_publish == AfterPublish::Delete {
+                            "polling with afterPublish: delete"
+                        } else {
+                            "polling with afterPublish: archive moves rows out"
+                        },
+                    ));
                 }
             },
             ValidMode::LogTailing(l) => {
@@ -217,6 +228,11 @@ impl Plan {
             marker: t.columns.published_at.clone(),
             privileges,
             log_tailing,
+            archive: t.archive.as_ref().map(|a| ArchivePlan {
+                schema: a.schema.clone(),
+                name: a.name.clone(),
+                moved_at: t.columns.published_at.clone(),
+            }),
         }
     }
 
@@ -436,6 +452,8 @@ pub struct Facts {
     /// While a log-tailing relay polls after passing its WAL budget: the rows waiting
     /// (`None`: not measured).
     pub backlog: Option<BacklogFacts>,
+    /// The archive, when the plan has one and the outbox table exists.
+    pub archive: Option<ArchiveFacts>,
 }
 
 /// The rows waiting to be published, as the return from a fall back looks at them.

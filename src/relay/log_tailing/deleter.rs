@@ -19,6 +19,7 @@ use tokio_postgres::Client;
 
 use super::DELETE_CHUNK;
 use crate::postgres::RowId;
+use crate::postgres::removal::Removal;
 use crate::postgres::snapshot::all_visible;
 use crate::postgres::table::IdKind;
 use crate::postgres::{self, replication as repl};
@@ -32,6 +33,10 @@ pub(super) struct DeleteTarget {
     pub(super) schema: String,
     pub(super) table: String,
     pub(super) id_column: String,
+    /// Where published rows are moved instead (`spec.table.archive`).
+    pub(super) archive: Option<crate::spec::Archive>,
+    /// The archive's time-of-move column (`table.columns.publishedAt`).
+    pub(super) moved_at: String,
 }
 
 /// One published batch for the delete task.
@@ -82,23 +87,35 @@ async fn wait_visible(client: &Client, xids: &[u32]) -> Result<(), crate::postgr
     }
 }
 
-/// How the target's ids compare: integer ids need no lookup; a uuid or text id column's
-/// type is read from the catalogue once, not once per delete.
-async fn id_kind(
+/// How the target's rows leave the table (deleted, or moved to the archive), resolved
+/// from the catalogue once, not once per delete: integer ids need no lookup of the id
+/// column's type; a uuid or text id's is read.
+async fn removal<'a>(
     client: &Client,
     target: &DeleteTarget,
-    known: &mut Option<IdKind>,
+    known: &'a mut Option<Removal>,
     ids: &[RowId],
-) -> Result<IdKind, crate::postgres::PgError> {
-    if let Some(kind) = *known {
-        return Ok(kind);
-    }
-    if ids.iter().all(|id| id.as_int().is_some()) {
-        return Ok(IdKind::Int);
-    }
-    let kind = repl::id_kind_of(client, &target.schema, &target.table, &target.id_column).await?;
-    *known = Some(kind);
-    Ok(kind)
+) -> Result<&'a Removal, crate::postgres::PgError> {
+    let resolved = match known.take() {
+        Some(resolved) => resolved,
+        None => {
+            let kind = if ids.iter().all(|id| id.as_int().is_some()) {
+                IdKind::Int
+            } else {
+                repl::id_kind_of(client, &target.schema, &target.table, &target.id_column).await?
+            };
+            Removal::resolve(
+                client,
+                (&target.schema, &target.table),
+                &target.id_column,
+                kind,
+                target.archive.as_ref(),
+                &target.moved_at,
+            )
+            .await?
+        }
+    };
+    Ok(known.insert(resolved))
 }
 
 /// Deletes the ids it is handed (each batch with the commit position that covers it),
@@ -114,7 +131,7 @@ pub(super) async fn delete_loop(
     stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
-    let mut kind: Option<IdKind> = None;
+    let mut resolved: Option<Removal> = None;
     let mut backoff = Backoff::new();
     while let Some(first) = ids_rx.recv().await {
         let Handed {
@@ -144,17 +161,8 @@ pub(super) async fn delete_loop(
                         match waited {
                             Ok(()) => {
                                 visible = true;
-                                match id_kind(c, &target, &mut kind, chunk).await {
-                                    Ok(kind) => repl::delete_rows(
-                                        c,
-                                        &target.schema,
-                                        &target.table,
-                                        &target.id_column,
-                                        kind,
-                                        chunk,
-                                    )
-                                    .await
-                                    .map(|_| ()),
+                                match removal(c, &target, &mut resolved, chunk).await {
+                                    Ok(removal) => removal.remove(c, chunk).await.map(|_| ()),
                                     Err(err) => Err(err),
                                 }
                             }
@@ -180,8 +188,11 @@ pub(super) async fn delete_loop(
                             tracing::warn!(error = %err, rows = ids.len(), "shutting down with published rows not deleted; their commits stay unconfirmed and are streamed again");
                             return;
                         }
-                        tracing::warn!(error = %err, "deleting published rows failed; retrying");
+                        tracing::warn!(error = %err, "taking published rows out of the table failed; retrying");
+                        // Read again on the next connection: the table or the
+                        // archive may have changed (a column added to both).
                         client = None;
+                        resolved = None;
                         tokio::time::sleep(backoff.step()).await;
                     }
                 }

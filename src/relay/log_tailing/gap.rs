@@ -210,8 +210,7 @@ impl LogTailer {
         postgres::keep_open_while_publishing(&client).await?;
         let table = OutboxTable::inspect(
             &client,
-            &t.schema,
-            &t.name,
+            t,
             &s.dead_letter_table,
             Columns::of(t),
             AfterPublish::Delete,

@@ -268,6 +268,13 @@ impl LogTailer {
                     .lt
                     .delete_after_publish
                     .then(|| admin::Plan::for_relay(&self.settings.valid)),
+                archive: self.settings.valid.table.archive.clone().map(|a| {
+                    (
+                        a,
+                        self.columns.published_at.clone(),
+                        self.settings.retention,
+                    )
+                }),
             },
             self.covered_tx.take(),
             self.health.clone(),
@@ -290,6 +297,8 @@ impl LogTailer {
                     schema: t.schema.clone(),
                     table: t.name.clone(),
                     id_column: self.columns.id.clone(),
+                    archive: t.archive.clone(),
+                    moved_at: self.columns.published_at.clone(),
                 },
                 rx,
                 deleted_tx,
@@ -362,8 +371,7 @@ impl LogTailer {
         // Fails with one line naming a missing table or column.
         let table = OutboxTable::inspect(
             &client,
-            &t.schema,
-            &t.name,
+            t,
             &self.settings.dead_letter_table,
             self.columns.clone(),
             AfterPublish::Delete,

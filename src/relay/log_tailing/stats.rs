@@ -1,6 +1,7 @@
 //! The slot statistics task: reads the slot's state for the slot metrics and, when the
 //! relay deletes what it publishes (so the table holds exactly the unpublished rows),
-//! the table's backlog for the backlog metrics, for the life of the relay. The backlog
+//! the table's backlog for the backlog metrics, for the life of the relay; with an
+//! archive, it also deletes archived rows past the retention. The backlog
 //! count is paced by what it costs (see [`crate::postgres::admin::Pacing`]).
 
 use std::sync::Arc;
@@ -13,9 +14,10 @@ use tokio_postgres::Client;
 
 use super::{COVERAGE_EVERY, STATS_EVERY};
 use crate::postgres::coverage::coverage;
-use crate::postgres::{self, replication as repl};
+use crate::postgres::{self, removal, replication as repl};
 use crate::relay::http::Health;
 use crate::relay::metrics::{WAL_STATUSES, WalStatusLabels};
+use crate::relay::retention::{RETENTION_CHUNK, Retention};
 
 /// Where the statistics task looks.
 pub(super) struct StatsTarget {
@@ -28,6 +30,8 @@ pub(super) struct StatsTarget {
     pub(super) table: String,
     /// With `deleteAfterPublish`: the plan whose backlog the table shows.
     pub(super) backlog: Option<crate::postgres::admin::Plan>,
+    /// With an archive: it, its time-of-move column, and how long archived rows stay.
+    pub(super) archive: Option<(crate::spec::Archive, String, std::time::Duration)>,
 }
 
 /// Reads the slot's statistics every [`STATS_EVERY`] on its own connection, for the
@@ -51,13 +55,20 @@ pub(super) async fn slot_stats_loop(
         schema,
         table,
         backlog,
+        archive,
     } = target;
+    let mut retention = archive
+        .as_ref()
+        .map(|(_, _, keep)| Retention::new(&schema, &table, *keep));
     let mut client: Option<Client> = None;
     let mut last_stats: Option<Instant> = None;
     let mut backlog_pacing = crate::postgres::admin::Pacing::new(STATS_EVERY);
     loop {
         if client.as_ref().is_none_or(Client::is_closed) {
             client = postgres::connect(&url, &env, &tls).await.ok();
+            if let Some(retention) = retention.as_mut() {
+                retention.new_session();
+            }
         }
         if let (Some(c), Some(covered)) = (&client, &covered) {
             match coverage(c, &publication, &schema, &table)
@@ -126,6 +137,19 @@ pub(super) async fn slot_stats_loop(
             Some(Ok(None)) | None => {}
             Some(Err(err)) => {
                 tracing::debug!(error = %err, "measuring the backlog failed");
+                client = None;
+            }
+        }
+        if let (Some(c), Some(retention), Some((archive, moved_at, keep))) =
+            (&client, retention.as_mut(), &archive)
+        {
+            let trimmed = retention
+                .run_if_due(c, &stop, || {
+                    removal::trim(c, archive, moved_at, *keep, RETENTION_CHUNK)
+                })
+                .await;
+            if let Err(err) = trimmed {
+                tracing::warn!(error = %err, "deleting old archived rows failed; retrying later");
                 client = None;
             }
         }

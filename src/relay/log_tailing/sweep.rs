@@ -134,8 +134,7 @@ async fn open(settings: &Settings) -> Result<(Client, OutboxTable), PgError> {
     let t = &settings.valid.table;
     let table = OutboxTable::inspect(
         &client,
-        &t.schema,
-        &t.name,
+        t,
         &settings.dead_letter_table,
         Columns::of(t),
         AfterPublish::Delete,

@@ -127,7 +127,6 @@ impl Publisher {
         );
         let housekeeping = tokio::spawn(housekeeping_loop(
             self.settings.clone(),
-            class,
             self.health.clone(),
             self.stop.clone(),
         ));
@@ -184,8 +183,7 @@ async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTab
     };
     let table = OutboxTable::inspect(
         client,
-        &t.schema,
-        &t.name,
+        t,
         &settings.dead_letter_table,
         columns,
         after_publish,
