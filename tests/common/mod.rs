@@ -1305,6 +1305,40 @@ pub fn consume_kafka(topic: &str) -> Vec<Received> {
 
 /// [`consume_kafka`] from another broker (a private one).
 pub fn consume_kafka_from(bootstrap: &str, topic: &str) -> Vec<Received> {
+    kafka_records_from(bootstrap, topic)
+        .into_iter()
+        .map(|record| {
+            let headers: HashMap<String, String> = record.headers.into_iter().collect();
+            let id = headers
+                .get("id")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("Kafka message without a numeric id header"));
+            Received {
+                id,
+                aggregate: String::from_utf8_lossy(&record.key.unwrap_or_default()).into_owned(),
+                headers,
+                payload: record.payload,
+            }
+        })
+        .collect()
+}
+
+/// One Kafka record as sent: every header (in order, values as text), the key and
+/// the payload's bytes.
+pub struct KafkaRecord {
+    pub headers: Vec<(String, String)>,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+}
+
+/// Every record of `topic` on the rig's Kafka, from the beginning up to the high
+/// watermarks, each partition in order.
+pub fn kafka_records(topic: &str) -> Vec<KafkaRecord> {
+    kafka_records_from(Rig::load().kafka_bootstrap(), topic)
+}
+
+/// [`kafka_records`] from another broker.
+pub fn kafka_records_from(bootstrap: &str, topic: &str) -> Vec<KafkaRecord> {
     use rdkafka::Message;
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::Headers;
@@ -1350,23 +1384,22 @@ pub fn consume_kafka_from(bootstrap: &str, topic: &str) -> Vec<Received> {
             continue;
         };
         let message = result.unwrap_or_else(|err| panic!("Kafka consume: {err}"));
-        let mut headers = HashMap::new();
-        if let Some(h) = message.headers() {
-            for header in h.iter() {
-                headers.insert(
-                    header.key.to_owned(),
-                    String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned(),
-                );
-            }
-        }
-        let id = headers
-            .get("id")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("Kafka message without a numeric id header"));
-        out.push(Received {
-            id,
-            aggregate: String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned(),
+        let headers = message
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|header| {
+                        (
+                            header.key.to_owned(),
+                            String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(KafkaRecord {
             headers,
+            key: message.key().map(<[u8]>::to_vec),
             payload: message.payload().unwrap_or_default().to_vec(),
         });
         if let Some(high) = remaining.get(&message.partition()).copied()

@@ -27,6 +27,7 @@ mod relay_maintenance;
 mod relay_outage;
 mod relay_ownership;
 mod relay_partitioning;
+mod relay_payloads;
 mod relay_pooler;
 mod relay_publication;
 mod relay_records;

@@ -82,7 +82,7 @@ pub(crate) enum Mode {
 
 /// Where the relay publishes.
 #[derive(Clone, Copy, Debug)]
-enum Target {
+pub(crate) enum Target {
     Kafka,
     Nats,
     RabbitMq,
@@ -99,12 +99,12 @@ pub(crate) enum Sink {
 #[derive(Debug)]
 pub(crate) struct Delivery {
     /// The message id (Kafka and NATS header `id`, RabbitMQ `message_id`).
-    id: String,
+    pub(crate) id: String,
     /// Other places that must carry the same id, by name (`None`: missing).
-    also: Vec<(&'static str, Option<String>)>,
+    pub(crate) also: Vec<(&'static str, Option<String>)>,
     /// The message key, where the broker has one (Kafka).
-    key: Option<String>,
-    payload: Vec<u8>,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: Vec<u8>,
 }
 
 /// One committed row.
@@ -195,7 +195,7 @@ pub(crate) async fn write(
 }
 
 /// A fresh destination on `target`, and the relay's broker for it.
-async fn open(target: Target) -> (RelayBroker, Sink) {
+pub(crate) async fn open(target: Target) -> (RelayBroker, Sink) {
     let rig = common::Rig::load();
     match target {
         Target::Kafka => {
@@ -232,11 +232,16 @@ pub(crate) async fn drain(sink: &Sink, at_least: usize) -> Vec<Delivery> {
     match sink {
         Sink::Kafka(topic) => {
             let topic = topic.clone();
-            // kcat: an independent client, and one that reads ids as they are.
-            let records =
-                tokio::task::spawn_blocking(move || common::kcat_records(&topic, at_least))
-                    .await
-                    .unwrap();
+            // rdkafka's consumer hands over header values and payloads as the bytes they
+            // are (a bytea payload need not be text).
+            let records = tokio::task::spawn_blocking(move || common::kafka_records(&topic))
+                .await
+                .unwrap();
+            assert!(
+                records.len() >= at_least,
+                "{} records, {at_least} expected at least",
+                records.len()
+            );
             records
                 .into_iter()
                 .map(|r| {
@@ -250,12 +255,8 @@ pub(crate) async fn drain(sink: &Sink, at_least: usize) -> Vec<Delivery> {
                     Delivery {
                         id: ids[0].clone(),
                         also: Vec::new(),
-                        key: r.json["key"].as_str().map(str::to_owned),
-                        payload: r.json["payload"]
-                            .as_str()
-                            .unwrap_or_default()
-                            .as_bytes()
-                            .to_vec(),
+                        key: r.key.map(|k| String::from_utf8_lossy(&k).into_owned()),
+                        payload: r.payload,
                     }
                 })
                 .collect()
