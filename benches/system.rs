@@ -1078,6 +1078,7 @@ async fn database_alone(plan: &Plan, case: &ThroughputCase) -> f64 {
                 created_at: Some("created_at".to_owned()),
                 published_at: "published_at".to_owned(),
                 timestamp: None,
+                order: None,
                 extra: vec!["traceparent".to_owned()],
             };
             let after = if case.delete {

@@ -168,6 +168,15 @@ pub struct ColumnsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
     pub timestamp: Option<String>,
+    /// The column polling reads the oldest unpublished rows by, the id breaking ties:
+    /// one that grows in the order rows are inserted, NOT NULL, an integer (a
+    /// `bigserial` or identity column) or a timestamp (`DEFAULT clock_timestamp()`).
+    /// Left out: the id when it is an integer, else `createdAt`. For a uuid or text id
+    /// on a table without `createdAt` (Debezium's own), or an integer id that does not
+    /// follow insertion (ids made by the application).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = IDENTIFIER_PATTERN))]
+    pub order: Option<String>,
 }
 
 impl Default for ColumnsSpec {
@@ -181,6 +190,7 @@ impl Default for ColumnsSpec {
             created_at: col_created_at(),
             published_at: col_published_at(),
             timestamp: None,
+            order: None,
         }
     }
 }

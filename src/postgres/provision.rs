@@ -312,6 +312,7 @@ mod tests {
                 columns: Vec::new(),
                 timestamp_type: None,
                 id_column: Some(("bigint".into(), true)),
+                order_column: None,
                 owned: true,
                 missing_privileges: Vec::new(),
             },

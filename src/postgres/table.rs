@@ -13,6 +13,15 @@ use super::removal::{self, Removal};
 use super::{OutboxRow, PgError, RowId, db, quote};
 use crate::api::AfterPublish;
 
+/// The column types `table.columns.order` may have (`information_schema` names).
+pub const ORDER_TYPES: [&str; 5] = [
+    "smallint",
+    "integer",
+    "bigint",
+    "timestamp with time zone",
+    "timestamp without time zone",
+];
+
 /// The column types `table.columns.timestamp` may have (`information_schema` names).
 const TIMESTAMP_TYPES: [&str; 2] = ["timestamp with time zone", "timestamp without time zone"];
 
@@ -71,6 +80,8 @@ pub struct Columns {
     pub published_at: String,
     /// The event's own time (`timestamptz` or `timestamp`), when configured.
     pub timestamp: Option<String>,
+    /// What polling orders rows by, when the spec names it.
+    pub order: Option<String>,
     /// Extra columns (`table.headers`, `table.additionalFields`), distinct.
     pub extra: Vec<String>,
 }
@@ -89,6 +100,7 @@ impl Columns {
             created_at: Some(c.created_at.clone()),
             published_at: c.published_at.clone(),
             timestamp: c.timestamp.clone(),
+            order: c.order.clone(),
             extra: table.extra_columns(),
         }
     }
@@ -131,6 +143,9 @@ struct SelectSql {
     stale: Option<String>,
     /// Every row after an id, oldest first (a publication gap's back-fill).
     after: String,
+    /// Whether `after` pages by an integer id (the rows' order); else it reads the
+    /// oldest rows left.
+    after_pages_by_id: bool,
 }
 
 impl SelectSql {
@@ -198,6 +213,9 @@ impl OutboxTable {
         if let Some(timestamp) = &columns.timestamp {
             required.push(("table.columns.timestamp", timestamp.clone()));
         }
+        if let Some(order) = &columns.order {
+            required.push(("table.columns.order", order.clone()));
+        }
         for column in &columns.extra {
             required.push(("table.headers / table.additionalFields", column.clone()));
         }
@@ -219,6 +237,15 @@ impl OutboxTable {
             return Err(PgError::Schema(format!(
                 "{schema}.{table}: table.columns.timestamp: column {timestamp} is {ty}; \
                  it must be timestamp with time zone or timestamp (read as UTC)"
+            )));
+        }
+        if let Some(order) = &columns.order
+            && let Some(ty) = type_of(order)
+            && !ORDER_TYPES.contains(&ty.as_str())
+        {
+            return Err(PgError::Schema(format!(
+                "{schema}.{table}: table.columns.order: column {order} is {ty}; it must grow \
+                 with insertion: an integer (bigserial, identity) or a timestamp"
             )));
         }
         let id_type = type_of(&columns.id).unwrap_or_default();
@@ -307,16 +334,20 @@ impl OutboxTable {
             aid = quote(&columns.aggregate_id),
             ty = quote(&columns.event_type),
         );
-        // The order rows go out in: the id where it is an integer (it grows with
-        // insertion); else the created-at column, the id breaking ties (a uuid or text
-        // id says nothing of when its row was written).
-        let (order_by, order_column, u_order) = match (id_kind, columns.created_at.as_deref()) {
-            (IdKind::Text { .. }, Some(c)) => (
+        // The order rows go out in: the column the spec names; else the id where it is
+        // an integer (it grows with insertion); else the created-at column; the id
+        // breaking ties (a uuid or text id says nothing of when its row was written).
+        let ordered = columns.order.clone().or(match id_kind {
+            IdKind::Int => None,
+            IdKind::Text { .. } => columns.created_at.clone(),
+        });
+        let (order_by, order_column, u_order) = match ordered.as_deref() {
+            Some(c) => (
                 format!("{}, {}", quote(c), quote(&columns.id)),
                 format!(", {} AS o", quote(c)),
                 "u.o, u.id",
             ),
-            _ => (quote(&columns.id), String::new(), "u.id"),
+            None => (quote(&columns.id), String::new(), "u.id"),
         };
         let select = SelectSql {
             branch_head: format!(
@@ -343,15 +374,16 @@ impl OutboxTable {
                     created_at = quote(c),
                 )
             }),
-            // Integer ids page by the last id; other ids cannot (they do not grow), so
-            // each page is the oldest rows left: the back-fill deletes what it published.
-            after: match id_kind {
-                IdKind::Int => format!(
+            // Integer ids that order the rows page by the last id; other ids cannot
+            // (they do not grow, or not with insertion), so each page is the oldest rows
+            // left: the back-fill deletes what it published.
+            after: match (&ordered, id_kind) {
+                (None, IdKind::Int) => format!(
                     "SELECT {row_list} FROM {qualified} WHERE {unpublished}{id} > $1::int8 \
                      ORDER BY {id} LIMIT $2 FOR UPDATE SKIP LOCKED",
                     id = quote(&columns.id),
                 ),
-                IdKind::Text { .. } => format!(
+                _ => format!(
                     "SELECT {row_list} FROM {qualified} {where_unpublished} \
                      ORDER BY {order_by} LIMIT $1 FOR UPDATE SKIP LOCKED",
                     where_unpublished = unpublished
@@ -359,6 +391,7 @@ impl OutboxTable {
                         .map_or_else(String::new, |c| format!("WHERE {c}")),
                 ),
             },
+            after_pages_by_id: ordered.is_none() && id_kind == IdKind::Int,
         };
         let archive = spec
             .archive
@@ -400,10 +433,13 @@ impl OutboxTable {
         self.id_kind
     }
 
-    /// Whether the rows go out in insertion order: by an integer id, or by the
-    /// created-at column (polling needs one of them for per-aggregate order).
+    /// Whether the rows go out in insertion order: by the order column, an integer
+    /// id, or the created-at column (polling needs one of them for per-aggregate
+    /// order).
     pub fn ordered_by_insertion(&self) -> bool {
-        self.id_kind == IdKind::Int || self.columns.created_at.is_some()
+        self.select.after_pages_by_id
+            || self.columns.order.is_some()
+            || self.columns.created_at.is_some()
     }
 
     /// Number of partitions rows are hashed into.
@@ -466,13 +502,12 @@ impl OutboxTable {
         after: Option<&RowId>,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, PgError> {
-        let rows = match self.id_kind {
-            IdKind::Int => {
-                let after = after.and_then(RowId::as_int).unwrap_or(i64::MIN);
-                tx.query(&self.select.after, &[&after, &limit]).await
-            }
+        let rows = if self.select.after_pages_by_id {
+            let after = after.and_then(RowId::as_int).unwrap_or(i64::MIN);
+            tx.query(&self.select.after, &[&after, &limit]).await
+        } else {
             // The oldest rows left (see the statement).
-            IdKind::Text { .. } => tx.query(&self.select.after, &[&limit]).await,
+            tx.query(&self.select.after, &[&limit]).await
         }
         .map_err(db("reading the rows a publication change left behind"))?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())

@@ -79,6 +79,8 @@ pub struct Columns {
     pub published_at: String,
     /// The event's own time, when configured: the record timestamp.
     pub timestamp: Option<String>,
+    /// What polling orders rows by, when the spec names it (`columns.order`).
+    pub order: Option<String>,
 }
 
 impl Columns {
@@ -178,6 +180,7 @@ impl Table {
                 created_at: c.created_at,
                 published_at: c.published_at,
                 timestamp: c.timestamp,
+                order: c.order,
             },
             headers: Vec::new(),
             additional: Vec::new(),

@@ -184,6 +184,7 @@ fn table(spec: &OutboxRelaySpec, p: &mut Problems) -> Table {
         created_at: c.created_at.clone(),
         published_at: c.published_at.clone(),
         timestamp: c.timestamp.clone(),
+        order: c.order.clone(),
     };
     for (field, value) in [
         ("spec.table.schema", &t.schema),
@@ -196,6 +197,9 @@ fn table(spec: &OutboxRelaySpec, p: &mut Problems) -> Table {
     }
     if let Some(timestamp) = &columns.timestamp {
         identifier(p, "spec.table.columns.timestamp", timestamp);
+    }
+    if let Some(order) = &columns.order {
+        identifier(p, "spec.table.columns.order", order);
     }
     for (i, header) in t.headers.iter().enumerate() {
         let field = format!("spec.table.headers[{i}]");

@@ -312,6 +312,7 @@ async fn the_id_checks_take_uuid_and_text_ids_and_refuse_what_no_relay_can_read(
                     created_at: None,
                     published_at: "published_at".into(),
                     timestamp: None,
+                    order: None,
                     extra: Vec::new(),
                 },
                 outbox_operator::api::AfterPublish::Delete,

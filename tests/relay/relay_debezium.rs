@@ -206,3 +206,83 @@ async fn debeziums_table_and_connector_give_the_records_debeziums_router_sends()
         .await
         .ok();
 }
+
+/// Debezium's table as documented has nothing that grows with insertion (a random uuid
+/// id, no `createdAt`), so a poller could only order it by id and would reorder each
+/// aggregate. With a `seq bigserial` column added and named in `table.columns.order`,
+/// the poller reads it oldest first: 200 rows of random uuids (checked to sort otherwise
+/// than they were inserted) written before and while the relay runs, polled to Kafka,
+/// each arrive under their uuid's text with their payload, and each aggregate's first
+/// deliveries keep insertion order (relay_ids.rs's writer and checker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debeziums_table_is_polled_in_insertion_order_by_a_sequence_column() {
+    use crate::relay_ids::{self, IdKind, Mode, Target, Written};
+    let mut db = common::fresh_database().await;
+    db.client
+        .batch_execute(&format!(
+            "{DEBEZIUM_TABLE}; ALTER TABLE public.outbox ADD COLUMN seq bigserial NOT NULL"
+        ))
+        .await
+        .unwrap();
+    let (broker, sink) = relay_ids::open(Target::Kafka).await;
+    let (yaml, _) = relay_ids::relay_yaml(&db, &broker, Mode::Polling, "50ms", "unused").await;
+    let yaml = common::with_spec_line(
+        &yaml,
+        "table",
+        "{schema: public, name: outbox, columns: {order: seq}}",
+    );
+    let mut written = Written::default();
+    relay_ids::write(&mut db.client, IdKind::Uuid, 20, &mut written).await;
+    let mut sorted = written.order.clone();
+    sorted.sort();
+    assert_ne!(
+        sorted, written.order,
+        "the ids happen to sort in insertion order"
+    );
+    let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
+    relay_ids::write(&mut db.client, IdKind::Uuid, 20, &mut written).await;
+    let client = &db.client;
+    common::wait_for_relays(
+        "every row published and deleted",
+        std::time::Duration::from_secs(90),
+        &[&relay],
+        || async {
+            client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
+        },
+    )
+    .await;
+    let status = relay.terminate(std::time::Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "relay exit {status}; log:\n{}",
+        relay.log()
+    );
+    let deliveries = relay_ids::drain(&sink, written.order.len()).await;
+    let report = relay_ids::check(&deliveries, &written);
+    println!(
+        "Debezium's table + seq, polled: {} rows, {} messages, {} missing, {} orphans, \
+         {} order violations, {} mismatches",
+        written.order.len(),
+        report.received,
+        report.missing.len(),
+        report.orphans.len(),
+        report.order_violations.len(),
+        report.mismatches.len()
+    );
+    assert!(
+        report.orphans.is_empty(),
+        "unknown ids: {:?}",
+        report.orphans
+    );
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    assert!(report.mismatches.is_empty(), "{:?}", report.mismatches);
+    assert!(
+        report.order_violations.is_empty(),
+        "per-aggregate order broken: {:?}",
+        report.order_violations
+    );
+    db.drop_database().await;
+}

@@ -78,6 +78,7 @@ pub(super) fn facts(
             columns,
             timestamp_type: None,
             id_column: Some(("bigint".into(), true)),
+            order_column: None,
             owned: true,
             missing_privileges: Vec::new(),
         },

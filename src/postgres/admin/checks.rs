@@ -81,6 +81,9 @@ pub fn evaluate(plan: &Plan, facts: &Facts) -> Vec<Check> {
         if let Some(check) = id_check(&table, plan, &t.columns, t.id_column.as_ref()) {
             checks.push(check);
         }
+        if let Some(check) = order_check(&table, plan, t.order_column.as_ref()) {
+            checks.push(check);
+        }
         if t.missing_privileges.is_empty() {
             let names: Vec<&str> = plan.privileges.iter().map(|(p, _)| *p).collect();
             checks.push(Check::pass(
@@ -305,13 +308,14 @@ fn id_check(
             .as_ref()
             .is_none_or(|lt| lt.delete_after_publish)
         && !columns.contains(&plan.created_at)
+        && named(plan, "table.columns.order").is_none()
     {
         Check::fail(
             Scope::Database,
             "id",
             "IdColumnOrder",
             format!(
-                "column {column} of table {table} (table.columns.id) is {ty}, which says nothing of when a row was written, so a polling relay (the mode, or log tailing's back-fill and fall-back relays with deleteAfterPublish) orders rows by table.columns.createdAt ({created}), which the table lacks: ALTER TABLE {table} ADD COLUMN {created} timestamptz NOT NULL DEFAULT clock_timestamp() (or tail the log keeping rows, which streams in commit order)",
+                "column {column} of table {table} (table.columns.id) is {ty}, which says nothing of when a row was written, so a polling relay (the mode, or log tailing's back-fill and fall-back relays with deleteAfterPublish) orders rows by table.columns.createdAt ({created}), which the table lacks: ALTER TABLE {table} ADD COLUMN {created} timestamptz NOT NULL DEFAULT clock_timestamp(), or name a column that grows with insertion in spec.table.columns.order (or tail the log keeping rows, which streams in commit order)",
                 created = plan.created_at
             ),
         )
@@ -330,6 +334,50 @@ fn id_check(
             "id",
             "IdColumnUsable",
             format!("column {column} of table {table} is a {ty} that is never NULL"),
+        )
+    })
+}
+
+/// The column the plan names for spec field `field`.
+fn named<'a>(plan: &'a Plan, field: &str) -> Option<&'a str> {
+    plan.columns
+        .iter()
+        .find(|(f, _)| f == field)
+        .map(|(_, c)| c.as_str())
+}
+
+/// Whether polling can order rows by the `table.columns.order` column (`order_column`:
+/// its type and NOT NULL): an integer or a timestamp that is never NULL. `None` when the
+/// spec names none or the column is missing (the columns check says so).
+fn order_check(table: &str, plan: &Plan, order_column: Option<&(String, bool)>) -> Option<Check> {
+    let (ty, not_null) = order_column?;
+    let column = named(plan, "table.columns.order").unwrap_or_default();
+    let orders =
+        crate::postgres::table::ORDER_TYPES.contains(&ty.as_str()) || ty.starts_with("timestamp(");
+    Some(if !orders {
+        Check::fail(
+            Scope::Database,
+            "order",
+            "OrderColumnType",
+            format!(
+                "column {column} of table {table} (table.columns.order) is {ty}; polling orders rows by it, so it must grow with insertion: an integer (ALTER TABLE {table} ADD COLUMN seq bigserial) or a timestamp (ADD COLUMN … timestamptz NOT NULL DEFAULT clock_timestamp()), named in spec.table.columns.order"
+            ),
+        )
+    } else if !not_null {
+        Check::fail(
+            Scope::Database,
+            "order",
+            "OrderColumnNullable",
+            format!(
+                "column {column} of table {table} (table.columns.order) may be NULL, and a row without it has no place in the order: ALTER TABLE {table} ALTER COLUMN {column} SET NOT NULL"
+            ),
+        )
+    } else {
+        Check::pass(
+            Scope::Database,
+            "order",
+            "OrderColumnUsable",
+            format!("polling orders rows of {table} by column {column} ({ty}), then by id"),
         )
     })
 }
@@ -371,6 +419,7 @@ mod tests {
                 .to_vec(),
                 timestamp_type: None,
                 id_column: Some(("bigint".into(), true)),
+                order_column: None,
                 owned: true,
                 missing_privileges: Vec::new(),
             },
@@ -578,6 +627,45 @@ mod tests {
     }
 
     #[test]
+    fn a_named_order_column_orders_a_uuid_table_without_created_at_if_it_can() {
+        let mut polling = Plan::for_relay(&relay(&TAILING.replace(
+            "table: {headers: [traceparent]}",
+            "table: {headers: [traceparent], columns: {order: seq}}",
+        )));
+        polling.log_tailing = None;
+        let named =
+            |f: &Facts, name: &str| evaluate(&polling, f).into_iter().find(|c| c.name == name);
+        let mut f = facts();
+        f.table.id_column = Some(("uuid".into(), true));
+        f.table.columns.retain(|c| c != "created_at");
+        f.table.columns.push("seq".into());
+        // The order column is missing: the columns check names it, no order check.
+        f.table.order_column = None;
+        assert!(named(&f, "order").is_none());
+        for (ty, not_null, reason) in [
+            ("bigint", true, "OrderColumnUsable"),
+            ("timestamp with time zone", true, "OrderColumnUsable"),
+            ("timestamp(3) without time zone", true, "OrderColumnUsable"),
+            ("text", true, "OrderColumnType"),
+            ("uuid", true, "OrderColumnType"),
+            ("bigint", false, "OrderColumnNullable"),
+        ] {
+            f.table.order_column = Some((ty.to_owned(), not_null));
+            let check = named(&f, "order").expect("an order check");
+            assert_eq!(check.reason, reason, "{ty}: {}", check.message);
+            assert_eq!(check.ok, reason == "OrderColumnUsable");
+            // With an order column named, the uuid id needs no created_at.
+            assert!(named(&f, "id").is_some_and(|c| c.ok), "{ty}");
+        }
+        assert!(
+            polling
+                .columns
+                .contains(&("table.columns.order".to_owned(), "seq".to_owned())),
+            "the columns check looks for it"
+        );
+    }
+
+    #[test]
     fn a_missing_table_is_one_clear_failure() {
         let plan = Plan::for_relay(&relay(TAILING));
         let mut f = facts();
@@ -586,6 +674,7 @@ mod tests {
             columns: Vec::new(),
             timestamp_type: None,
             id_column: None,
+            order_column: None,
             owned: false,
             missing_privileges: Vec::new(),
         };

@@ -62,6 +62,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
             columns: Vec::new(),
             timestamp_type: None,
             id_column: None,
+            order_column: None,
             owned: false,
             missing_privileges: Vec::new(),
         },
@@ -94,22 +95,8 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                     .map(|r| r.get(0)),
                 None => None,
             };
-            let id_column = match plan
-                .columns
-                .iter()
-                .find(|(field, _)| field == "table.columns.id")
-            {
-                Some((_, column)) => client
-                    .query_opt(
-                        "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute \
-                         WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
-                        &[&oid, column],
-                    )
-                    .await
-                    .map_err(db("reading the id column's type"))?
-                    .map(|r| (r.get(0), r.get(1))),
-                None => None,
-            };
+            let id_column = typed_column(client, oid, plan, "table.columns.id").await?;
+            let order_column = typed_column(client, oid, plan, "table.columns.order").await?;
             let mut missing_privileges = Vec::new();
             for (privilege, why) in &plan.privileges {
                 let has: bool = client
@@ -129,6 +116,7 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
                 columns,
                 timestamp_type,
                 id_column,
+                order_column,
                 owned: row.get(1),
                 missing_privileges,
             }
@@ -181,6 +169,28 @@ pub async fn gather(client: &Client, plan: &Plan) -> Result<Facts, PgError> {
         backlog: None,
         archive,
     })
+}
+
+/// The type (as `format_type` spells it) and NOT NULL of the column the plan names for
+/// spec field `field`; `None` when the plan names none or the table lacks it.
+async fn typed_column(
+    client: &Client,
+    oid: u32,
+    plan: &Plan,
+    field: &str,
+) -> Result<Option<(String, bool)>, PgError> {
+    let Some((_, column)) = plan.columns.iter().find(|(f, _)| f == field) else {
+        return Ok(None);
+    };
+    Ok(client
+        .query_opt(
+            "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute \
+             WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
+            &[&oid, column],
+        )
+        .await
+        .map_err(db("reading a column's type"))?
+        .map(|r| (r.get(0), r.get(1))))
 }
 
 async fn read_publication(

@@ -212,6 +212,9 @@ impl Plan {
         if let Some(timestamp) = &t.columns.timestamp {
             columns.push(("table.columns.timestamp".to_owned(), timestamp.clone()));
         }
+        if let Some(order) = &t.columns.order {
+            columns.push(("table.columns.order".to_owned(), order.clone()));
+        }
         for header in &t.headers {
             columns.push(("table.headers".to_owned(), header.clone()));
         }
@@ -395,6 +398,9 @@ pub struct TableFacts {
     /// The id column's type (as `format_type` spells it) and whether it is NOT NULL;
     /// `None` when the column is missing.
     pub id_column: Option<(String, bool)>,
+    /// The `table.columns.order` column's type and NOT NULL, when the spec names one
+    /// and the table has it.
+    pub order_column: Option<(String, bool)>,
     /// The role owns it (or is a member of its owner): needed to create a publication.
     pub owned: bool,
     /// Privileges the plan asks for that the role lacks.

@@ -224,6 +224,7 @@ mod tests {
             created_at: None,
             published_at: "published_at".into(),
             timestamp: None,
+            order: None,
             extra: vec!["traceparent".into()],
         }
     }

@@ -194,7 +194,8 @@ async fn inspect_table(client: &Client, settings: &Settings) -> Result<OutboxTab
         return Err(PgError::Schema(format!(
             "{}.{}: the id is not an integer, so the poller orders rows by \
              table.columns.createdAt ({}), which the table lacks: add it \
-             (ALTER TABLE … ADD COLUMN {} timestamptz NOT NULL DEFAULT clock_timestamp())",
+             (ALTER TABLE … ADD COLUMN {} timestamptz NOT NULL DEFAULT clock_timestamp()), \
+             or name a column that grows with insertion in table.columns.order",
             t.schema, t.name, t.columns.created_at, t.columns.created_at
         )));
     }
