@@ -16,6 +16,7 @@ pub mod admin;
 pub mod coverage;
 pub mod horizon;
 pub mod hosts;
+pub mod ids;
 pub mod polling;
 pub mod pooling;
 pub mod provision;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
+pub use super::ids::{ID_TYPES, IdKind, id_param};
 use super::polling::partition_expr;
 use super::removal::{self, Removal};
 use super::{OutboxRow, PgError, RowId, db, quote};
@@ -24,42 +25,6 @@ pub const ORDER_TYPES: [&str; 5] = [
 
 /// The column types `table.columns.timestamp` may have (`information_schema` names).
 const TIMESTAMP_TYPES: [&str; 2] = ["timestamp with time zone", "timestamp without time zone"];
-
-/// The id types the relays read, as `format_type` and `information_schema` name them:
-/// integers (the message id is the decimal text), and uuid and text ids (the message id
-/// is the id's text; a uuid as PostgreSQL prints it).
-pub const ID_TYPES: [&str; 6] = [
-    "smallint",
-    "integer",
-    "bigint",
-    "uuid",
-    "text",
-    "character varying",
-];
-
-/// How the relay reads and names the ids of a table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IdKind {
-    /// An integer id: read as `int8`, compared as `int8`; it orders the rows.
-    Int,
-    /// A uuid or text id: read as text, compared as `cast` (`uuid` or `text`); rows
-    /// are ordered by the created-at column, the id breaking ties.
-    Text { cast: &'static str },
-}
-
-impl IdKind {
-    /// The kind of an id column of type `ty` (`information_schema` or `format_type`
-    /// spelling, a length modifier allowed); `None` for a type the relay cannot use.
-    pub fn of_type(ty: &str) -> Option<Self> {
-        let base = ty.split('(').next().unwrap_or(ty).trim();
-        match base {
-            "smallint" | "integer" | "bigint" => Some(IdKind::Int),
-            "uuid" => Some(IdKind::Text { cast: "uuid" }),
-            "text" | "character varying" => Some(IdKind::Text { cast: "text" }),
-            _ => None,
-        }
-    }
-}
 
 /// Column names of the outbox table, already checked.
 #[derive(Debug, Clone)]
@@ -699,19 +664,5 @@ impl OutboxTable {
             .await
             .map_err(db("measuring the backlog"))?;
         Ok((row.get(0), row.get(1)))
-    }
-}
-
-/// `ids` as one statement parameter: `int8[]` for integer ids, `text[]` for the others
-/// (the statement casts it to the column's type).
-pub fn id_param(
-    kind: IdKind,
-    ids: &[RowId],
-) -> Box<dyn tokio_postgres::types::ToSql + Sync + Send> {
-    match kind {
-        IdKind::Int => Box::new(ids.iter().filter_map(RowId::as_int).collect::<Vec<i64>>()),
-        IdKind::Text { .. } => {
-            Box::new(ids.iter().map(ToString::to_string).collect::<Vec<String>>())
-        }
     }
 }
