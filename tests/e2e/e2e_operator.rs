@@ -32,6 +32,7 @@ use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use serde_json::{Value, json};
 
+use common::OutboxIds;
 use common::app_writer::{AppWriter, Ledger, WriterOptions};
 use common::node::RelayPods;
 use common::operator;
@@ -131,6 +132,8 @@ struct Scenario {
     log_tailing: bool,
     /// Log tailing from the start (false: the edit switches a polling relay to it).
     starts_tailing: bool,
+    /// The outbox table's ids (the manifest's `spec.table` is set to match).
+    ids: OutboxIds,
 }
 
 /// Figures printed at the end of each test.
@@ -219,9 +222,12 @@ async fn body(
     // checked, collected, and reported together at the end.
     let mut pending: Vec<String> = Vec::new();
 
-    common::create_outbox_table(&db.client, scenario.partitions).await;
+    common::create_outbox_table_with(&db.client, scenario.partitions, scenario.ids).await;
     operator::create_secret(client, ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
     let mut manifest = scenario.manifest.clone();
+    if scenario.ids != OutboxIds::Bigint {
+        manifest["spec"]["table"] = scenario.ids.table_spec();
+    }
     runner.adapt(&mut manifest);
     operator::apply_relay(client, ns, &manifest).await;
 
@@ -716,6 +722,7 @@ async fn polling_kafka_relay_runs_end_to_end_through_the_operator() {
         sessions: 4,
         log_tailing: false,
         starts_tailing: false,
+        ids: OutboxIds::Bigint,
     };
     run(scenario, Sink::Kafka { topic }, db).await;
 }
@@ -748,6 +755,7 @@ async fn log_tailing_nats_relay_runs_end_to_end_through_the_operator() {
         sessions: 0,
         log_tailing: true,
         starts_tailing: true,
+        ids: OutboxIds::Bigint,
     };
     run(scenario, Sink::Nats(Box::new(stream)), db).await;
 }
@@ -759,6 +767,18 @@ async fn log_tailing_nats_relay_runs_end_to_end_through_the_operator() {
 /// they were never published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_polling_relay_switched_to_log_tailing_loses_nothing() {
+    switch_scenario(OutboxIds::Bigint).await;
+}
+
+/// The same switch on a table whose message ids are random uuids: the polling relay
+/// orders rows by `created_at`, and the hand-over tells rows before the slot by their
+/// inserting transaction, not their id; nothing is lost or reordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_relay_on_a_uuid_table_switched_to_log_tailing_loses_nothing() {
+    switch_scenario(OutboxIds::Uuid).await;
+}
+
+async fn switch_scenario(ids: OutboxIds) {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     let topic = common::fresh_topic(4).await;
@@ -788,6 +808,7 @@ async fn a_polling_relay_switched_to_log_tailing_loses_nothing() {
         sessions: 1,
         log_tailing: true,
         starts_tailing: false,
+        ids,
     };
     run(scenario, Sink::Kafka { topic }, db).await;
 }
