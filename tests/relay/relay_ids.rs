@@ -583,3 +583,45 @@ async fn uuid_ids_polled_to_rabbitmq() {
 async fn uuid_ids_tailed_to_rabbitmq() {
     ids_arrive_as_text_in_order(IdKind::Uuid, Mode::LogTailing, Target::RabbitMq).await;
 }
+
+/// UUIDv7-like and application-made text ids to NATS and RabbitMQ, both modes: every
+/// id kind reaches every broker under its text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_v7_ids_polled_to_nats() {
+    ids_arrive_as_text_in_order(IdKind::UuidV7, Mode::Polling, Target::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_v7_ids_tailed_to_nats() {
+    ids_arrive_as_text_in_order(IdKind::UuidV7, Mode::LogTailing, Target::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_v7_ids_polled_to_rabbitmq() {
+    ids_arrive_as_text_in_order(IdKind::UuidV7, Mode::Polling, Target::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_v7_ids_tailed_to_rabbitmq() {
+    ids_arrive_as_text_in_order(IdKind::UuidV7, Mode::LogTailing, Target::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_ids_polled_to_nats() {
+    ids_arrive_as_text_in_order(IdKind::Text, Mode::Polling, Target::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_ids_tailed_to_nats() {
+    ids_arrive_as_text_in_order(IdKind::Text, Mode::LogTailing, Target::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_ids_polled_to_rabbitmq() {
+    ids_arrive_as_text_in_order(IdKind::Text, Mode::Polling, Target::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_ids_tailed_to_rabbitmq() {
+    ids_arrive_as_text_in_order(IdKind::Text, Mode::LogTailing, Target::RabbitMq).await;
+}
