@@ -16,8 +16,8 @@ use kube::api::Api;
 use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
-use common::OutboxIds;
 use common::app_writer::{AppWriter, WriterOptions};
+use common::ids::OutboxIds;
 use common::node::RelayPods;
 use common::operator;
 
@@ -43,7 +43,7 @@ async fn backfill_scenario(ids: OutboxIds) {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     let topic = common::fresh_topic(4).await;
-    common::create_outbox_table_with(&db.client, 4, ids).await;
+    common::ids::create_outbox_table_with(&db.client, 4, ids).await;
     let writer = AppWriter::start(
         &db.url,
         WriterOptions {

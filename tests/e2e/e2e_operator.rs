@@ -32,8 +32,8 @@ use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
 use serde_json::{Value, json};
 
-use common::OutboxIds;
 use common::app_writer::{AppWriter, Ledger, WriterOptions};
+use common::ids::OutboxIds;
 use common::node::RelayPods;
 use common::operator;
 use common::pod_runner::ProcessEvent;
@@ -222,7 +222,7 @@ async fn body(
     // checked, collected, and reported together at the end.
     let mut pending: Vec<String> = Vec::new();
 
-    common::create_outbox_table_with(&db.client, scenario.partitions, scenario.ids).await;
+    common::ids::create_outbox_table_with(&db.client, scenario.partitions, scenario.ids).await;
     operator::create_secret(client, ns, "orders-db", &[("uri", &runner.url(&db.url))]).await;
     let mut manifest = scenario.manifest.clone();
     if scenario.ids != OutboxIds::Bigint {

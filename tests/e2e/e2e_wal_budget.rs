@@ -16,11 +16,12 @@ use kube::api::Api;
 use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
+use common::Pg;
 use common::app_writer::{AppWriter, WriterOptions};
+use common::ids::OutboxIds;
 use common::node::RelayPods;
 use common::operator;
 use common::private::PrivateNats;
-use common::{OutboxIds, Pg};
 
 const WAIT: Duration = Duration::from_secs(120);
 const STEP: usize = 1_000;
@@ -58,7 +59,7 @@ async fn the_wal_budget_works_the_same_on_postgresql_18() {
 
 async fn budget_scenario(pg: Pg, ids: OutboxIds) {
     let db = pg.fresh().await;
-    common::create_outbox_table_with(&db.client, 4, ids).await;
+    common::ids::create_outbox_table_with(&db.client, 4, ids).await;
     let mut nats = PrivateNats::start_new();
     let stream = common::stream_on(
         async_nats::connect(nats.url())
@@ -163,10 +164,13 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
     for reason in ["FellBackToPolling", "SlotDroppedOverBudget"] {
         operator::wait_relay_event(&client, &ns, "budget", reason, WAIT).await;
     }
+    let left = slot_row(&db.client, &slot).await;
     assert_eq!(
-        slot_row(&db.client, &slot).await,
+        left,
         None,
-        "the slot is dropped"
+        "the slot is dropped; controller log:\n{}\n{}",
+        controller.log_tail(80),
+        runner.log_tails(30)
     );
     let publication_kept: bool = db
         .client
