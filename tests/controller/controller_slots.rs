@@ -1166,20 +1166,23 @@ async fn deleting_the_namespace_drops_the_slot_and_leaves_nothing() {
             .delete(&ns, &DeleteParams::default())
             .await
             .unwrap_or_else(|e| panic!("deleting namespace {ns}: {e}"));
-        common::wait_for("the slot to be dropped", WAIT, || async {
-            slot_count(&db.client, &slot).await == 0
-        })
+        // The cleanup drops the slot, then the publication: both are waited for.
+        let publications = || async {
+            db.client
+                .query_one(
+                    "SELECT count(*) FROM pg_publication WHERE pubname = $1",
+                    &[&slot],
+                )
+                .await
+                .map(|r| r.get::<_, i64>(0))
+                .unwrap_or(-1)
+        };
+        common::wait_for(
+            "the slot and the publication to be dropped",
+            WAIT,
+            || async { slot_count(&db.client, &slot).await == 0 && publications().await == 0 },
+        )
         .await;
-        let publications: i64 = db
-            .client
-            .query_one(
-                "SELECT count(*) FROM pg_publication WHERE pubname = $1",
-                &[&slot],
-            )
-            .await
-            .map(|r| r.get(0))
-            .unwrap_or(-1);
-        assert_eq!(publications, 0, "publication {slot} left behind");
         common::wait_for("the namespace to go", Duration::from_secs(120), || async {
             matches!(namespaces.get_opt(&ns).await, Ok(None))
         })
