@@ -62,6 +62,7 @@ pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
     group = "outbox.dev",
     version = "v1alpha1",
     kind = "OutboxRelay",
+    doc = "An OutboxRelay publishes every committed row of one transactional-outbox table in PostgreSQL to one broker (Kafka, NATS JetStream or RabbitMQ), at least once, with the row id as the message id and per-aggregate order when asked for. The operator runs the relay, creates and drops its replication slot and publication (log tailing), and reports in status.",
     plural = "outboxrelays",
     shortname = "obr",
     category = "outbox",

@@ -19,6 +19,7 @@ mod chart_lint;
 mod chart_rbac_controller;
 mod cli;
 mod code_layers;
+mod crd_explain;
 mod image_libraries;
 mod readme_reference;
 mod render_cli;
