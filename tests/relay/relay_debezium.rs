@@ -241,25 +241,7 @@ async fn debeziums_table_is_polled_in_insertion_order_by_a_sequence_column() {
     );
     let mut relay = RelayProcess::start(&yaml, &db.url, &broker);
     relay_ids::write(&mut db.client, IdKind::Uuid, 20, &mut written).await;
-    let client = &db.client;
-    common::wait_for_relays(
-        "every row published and deleted",
-        std::time::Duration::from_secs(90),
-        &[&relay],
-        || async {
-            client
-                .query_one("SELECT count(*) FROM public.outbox", &[])
-                .await
-                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
-        },
-    )
-    .await;
-    let status = relay.terminate(std::time::Duration::from_secs(20));
-    assert!(
-        status.success(),
-        "relay exit {status}; log:\n{}",
-        relay.log()
-    );
+    relay_ids::until_published_then_stop(&db.client, &mut relay).await;
     let deliveries = relay_ids::drain(&sink, written.order.len()).await;
     let report = relay_ids::check(&deliveries, &written);
     println!(

@@ -430,6 +430,32 @@ pub(crate) async fn relay_yaml(
     )
 }
 
+/// Waits until `public.outbox` is empty (every row published and taken out, 90 s at
+/// most), then stops `relay` with SIGTERM; it must exit cleanly.
+pub(crate) async fn until_published_then_stop(
+    client: &tokio_postgres::Client,
+    relay: &mut RelayProcess,
+) {
+    common::wait_for_relays(
+        "every row published and deleted",
+        Duration::from_secs(90),
+        &[&*relay],
+        || async {
+            client
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await
+                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
+        },
+    )
+    .await;
+    let status = relay.terminate(Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "relay exit {status}; log:\n{}",
+        relay.log()
+    );
+}
+
 /// Writes rows with ids of `kind`, runs a relay in `mode` to `target` until the table
 /// is empty (every row published and deleted), and checks every message.
 async fn ids_arrive_as_text_in_order(kind: IdKind, mode: Mode, target: Target) {
@@ -454,25 +480,7 @@ async fn ids_arrive_as_text_in_order(kind: IdKind, mode: Mode, target: Target) {
         common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     }
     write(&mut db.client, kind, TRANSACTIONS_PER_HALF, &mut written).await;
-    let client = &db.client;
-    common::wait_for_relays(
-        "every row published and deleted",
-        Duration::from_secs(90),
-        &[&relay],
-        || async {
-            client
-                .query_one("SELECT count(*) FROM public.outbox", &[])
-                .await
-                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
-        },
-    )
-    .await;
-    let status = relay.terminate(Duration::from_secs(20));
-    assert!(
-        status.success(),
-        "relay exit {status}; log:\n{}",
-        relay.log()
-    );
+    until_published_then_stop(&db.client, &mut relay).await;
 
     let deliveries = drain(&sink, written.order.len()).await;
     let report = check(&deliveries, &written);

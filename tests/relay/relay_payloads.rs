@@ -14,7 +14,6 @@ use crate::common;
 use crate::relay_ids::{self, Delivery, Mode, Target};
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 use common::RelayProcess;
 use rand::Rng;
@@ -218,25 +217,7 @@ async fn payloads_arrive_as_stored(payload: Payload, mode: Mode, target: Target)
         common::wait_slot_active(&db.client, &guard.slot, &relay).await;
     }
     write(&mut db.client, payload, TRANSACTIONS, &mut written).await;
-    let client = &db.client;
-    common::wait_for_relays(
-        "every row published and deleted",
-        Duration::from_secs(90),
-        &[&relay],
-        || async {
-            client
-                .query_one("SELECT count(*) FROM public.outbox", &[])
-                .await
-                .is_ok_and(|r| r.get::<_, i64>(0) == 0)
-        },
-    )
-    .await;
-    let status = relay.terminate(Duration::from_secs(20));
-    assert!(
-        status.success(),
-        "relay exit {status}; log:\n{}",
-        relay.log()
-    );
+    relay_ids::until_published_then_stop(&db.client, &mut relay).await;
 
     let deliveries = relay_ids::drain(&sink, written.order.len()).await;
     let [orphans, missing, mismatches, order] = check(&deliveries, &written);
