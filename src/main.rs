@@ -38,9 +38,8 @@ enum Command {
             required_unless_present = "from_debezium"
         )]
         file: Option<PathBuf>,
-        /// Image for relays whose spec names none.
-        #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = outbox_operator::resources::default_relay_image())]
-        relay_image: String,
+        #[command(flatten)]
+        options: outbox_operator::resources::BuildOptions,
         /// A Debezium PostgreSQL connector running the outbox event router (Kafka
         /// Connect JSON, or Debezium Server application.properties): print the
         /// equivalent OutboxRelay, with what changes as comments.
@@ -97,10 +96,7 @@ fn main() -> ExitCode {
                 .map(|yaml| print_out(&yaml))
                 .map_err(Error::from)
         }
-        Command::Render {
-            file, relay_image, ..
-        } => {
-            let options = outbox_operator::resources::BuildOptions { relay_image };
+        Command::Render { file, options, .. } => {
             let file = file.unwrap_or_default();
             outbox_operator::render::render_file(&file, &options)
                 .map(|yaml| print_out(&yaml))

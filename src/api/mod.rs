@@ -10,13 +10,11 @@ mod broker;
 mod database;
 mod duration;
 mod mode;
+mod pod;
 mod quantity;
 mod status;
 mod table;
 
-use std::collections::BTreeMap;
-
-use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -28,6 +26,7 @@ pub use broker::{
 pub use database::*;
 pub use duration::{DurationError, parse_duration};
 pub use mode::*;
+pub use pod::{ImagePullPolicy, RelayPodSpec};
 pub use quantity::{QuantityError, parse_bytes};
 pub use status::{
     FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLeftBehind, SlotLoss, SlotStatus,
@@ -369,47 +368,4 @@ fn default_backlog_rows() -> i64 {
 }
 fn default_slot_wal() -> String {
     "1Gi".to_owned()
-}
-
-/// Overrides for the relay pods.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct RelayPodSpec {
-    /// Relay image; default the operator's own image.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    /// Container resources.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resources: Option<ResourceRequirements>,
-    /// Log filter for the relay (`RUST_LOG` syntax), default `info`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
-    pub log_level: Option<String>,
-    /// Extra pod labels.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub pod_labels: BTreeMap<String, String>,
-    /// Extra pod annotations.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub pod_annotations: BTreeMap<String, String>,
-    /// Node selector.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub node_selector: BTreeMap<String, String>,
-    /// Tolerations.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tolerations: Vec<Toleration>,
-    /// Affinity.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub affinity: Option<Affinity>,
-    /// Priority class.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub priority_class_name: Option<String>,
-    /// Service account the relay pods run as (they need no Kubernetes API access).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub service_account_name: Option<String>,
-}
-
-impl RelayPodSpec {
-    fn is_empty(&self) -> bool {
-        self == &Self::default()
-    }
 }

@@ -44,7 +44,7 @@ use tokio::sync::watch;
 use tracing::{Instrument, info, warn};
 
 use crate::api::OutboxRelay;
-use crate::resources::{BuildError, BuildOptions, MANAGED_BY, default_relay_image};
+use crate::resources::{BuildError, BuildOptions, MANAGED_BY};
 
 pub use metrics::Metrics;
 pub use status::{
@@ -145,9 +145,9 @@ pub struct ControllerArgs {
     /// Watch OutboxRelays in this namespace only (default: all namespaces).
     #[arg(long, env = "OUTBOX_WATCH_NAMESPACE")]
     pub namespace: Option<String>,
-    /// Image for relays whose spec names none (default: the operator's own image).
-    #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = default_relay_image())]
-    pub relay_image: String,
+    /// Defaults of every relay's pods (image, pull policy and Secrets, user and groups).
+    #[command(flatten)]
+    pub build: BuildOptions,
     /// Address of the operator's own `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, env = "OUTBOX_OPERATOR_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
@@ -205,7 +205,7 @@ impl ControllerArgs {
     pub fn for_namespace(namespace: &str) -> Self {
         Self {
             namespace: Some(namespace.to_owned()),
-            relay_image: default_relay_image(),
+            build: BuildOptions::default(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             leader_elect: true,
             lease_name: "outbox-operator".to_owned(),
@@ -372,9 +372,7 @@ pub async fn run(
 
     let ctx = Arc::new(Context {
         client: client.clone(),
-        options: BuildOptions {
-            relay_image: args.relay_image.clone(),
-        },
+        options: args.build.clone(),
         policy: crate::spec::Policy {
             allow_image: args.allow_relay_image,
             allow_service_account: args.allow_relay_service_account,

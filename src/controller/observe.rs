@@ -502,7 +502,10 @@ async fn children(
         }
     });
     let pod_trouble = match deployment.as_ref() {
-        Some(d) if short_of_pods(d) => pod_trouble(relay, ctx).await,
+        Some(d) if short_of_pods(d) => match super::pods::refused(d) {
+            Some(refused) => Some(refused),
+            None => pod_trouble(relay, ctx).await,
+        },
         _ => None,
     };
     Ok(ChildrenSeen {

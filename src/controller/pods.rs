@@ -10,6 +10,7 @@
 //! message, which the relay keeps free of them (task ids, backend PIDs and librdkafka's
 //! broker names go on later lines, or only to its log).
 
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
 use crate::http::BROKER_DOWN_PREFIX;
@@ -21,6 +22,9 @@ const RELAY_CONTAINER: &str = "relay";
 /// What keeps a relay pod from being available, worst first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum PodTrouble {
+    /// The cluster refuses to create the pods (Pod Security admission, an OpenShift
+    /// SCC, a quota, an admission policy): `message` is its answer.
+    Refused { message: String },
     /// The runtime killed the relay for memory (its last termination).
     OomKilled { pod: String, limit: Option<String> },
     /// The image cannot be pulled (or is not a valid name).
@@ -46,6 +50,7 @@ impl PodTrouble {
     /// The `Ready` condition's reason.
     pub fn reason(&self) -> &'static str {
         match self {
+            Self::Refused { .. } => "RelayPodsRefused",
             Self::OomKilled { .. } => "RelayOOMKilled",
             Self::ImagePull { .. } => "RelayImagePullFailed",
             Self::ConfigError { .. } => "RelayConfigError",
@@ -61,6 +66,11 @@ impl PodTrouble {
     /// What happened and what to do, for the condition's message.
     pub fn message(&self) -> String {
         match self {
+            Self::Refused { message } => format!(
+                "the cluster refuses to create the relay's pods: {message}; \
+                 spec.relay sets their user and groups (runAsUser, runAsGroup, fsGroup: \
+                 unset, the platform's choice), the namespace's owner the rest"
+            ),
             Self::OomKilled { pod, limit } => format!(
                 "pod {pod}: the relay was killed for memory{}; raise \
                  spec.relay.resources.limits.memory (a single outbox row must fit in it \
@@ -97,6 +107,7 @@ impl PodTrouble {
 
     fn rank(&self) -> u8 {
         match self {
+            Self::Refused { .. } => 0,
             Self::OomKilled { .. } => 0,
             Self::ImagePull { .. } => 1,
             Self::ConfigError { .. } => 2,
@@ -105,6 +116,26 @@ impl PodTrouble {
             Self::NotReady { .. } => 5,
         }
     }
+}
+
+/// The refusal the Deployment reports (its `ReplicaFailure` condition, copied from the
+/// ReplicaSet that could not create a pod). The pod's generated name is left out of
+/// the message, so a retry does not rewrite the status.
+pub(super) fn refused(deployment: &Deployment) -> Option<PodTrouble> {
+    let failure = deployment
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
+    let message = failure.message.as_deref().unwrap_or("no reason given");
+    let message = message
+        .split_once(" is forbidden: ")
+        .map_or(message, |(_, why)| why);
+    Some(PodTrouble::Refused {
+        message: message.trim().to_owned(),
+    })
 }
 
 /// A container that has run this long since its last termination is no longer taken
@@ -319,6 +350,32 @@ mod tests {
 
     fn running_since(at: &str) -> serde_json::Value {
         json!({"running": {"startedAt": at}})
+    }
+
+    #[test]
+    fn pods_the_cluster_refuses_are_reported_without_their_generated_name() {
+        let deployment = |conditions: serde_json::Value| -> Deployment {
+            serde_json::from_value(json!({"metadata": {"name": "r"},
+                "status": {"conditions": conditions}}))
+            .unwrap()
+        };
+        let refusal = |pod: &str| {
+            deployment(json!([{"type": "ReplicaFailure", "status": "True",
+                "reason": "FailedCreate",
+                "message": format!("pods \"{pod}\" is forbidden: violates PodSecurity \
+                    \"restricted:latest\": runAsNonRoot != true")}]))
+        };
+        let first = refused(&refusal("r-7d9f-abcde")).unwrap();
+        assert_eq!(first.reason(), "RelayPodsRefused");
+        assert!(
+            first.message().contains("violates PodSecurity") && !first.message().contains("abcde"),
+            "{}",
+            first.message()
+        );
+        assert_eq!(Some(first), refused(&refusal("r-7d9f-xyz12")));
+        let progressing = deployment(json!([{"type": "Progressing", "status": "True"},
+            {"type": "ReplicaFailure", "status": "False"}]));
+        assert_eq!(refused(&progressing), None);
     }
 
     #[test]

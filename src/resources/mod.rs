@@ -18,7 +18,7 @@ use kube::Resource;
 use kube::api::DynamicObject;
 use serde::Serialize;
 
-use crate::api::OutboxRelay;
+use crate::api::{ImagePullPolicy, OutboxRelay};
 use crate::spec::ValidRelay;
 
 pub use monitoring::{
@@ -67,17 +67,46 @@ pub fn default_relay_image() -> String {
     )
 }
 
-/// Settings of the operator that shape the objects, as opposed to the spec.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Settings of the operator that shape the objects, as opposed to the spec: the
+/// defaults of every relay's pods. `controller` and `render` take them as the same flags.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
 pub struct BuildOptions {
-    /// Image for relays whose spec names none.
+    /// Image for relays whose spec names none (default: the operator's own image).
+    #[arg(long, env = "OUTBOX_RELAY_IMAGE", default_value_t = default_relay_image())]
     pub relay_image: String,
+    /// Pull policy of relay images whose spec names none (Always, IfNotPresent, Never;
+    /// default: Kubernetes' own, by the image's tag).
+    #[arg(long, env = "OUTBOX_RELAY_IMAGE_PULL_POLICY", value_parser = ImagePullPolicy::parse)]
+    pub relay_image_pull_policy: Option<ImagePullPolicy>,
+    /// Secrets every relay pod pulls its image with, by name in the relay's namespace
+    /// (repeat the flag, or separate with commas); a relay's spec may add more.
+    #[arg(
+        long = "relay-image-pull-secret",
+        env = "OUTBOX_RELAY_IMAGE_PULL_SECRETS",
+        value_delimiter = ','
+    )]
+    pub relay_image_pull_secrets: Vec<String>,
+    /// User id of relay processes whose spec names none (default: none, so the image's
+    /// user, or the one the platform assigns, runs).
+    #[arg(long, env = "OUTBOX_RELAY_RUN_AS_USER", value_parser = clap::value_parser!(i64).range(1..))]
+    pub relay_run_as_user: Option<i64>,
+    /// Group id of relay processes whose spec names none.
+    #[arg(long, env = "OUTBOX_RELAY_RUN_AS_GROUP", value_parser = clap::value_parser!(i64).range(0..))]
+    pub relay_run_as_group: Option<i64>,
+    /// Group owning relay pods' mounted files, when their spec names none.
+    #[arg(long, env = "OUTBOX_RELAY_FS_GROUP", value_parser = clap::value_parser!(i64).range(0..))]
+    pub relay_fs_group: Option<i64>,
 }
 
 impl Default for BuildOptions {
     fn default() -> Self {
         Self {
             relay_image: default_relay_image(),
+            relay_image_pull_policy: None,
+            relay_image_pull_secrets: Vec::new(),
+            relay_run_as_user: None,
+            relay_run_as_group: None,
+            relay_fs_group: None,
         }
     }
 }

@@ -220,11 +220,101 @@ fn the_image_defaults_to_the_operators_own() {
     };
     let options = BuildOptions {
         relay_image: "registry.example/outbox:1".to_owned(),
+        ..BuildOptions::default()
     };
     assert_eq!(image(&r, &options), "registry.example/outbox:1");
     r.spec.relay.image = Some("mine:2".to_owned());
     assert_eq!(image(&r, &options), "mine:2");
     assert!(default_relay_image().ends_with(env!("CARGO_PKG_VERSION")));
+}
+
+#[test]
+fn the_spec_overrides_the_operators_pod_defaults() {
+    let pod_spec = |r: &OutboxRelay, o: &BuildOptions| {
+        build(r, o)
+            .unwrap()
+            .deployment
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+    };
+    let options = BuildOptions {
+        relay_image_pull_policy: Some(crate::api::ImagePullPolicy::IfNotPresent),
+        relay_image_pull_secrets: vec!["regcred".to_owned()],
+        relay_run_as_user: Some(2000),
+        relay_fs_group: Some(3000),
+        ..BuildOptions::default()
+    };
+    let mut r = relay(POLLING_RABBIT);
+    let defaults = pod_spec(&r, &options);
+    let sc = defaults.security_context.clone().unwrap();
+    assert_eq!(
+        (sc.run_as_user, sc.run_as_group, sc.fs_group),
+        (Some(2000), None, Some(3000))
+    );
+    assert_eq!(
+        defaults.containers[0].image_pull_policy.as_deref(),
+        Some("IfNotPresent")
+    );
+    assert!(defaults.topology_spread_constraints.is_none());
+
+    r.spec.relay = serde_yaml::from_str(
+        r#"
+imagePullPolicy: Never
+imagePullSecrets: [{name: team-pull}, {name: regcred}]
+runAsUser: 1000680000
+runAsGroup: 0
+topologySpreadConstraints:
+  - {maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway}
+  - {maxSkew: 2, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule,
+     labelSelector: {matchLabels: {tier: relays}}}
+"#,
+    )
+    .unwrap();
+    let chosen = pod_spec(&r, &options);
+    let sc = chosen.security_context.clone().unwrap();
+    assert_eq!(
+        (
+            sc.run_as_user,
+            sc.run_as_group,
+            sc.fs_group,
+            sc.run_as_non_root
+        ),
+        (Some(1_000_680_000), Some(0), Some(3000), Some(true))
+    );
+    assert_eq!(
+        chosen.containers[0].image_pull_policy.as_deref(),
+        Some("Never")
+    );
+    let pulls: Vec<String> = chosen
+        .image_pull_secrets
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(
+        pulls,
+        ["regcred", "team-pull"],
+        "the operator's first, each once"
+    );
+    let spread = chosen.topology_spread_constraints.unwrap();
+    // No selector: this relay's own pods are counted.
+    let own = spread[0]
+        .label_selector
+        .clone()
+        .unwrap()
+        .match_labels
+        .unwrap();
+    assert_eq!(own, selector_labels(&crate::spec::parse(&r).unwrap()));
+    let theirs = spread[1]
+        .label_selector
+        .clone()
+        .unwrap()
+        .match_labels
+        .unwrap();
+    assert_eq!(theirs.get("tier").map(String::as_str), Some("relays"));
 }
 
 #[test]

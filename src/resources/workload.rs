@@ -8,9 +8,10 @@ use k8s_openapi::api::apps::v1::{
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapProjection, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretKeySelector,
-    SecretProjection, SecurityContext, Volume, VolumeMount, VolumeProjection,
+    HTTPGetAction, KeyToPath, LocalObjectReference, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretKeySelector,
+    SecretProjection, SecurityContext, TopologySpreadConstraint, Volume, VolumeMount,
+    VolumeProjection,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -23,15 +24,18 @@ use super::{
     MODE_ANNOTATION, MODE_LOG_TAILING, MODE_POLLING, SECRETS_VERSION_ANNOTATION, child_meta,
     config_map_name, labels, relay_object_name, selector_labels,
 };
+use crate::api::RelayPodSpec;
 use crate::secrets::Delivery;
 use crate::spec::config::{CONFIG_PATH, HTTP_PORT, RelayConfig};
 use crate::spec::{ValidMode, ValidRelay};
 
 /// The name of the container port, used by probes, the Service and the ServiceMonitor.
 pub const METRICS_PORT_NAME: &str = "metrics";
-/// The UID/GID relays run as: distroless `nonroot`, so any image built like ours works
-/// under `runAsNonRoot` even when it does not declare a numeric user.
-const RUN_AS: i64 = 65_532;
+/// Mode of the mounted config and Secret files when a group owns them (`fsGroup`):
+/// readable by that group. Without one they belong to root, so they must be readable
+/// by every user, whichever the image or the platform runs the relay as.
+const FILE_MODE_GROUP: i32 = 0o440;
+const FILE_MODE_ANY_USER: i32 = 0o444;
 /// Directory that holds the config file and the mounted Secret files.
 fn config_dir() -> &'static str {
     CONFIG_PATH
@@ -125,6 +129,7 @@ pub fn deployment(
         .clone()
         .filter(|i| !i.is_empty())
         .unwrap_or_else(|| options.relay_image.clone());
+    let identity = Identity::of(pod, options);
 
     let mut env = vec![EnvVar {
         name: "RUST_LOG".to_owned(),
@@ -201,6 +206,10 @@ pub fn deployment(
     let container = Container {
         name: "relay".to_owned(),
         image: Some(image),
+        image_pull_policy: pod
+            .image_pull_policy
+            .or(options.relay_image_pull_policy)
+            .map(|p| p.as_str().to_owned()),
         args: Some(vec![
             "relay".to_owned(),
             "--config".to_owned(),
@@ -295,9 +304,9 @@ pub fn deployment(
                     service_account_name: pod.service_account_name.clone(),
                     security_context: Some(PodSecurityContext {
                         run_as_non_root: Some(true),
-                        run_as_user: Some(RUN_AS),
-                        run_as_group: Some(RUN_AS),
-                        fs_group: Some(RUN_AS),
+                        run_as_user: identity.user,
+                        run_as_group: identity.group,
+                        fs_group: identity.fs_group,
                         seccomp_profile: Some(SeccompProfile {
                             type_: "RuntimeDefault".to_owned(),
                             localhost_profile: None,
@@ -309,13 +318,19 @@ pub fn deployment(
                         name: "config".to_owned(),
                         projected: Some(ProjectedVolumeSource {
                             sources: Some(sources),
-                            default_mode: Some(0o440),
+                            default_mode: Some(if identity.fs_group.is_some() {
+                                FILE_MODE_GROUP
+                            } else {
+                                FILE_MODE_ANY_USER
+                            }),
                         }),
                         ..Volume::default()
                     }]),
                     node_selector: non_empty(pod.node_selector.clone()),
                     tolerations: (!pod.tolerations.is_empty()).then(|| pod.tolerations.clone()),
                     affinity: pod.affinity.clone(),
+                    topology_spread_constraints: spread(valid),
+                    image_pull_secrets: pull_secrets(pod, options),
                     priority_class_name: pod.priority_class_name.clone(),
                     ..PodSpec::default()
                 }),
@@ -324,6 +339,59 @@ pub fn deployment(
         }),
         status: None,
     }
+}
+
+/// Who the relay process runs as: the spec's choice, else the operator's, else nothing
+/// (the image's numeric user; or the platform's, as OpenShift assigns one).
+struct Identity {
+    user: Option<i64>,
+    group: Option<i64>,
+    fs_group: Option<i64>,
+}
+
+impl Identity {
+    fn of(pod: &RelayPodSpec, options: &BuildOptions) -> Self {
+        Self {
+            user: pod.run_as_user.or(options.relay_run_as_user),
+            group: pod.run_as_group.or(options.relay_run_as_group),
+            fs_group: pod.fs_group.or(options.relay_fs_group),
+        }
+    }
+}
+
+/// The operator's pull Secrets, then the spec's, each once.
+fn pull_secrets(pod: &RelayPodSpec, options: &BuildOptions) -> Option<Vec<LocalObjectReference>> {
+    let mut names: Vec<LocalObjectReference> = Vec::new();
+    let all = options
+        .relay_image_pull_secrets
+        .iter()
+        .map(|name| LocalObjectReference { name: name.clone() })
+        .chain(pod.image_pull_secrets.iter().cloned());
+    for reference in all {
+        if !reference.name.is_empty() && !names.contains(&reference) {
+            names.push(reference);
+        }
+    }
+    (!names.is_empty()).then_some(names)
+}
+
+/// The spec's spread constraints; one without a selector counts this relay's pods.
+fn spread(valid: &ValidRelay) -> Option<Vec<TopologySpreadConstraint>> {
+    let constraints = &valid.pod().topology_spread_constraints;
+    (!constraints.is_empty()).then(|| {
+        constraints
+            .iter()
+            .map(|c| TopologySpreadConstraint {
+                label_selector: c.label_selector.clone().or_else(|| {
+                    Some(LabelSelector {
+                        match_labels: Some(selector_labels(valid)),
+                        match_expressions: None,
+                    })
+                }),
+                ..c.clone()
+            })
+            .collect()
+    })
 }
 
 /// Seconds a relay judged stuck by its liveness probe gets between SIGTERM and SIGKILL.

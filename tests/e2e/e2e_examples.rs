@@ -54,7 +54,7 @@ fn start_controller(client: &Client, namespace: &str, relay_image: Option<String
     let mut args = ControllerArgs::for_namespace(namespace);
     args.identity = Some("e2e".to_owned());
     if let Some(image) = relay_image {
-        args.relay_image = image;
+        args.build.relay_image = image;
     }
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(controller::run(

@@ -246,7 +246,7 @@ impl Setup {
 }
 
 /// The host PID of a running container, as its runtime reports it (`crictl inspect`).
-fn container_pid(container_id: &str) -> i64 {
+pub(crate) fn container_pid(container_id: &str) -> i64 {
     let rig = common::Rig::load();
     let id = container_id
         .strip_prefix("containerd://")

@@ -16,6 +16,7 @@ mod e2e_failover;
 mod e2e_kubelet;
 mod e2e_node;
 mod e2e_operator;
+mod e2e_platform;
 mod e2e_pod_runner;
 mod e2e_slot_lost;
 mod e2e_wal_budget;

@@ -17,6 +17,7 @@ mod chart_apply;
 mod chart_install;
 mod chart_lint;
 mod chart_rbac_controller;
+mod chart_relay_pods;
 mod cli;
 mod code_layers;
 mod crd_explain;

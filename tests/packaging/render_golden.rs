@@ -10,6 +10,7 @@ use outbox_operator::resources::BuildOptions;
 fn options() -> BuildOptions {
     BuildOptions {
         relay_image: "ghcr.io/outbox-operator/outbox-operator:golden".to_owned(),
+        ..BuildOptions::default()
     }
 }
 
