@@ -213,7 +213,7 @@ mod tests {
     /// Every Secret reference of the CRD defaults its key the same way, and a manifest
     /// read offline (render, check, the relay's file) gets the same default.
     #[test]
-    fn every_secret_reference_defaults_its_key_to_the_one_catalogue_entry() {
+    fn every_secret_reference_defaults_its_key_to_the_one_its_role_reads() {
         use kube::CustomResourceExt;
         fn walk(path: &str, node: &serde_json::Value, found: &mut Vec<(String, String)>) {
             if let Some(props) = node["properties"].as_object() {
@@ -239,7 +239,17 @@ mod tests {
         );
         assert!(found.len() >= 6, "{found:?}");
         for (field, default) in &found {
-            assert_eq!(default, crate::rules::DEFAULT_SECRET_KEY, "{field}");
+            let role = [
+                ("caSecretRef", "ca.crt"),
+                ("clientCertSecretRef", "tls.crt"),
+                ("clientKeySecretRef", "tls.key"),
+                ("usernameSecretRef", "username"),
+                ("passwordSecretRef", "password"),
+            ]
+            .into_iter()
+            .find(|(suffix, _)| field.ends_with(suffix))
+            .map_or(crate::rules::DEFAULT_SECRET_KEY, |(_, key)| key);
+            assert_eq!(default, role, "{field}");
         }
         let offline: SecretKeyRef = serde_yaml::from_str("name: db").unwrap();
         assert_eq!(offline.key, crate::rules::DEFAULT_SECRET_KEY);

@@ -7,7 +7,9 @@ use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::SecretKeyRef;
+use super::{
+    CaSecretRef, CertSecretRef, KeySecretRef, PasswordSecretRef, SecretKeyRef, UsernameSecretRef,
+};
 
 /// Where messages go. Exactly one field is set.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -112,32 +114,61 @@ fn default_kafka_topic() -> String {
 /// against the CA given here, else against the system's roots.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.clientCertSecretRef) == has(self.clientKeySecretRef)").message("tls.clientCertSecretRef and tls.clientKeySecretRef go together: set both for mutual TLS, or neither"))]
+#[x_kube(validation = Rule::new("!has(self.clientKeySecretRef) || has(self.clientCertSecretRef)").message("tls.clientKeySecretRef needs tls.clientCertSecretRef: a key without its certificate is never sent"))]
 pub struct TlsSpec {
     /// A Secret key holding the CA certificate(s) (PEM) that verify the server
     /// (`ca.crt` of a cert-manager Secret); default the system roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_secret_ref: Option<SecretKeyRef>,
+    pub ca_secret_ref: Option<CaSecretRef>,
     /// A Secret key holding the client certificate chain (PEM), for mutual TLS
     /// (`tls.crt` of a `kubernetes.io/tls` Secret).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    pub client_cert_secret_ref: Option<CertSecretRef>,
     /// A Secret key holding the client's private key (PEM: PKCS#8, PKCS#1 or SEC1,
-    /// unencrypted; `tls.key` of a `kubernetes.io/tls` Secret).
+    /// unencrypted). Default: `tls.key` of the certificate's Secret, so one
+    /// `kubernetes.io/tls` Secret named in `clientCertSecretRef` gives both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_key_secret_ref: Option<SecretKeyRef>,
+    pub client_key_secret_ref: Option<KeySecretRef>,
 }
 
-/// SASL credentials for Kafka.
+impl TlsSpec {
+    /// The references: CA, client certificate, client key (resolved), each as set.
+    pub fn refs(&self) -> [Option<SecretKeyRef>; 3] {
+        [
+            self.ca_secret_ref.as_ref().map(SecretKeyRef::from),
+            self.client_cert_secret_ref.as_ref().map(SecretKeyRef::from),
+            self.client_key().as_ref().map(SecretKeyRef::from),
+        ]
+    }
+
+    /// The client key: the one named, else `tls.key` of the certificate's Secret.
+    pub fn client_key(&self) -> Option<KeySecretRef> {
+        self.client_key_secret_ref.clone().or_else(|| {
+            self.client_cert_secret_ref
+                .as_ref()
+                .map(|cert| KeySecretRef::named(&cert.name))
+        })
+    }
+}
+
+/// SASL credentials for Kafka: a user name (given, or from a Secret) and a password
+/// from a Secret. A Strimzi `KafkaUser` with SCRAM: `username` is the KafkaUser's name,
+/// `passwordSecretRef` names its Secret (key `password`).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.username) != has(self.usernameSecretRef)").message("spec.broker.kafka.sasl: give the user name one way: username, or usernameSecretRef"))]
 pub struct SaslSpec {
     /// SASL mechanism.
     pub mechanism: SaslMechanism,
-    /// Secret key holding the user name.
-    pub username_secret_ref: SecretKeyRef,
+    /// The user name (not a secret).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub username: Option<String>,
+    /// Secret key holding the user name (instead of `username`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<UsernameSecretRef>,
     /// Secret key holding the password.
-    pub password_secret_ref: SecretKeyRef,
+    pub password_secret_ref: PasswordSecretRef,
 }
 
 /// SASL mechanisms librdkafka supports with user name and password.
@@ -188,10 +219,10 @@ pub struct NatsSpec {
     pub token_secret_ref: Option<SecretKeyRef>,
     /// A Secret key holding the user name (with `passwordSecretRef`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub username_secret_ref: Option<SecretKeyRef>,
+    pub username_secret_ref: Option<UsernameSecretRef>,
     /// A Secret key holding the password (with `usernameSecretRef`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub password_secret_ref: Option<SecretKeyRef>,
+    pub password_secret_ref: Option<PasswordSecretRef>,
 }
 
 fn default_nats_subject() -> String {

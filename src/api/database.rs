@@ -1,5 +1,6 @@
 //! `spec.database`: a connection URL Secret, or a CloudNativePG cluster.
 
+use super::{CaSecretRef, CertSecretRef, KeySecretRef, SecretKeyRef};
 use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -36,7 +37,7 @@ impl DatabaseSpec {
             (None, None) => PostgresSpec {
                 connection_secret_ref: SecretKeyRef {
                     name: String::new(),
-                    key: default_secret_key(),
+                    key: SecretKeyRef::DEFAULT_KEY.to_owned(),
                 },
                 ssl_mode: SslMode::default(),
                 ca_secret_ref: None,
@@ -193,10 +194,7 @@ impl DatabaseRef {
                 },
             },
             ssl_mode: SslMode::VerifyFull,
-            ca_secret_ref: Some(SecretKeyRef {
-                name: self.ca_secret(),
-                key: "ca.crt".to_owned(),
-            }),
+            ca_secret_ref: Some(CaSecretRef::named(self.ca_secret())),
             client_cert_secret_ref: None,
             client_key_secret_ref: None,
         }
@@ -206,16 +204,17 @@ impl DatabaseRef {
 /// How to reach PostgreSQL.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.clientCertSecretRef) == has(self.clientKeySecretRef)").message("spec.database.postgres.clientCertSecretRef and clientKeySecretRef go together: set both, or neither"))]
+#[x_kube(validation = Rule::new("!has(self.clientKeySecretRef) || has(self.clientCertSecretRef)").message("spec.database.postgres.clientKeySecretRef needs clientCertSecretRef: a key without its certificate is never sent"))]
 #[x_kube(validation = Rule::new("!has(self.clientCertSecretRef) || !has(self.sslMode) || self.sslMode != 'disable'").message("spec.database.postgres.clientCertSecretRef needs TLS: set sslMode to verify-full (or require, verify-ca)"))]
 pub struct PostgresSpec {
     /// The Secret key holding a connection URI (`postgres://user:password@host:5432/db`).
     /// The relay reads it from its environment; it never appears in a ConfigMap, log,
     /// event or status.
     pub connection_secret_ref: SecretKeyRef,
-    /// TLS to the database, with libpq's meanings: `disable`, `prefer` (TLS when the
-    /// server offers it, not verified), `require` (TLS, not verified), `verify-ca` (TLS,
-    /// chain verified) or `verify-full` (TLS, chain and host name verified; recommended).
+    /// TLS to the database, with libpq's meanings: `verify-full` (TLS, chain and host
+    /// name verified; the default), `verify-ca` (TLS, chain verified), `require` (TLS,
+    /// not verified), `prefer` (TLS when the server offers it, not verified) or
+    /// `disable`. Verification uses `caSecretRef`, else the system's roots.
     /// Applies to every connection: the operator's, the relay's and its replication
     /// stream. It overrides an `sslmode` in the URL.
     #[serde(default)]
@@ -223,36 +222,37 @@ pub struct PostgresSpec {
     /// A Secret key holding the CA certificate(s), PEM, that verify the server
     /// (`verify-ca`, `verify-full`); default the system's roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_secret_ref: Option<SecretKeyRef>,
+    pub ca_secret_ref: Option<CaSecretRef>,
     /// A Secret key holding a client certificate (PEM), sent when the server asks for
     /// one (libpq's `sslcert`): for `cert` authentication in pg_hba.conf, or
     /// `clientcert=verify-full`. Needs an `sslMode` other than `disable`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    pub client_cert_secret_ref: Option<CertSecretRef>,
     /// A Secret key holding the client certificate's private key (PEM, unencrypted;
-    /// libpq's `sslkey`).
+    /// libpq's `sslkey`). Default: `tls.key` of the certificate's Secret, so one
+    /// `kubernetes.io/tls` Secret named in `clientCertSecretRef` gives both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_key_secret_ref: Option<SecretKeyRef>,
+    pub client_key_secret_ref: Option<KeySecretRef>,
 }
 
-/// A key in a Secret in the relay's namespace.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct SecretKeyRef {
-    /// Name of the Secret.
-    #[schemars(
-        length(min = 1, max = 253),
-        regex(pattern = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    )]
-    pub name: String,
-    /// Key within the Secret; `uri` when left out, for every reference.
-    #[serde(default = "default_secret_key")]
-    #[schemars(length(min = 1, max = 253), regex(pattern = "^[-._a-zA-Z0-9]+$"))]
-    pub key: String,
-}
+impl PostgresSpec {
+    /// The TLS references: CA, client certificate, client key (resolved), each as set.
+    pub fn tls_refs(&self) -> [Option<SecretKeyRef>; 3] {
+        [
+            self.ca_secret_ref.as_ref().map(SecretKeyRef::from),
+            self.client_cert_secret_ref.as_ref().map(SecretKeyRef::from),
+            self.client_key().as_ref().map(SecretKeyRef::from),
+        ]
+    }
 
-fn default_secret_key() -> String {
-    crate::rules::DEFAULT_SECRET_KEY.to_owned()
+    /// The client key: the one named, else `tls.key` of the certificate's Secret.
+    pub fn client_key(&self) -> Option<KeySecretRef> {
+        self.client_key_secret_ref.clone().or_else(|| {
+            self.client_cert_secret_ref
+                .as_ref()
+                .map(|cert| KeySecretRef::named(&cert.name))
+        })
+    }
 }
 
 /// TLS mode for the database connection, as libpq names them.
@@ -262,12 +262,25 @@ pub enum SslMode {
     /// Plain TCP.
     Disable,
     /// TLS when the server offers it.
-    #[default]
     Prefer,
     /// TLS, without verifying the server certificate.
     Require,
     /// TLS, verifying the certificate chain but not the host name.
     VerifyCa,
-    /// TLS, verifying the certificate chain and the host name.
+    /// TLS, verifying the certificate chain and the host name (the default).
+    #[default]
     VerifyFull,
+}
+
+impl SslMode {
+    /// The name libpq (and the spec) uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disable => "disable",
+            Self::Prefer => "prefer",
+            Self::Require => "require",
+            Self::VerifyCa => "verify-ca",
+            Self::VerifyFull => "verify-full",
+        }
+    }
 }

@@ -12,6 +12,7 @@ mod duration;
 mod mode;
 mod pod;
 mod quantity;
+mod secret_ref;
 mod status;
 mod table;
 
@@ -28,6 +29,9 @@ pub use duration::{DurationError, parse_duration};
 pub use mode::*;
 pub use pod::{ImagePullPolicy, RelayPodSpec};
 pub use quantity::{QuantityError, parse_bytes};
+pub use secret_ref::{
+    CaSecretRef, CertSecretRef, KeySecretRef, PasswordSecretRef, SecretKeyRef, UsernameSecretRef,
+};
 pub use status::{
     FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLeftBehind, SlotLoss, SlotStatus,
 };

@@ -202,13 +202,19 @@ const TOKEN: &str = "spec.broker.nats.tokenSecretRef";
 const USERNAME: &str = "spec.broker.nats.usernameSecretRef";
 const PASSWORD: &str = "spec.broker.nats.passwordSecretRef";
 
-fn auth_refs(n: &NatsSpec) -> [(&'static str, Option<&SecretKeyRef>); 5] {
+fn auth_refs(n: &NatsSpec) -> [(&'static str, Option<SecretKeyRef>); 5] {
     [
-        (CREDENTIALS, n.credentials_secret_ref.as_ref()),
-        (NKEY_SEED, n.nkey_seed_secret_ref.as_ref()),
-        (TOKEN, n.token_secret_ref.as_ref()),
-        (USERNAME, n.username_secret_ref.as_ref()),
-        (PASSWORD, n.password_secret_ref.as_ref()),
+        (CREDENTIALS, n.credentials_secret_ref.clone()),
+        (NKEY_SEED, n.nkey_seed_secret_ref.clone()),
+        (TOKEN, n.token_secret_ref.clone()),
+        (
+            USERNAME,
+            n.username_secret_ref.as_ref().map(SecretKeyRef::from),
+        ),
+        (
+            PASSWORD,
+            n.password_secret_ref.as_ref().map(SecretKeyRef::from),
+        ),
     ]
 }
 

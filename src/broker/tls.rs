@@ -40,12 +40,9 @@ pub const RABBITMQ: TlsFields = TlsFields {
     key: "spec.broker.rabbitmq.tls.clientKeySecretRef",
 };
 
-fn refs(tls: &TlsSpec, fields: TlsFields) -> [(&'static str, Option<&SecretKeyRef>); 3] {
-    [
-        (fields.ca, tls.ca_secret_ref.as_ref()),
-        (fields.cert, tls.client_cert_secret_ref.as_ref()),
-        (fields.key, tls.client_key_secret_ref.as_ref()),
-    ]
+fn refs(tls: &TlsSpec, fields: TlsFields) -> [(&'static str, Option<SecretKeyRef>); 3] {
+    let [ca, cert, key] = tls.refs();
+    [(fields.ca, ca), (fields.cert, cert), (fields.key, key)]
 }
 
 /// Every problem of a `tls` block.
@@ -56,11 +53,11 @@ pub fn check(tls: Option<&TlsSpec>, fields: TlsFields, p: &mut Problems) {
             check_secret_ref(p, field, &r.name, &r.key);
         }
     }
-    if tls.client_cert_secret_ref.is_some() != tls.client_key_secret_ref.is_some() {
+    if tls.client_key_secret_ref.is_some() && tls.client_cert_secret_ref.is_none() {
         p.push(
-            fields.cert,
-            "a client certificate needs its key, and a key its certificate",
-            "set both clientCertSecretRef and clientKeySecretRef, or neither",
+            fields.key,
+            "a client key without its certificate is never sent",
+            "set clientCertSecretRef (its Secret's tls.key is the key when clientKeySecretRef is left out)",
         );
     }
 }

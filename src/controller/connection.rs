@@ -93,11 +93,7 @@ pub(super) async fn read_connection(
         return Ok(None);
     };
     let mut pems = Vec::new();
-    for reference in [
-        &pg.ca_secret_ref,
-        &pg.client_cert_secret_ref,
-        &pg.client_key_secret_ref,
-    ] {
+    for reference in &pg.tls_refs() {
         pems.push(match reference {
             Some(r) => match read_key(relay, r, ctx).await? {
                 Some(pem) => Some(pem),

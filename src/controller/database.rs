@@ -81,10 +81,23 @@ pub(super) async fn observe(
             };
         }
         Err(err) => {
+            let text = err.to_string();
+            let pg = relay.spec.database.postgres();
+            if let Some((reason, advice)) =
+                postgres::tls::diagnose(valid.ssl_mode, pg.ca_secret_ref.is_some(), &text)
+            {
+                return DatabaseSeen::Unusable {
+                    reason,
+                    message: format!(
+                        "cannot connect to PostgreSQL with the URL in {}: {text}; {advice}",
+                        secret_name(relay)
+                    ),
+                };
+            }
             return DatabaseSeen::Unusable {
                 reason: "ConnectionFailed",
                 message: format!(
-                    "cannot connect to PostgreSQL with the URL in {}: {err}; check the URL, the network path from the operator and pg_hba.conf",
+                    "cannot connect to PostgreSQL with the URL in {}: {text}; check the URL, the network path from the operator and pg_hba.conf",
                     secret_name(relay)
                 ),
             };

@@ -29,11 +29,8 @@ pub(super) fn finalizer_of(name: &str) -> String {
 /// reads them without a parse).
 pub(super) fn database_secrets(relay: &OutboxRelay) -> Vec<String> {
     let pg = relay.spec.database.postgres();
-    let mut names: Vec<String> = std::iter::once(&pg.connection_secret_ref)
-        .chain(pg.ca_secret_ref.iter())
-        .chain(pg.client_cert_secret_ref.iter())
-        .chain(pg.client_key_secret_ref.iter())
-        .map(|r| r.name.clone())
+    let mut names: Vec<String> = std::iter::once(pg.connection_secret_ref.name.clone())
+        .chain(pg.tls_refs().into_iter().flatten().map(|r| r.name))
         .collect();
     // A CloudNativePG Cluster's own Secrets are garbage-collected with it and made
     // again by it: a finalizer there would hold them (and a new Cluster of that name)

@@ -269,9 +269,76 @@ pub fn replication_tls(
     }
 }
 
+/// Why a connection failed at TLS, and what to change: the condition's reason and
+/// advice, when `error` (the driver's text, causes included) is a TLS failure under
+/// `mode`; `has_ca` tells whether the spec names a CA.
+pub fn diagnose(mode: SslMode, has_ca: bool, error: &str) -> Option<(&'static str, String)> {
+    if error.contains("server does not support TLS") {
+        return Some((
+            "TLSUnavailable",
+            format!(
+                "the server does not offer TLS, which sslMode {} requires: turn TLS on at \
+                 the server (ssl = on), or set spec.database.postgres.sslMode: disable to \
+                 connect in plain text (the password then crosses the network unencrypted)",
+                mode.as_str()
+            ),
+        ));
+    }
+    let verifying = matches!(mode, SslMode::VerifyCa | SslMode::VerifyFull);
+    let certificate = error.contains("invalid peer certificate") || error.contains("certificate");
+    if !verifying || !certificate {
+        return None;
+    }
+    let advice = if error.contains("NotValidForName") {
+        "the server's certificate does not name the host of the URL: connect by a name the \
+         certificate carries, or set sslMode: verify-ca to verify the chain only"
+            .to_owned()
+    } else if has_ca {
+        "the server's certificate does not chain to the CA in \
+         spec.database.postgres.caSecretRef (or has expired): give the CA that signed it"
+            .to_owned()
+    } else {
+        format!(
+            "sslMode {} verifies the server's certificate, and it does not chain to the \
+             system's roots: give its CA in spec.database.postgres.caSecretRef (a Secret's \
+             ca.crt: CloudNativePG's <cluster>-ca, your cloud's regional bundle), or set \
+             sslMode: require to encrypt without verifying (an on-path attacker could then \
+             read the password)",
+            mode.as_str()
+        )
+    };
+    Some(("TLSNotVerified", advice))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_failures_say_how_to_give_the_ca_or_choose_a_weaker_mode() {
+        let unknown = "error performing TLS handshake: invalid peer certificate: UnknownIssuer";
+        let (reason, advice) = diagnose(SslMode::VerifyFull, false, unknown).unwrap();
+        assert_eq!(reason, "TLSNotVerified");
+        assert!(
+            advice.contains("caSecretRef") && advice.contains("sslMode: require"),
+            "{advice}"
+        );
+        let (_, advice) = diagnose(SslMode::VerifyFull, true, unknown).unwrap();
+        assert!(advice.contains("give the CA that signed it"), "{advice}");
+        let name = "invalid peer certificate: NotValidForName";
+        let (_, advice) = diagnose(SslMode::VerifyFull, true, name).unwrap();
+        assert!(advice.contains("verify-ca"), "{advice}");
+        let plain = "error performing TLS handshake: server does not support TLS";
+        let (reason, advice) = diagnose(SslMode::VerifyFull, false, plain).unwrap();
+        assert_eq!(reason, "TLSUnavailable");
+        assert!(advice.contains("sslMode: disable"), "{advice}");
+        // Not a TLS failure, or a mode that verifies nothing: no advice.
+        assert_eq!(
+            diagnose(SslMode::VerifyFull, false, "password authentication failed"),
+            None
+        );
+        assert_eq!(diagnose(SslMode::Require, false, unknown), None);
+    }
 
     #[test]
     fn modes_map_to_the_drivers_and_verification_needs_a_usable_ca() {

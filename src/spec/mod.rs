@@ -534,7 +534,8 @@ impl ValidRelay {
             delivery: Delivery::File { path, local_env },
             content,
         };
-        if let Some(ca) = &pg.ca_secret_ref {
+        let [ca, cert, key] = pg.tls_refs();
+        if let Some(ca) = &ca {
             all.push(file(
                 PG_CA_FIELD,
                 ca,
@@ -543,7 +544,7 @@ impl ValidRelay {
                 Content::Certificates,
             ));
         }
-        if let Some(cert) = &pg.client_cert_secret_ref {
+        if let Some(cert) = &cert {
             all.push(file(
                 PG_CLIENT_CERT_FIELD,
                 cert,
@@ -552,7 +553,7 @@ impl ValidRelay {
                 Content::Certificates,
             ));
         }
-        if let Some(key) = &pg.client_key_secret_ref {
+        if let Some(key) = &key {
             all.push(file(
                 PG_CLIENT_KEY_FIELD,
                 key,

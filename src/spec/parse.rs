@@ -145,19 +145,22 @@ fn database(spec: &OutboxRelaySpec, p: &mut Problems) -> SslMode {
         check_secret_ref(p, connection_field, &db.name, &db.key);
     }
     for (field, reference) in [
-        (super::PG_CA_FIELD, &pg.ca_secret_ref),
-        (super::PG_CLIENT_CERT_FIELD, &pg.client_cert_secret_ref),
-        (super::PG_CLIENT_KEY_FIELD, &pg.client_key_secret_ref),
-    ] {
+        super::PG_CA_FIELD,
+        super::PG_CLIENT_CERT_FIELD,
+        super::PG_CLIENT_KEY_FIELD,
+    ]
+    .into_iter()
+    .zip(&pg.tls_refs())
+    {
         if let Some(r) = reference {
             check_secret_ref(p, field, &r.name, &r.key);
         }
     }
-    if pg.client_cert_secret_ref.is_some() != pg.client_key_secret_ref.is_some() {
+    if pg.client_key_secret_ref.is_some() && pg.client_cert_secret_ref.is_none() {
         p.push(
-            super::PG_CLIENT_CERT_FIELD,
-            "a client certificate needs its key, and a key its certificate",
-            "set both clientCertSecretRef and clientKeySecretRef, or neither",
+            super::PG_CLIENT_KEY_FIELD,
+            "a client key without its certificate is never sent",
+            "set clientCertSecretRef (its Secret's tls.key is the key when clientKeySecretRef is left out)",
         );
     }
     if pg.client_cert_secret_ref.is_some() && pg.ssl_mode == SslMode::Disable {

@@ -97,12 +97,9 @@ fn default_slot_names_of_two_namespaces_can_be_alike_and_give_no_right_to_the_ot
 /// rule for render, check, the controller and the relay.
 const INVALID: &[(&str, &str, &[&str])] = &[
     (
-        "a PostgreSQL client certificate without key, over no TLS",
-        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: disable, clientCertSecretRef: {name: pg, key: tls.crt}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
-        &[
-            "spec.database.postgres.clientCertSecretRef",
-            "spec.database.postgres.sslMode",
-        ],
+        "a PostgreSQL client key without certificate, over no TLS",
+        "  database: {postgres: {connectionSecretRef: {name: db}, sslMode: disable, clientKeySecretRef: {name: pg}}}\n  mode: {polling: {}}\n  broker: {nats: {url: \"nats://n:4222\"}}",
+        &["spec.database.postgres.clientKeySecretRef"],
     ),
     (
         "two NATS logins, a user without password, a key without certificate",
@@ -110,7 +107,7 @@ const INVALID: &[(&str, &str, &[&str])] = &[
         &[
             "spec.broker.nats",
             "spec.broker.nats.usernameSecretRef",
-            "spec.broker.nats.tls.clientCertSecretRef",
+            "spec.broker.nats.tls.clientKeySecretRef",
         ],
     ),
     (

@@ -103,6 +103,22 @@ pub fn for_pods(url: &str) -> String {
     }
 }
 
+/// Secret `orders-db` as the examples' headers ask for it: `uri`, the URL relay pods
+/// (and the controller) reach the database at, by a name the rig's server certificate
+/// carries (the pods' gateway on the node, else `localhost`); and `ca.crt`, the rig's
+/// CA, so the examples' default `sslMode: verify-full` holds.
+pub fn db_secret_for_pods(url: &str) -> Vec<(&'static str, String)> {
+    let uri = if available() {
+        pod_url(url)
+    } else {
+        url.replace("127.0.0.1", "localhost")
+    };
+    let rig = Rig::load();
+    let ca = std::fs::read_to_string(rig.get("OUTBOX_RIG_PG_CA"))
+        .unwrap_or_else(|e| panic!("the rig's PostgreSQL CA: {e}"));
+    vec![("uri", uri), ("ca.crt", ca)]
+}
+
 /// The rig's AMQP URL as relay pods use it (on the node, a user that may log in from
 /// the pod network; guest may not).
 pub fn amqp_for_pods() -> String {

@@ -52,13 +52,29 @@ struct Case {
 
 const CASES: &[Case] = &[
     Case {
-        what: "a PostgreSQL client certificate without its key",
+        what: "a PostgreSQL client key without its certificate",
         edit: |s| {
             s["database"]["postgres"]["sslMode"] = json!("verify-full");
-            s["database"]["postgres"]["clientCertSecretRef"] =
-                json!({"name": "pg", "key": "tls.crt"});
+            s["database"]["postgres"]["clientKeySecretRef"] = json!({"name": "pg"});
         },
-        expect: &["clientKeySecretRef"],
+        expect: &["clientKeySecretRef needs clientCertSecretRef"],
+    },
+    Case {
+        what: "a Kafka user name given twice",
+        edit: |s| {
+            s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "sasl": {
+                "mechanism": "SCRAM-SHA-512", "username": "u",
+                "usernameSecretRef": {"name": "k"}, "passwordSecretRef": {"name": "k"}}}});
+        },
+        expect: &["give the user name one way"],
+    },
+    Case {
+        what: "a Kafka login without a user name",
+        edit: |s| {
+            s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "sasl": {
+                "mechanism": "SCRAM-SHA-512", "passwordSecretRef": {"name": "k"}}}});
+        },
+        expect: &["give the user name one way"],
     },
     Case {
         what: "a PostgreSQL client certificate with sslMode disable",

@@ -679,7 +679,8 @@ fn base_manifest(name: &str) -> Value {
         "kind": "OutboxRelay",
         "metadata": {"name": name},
         "spec": {
-            "database": {"postgres": {"connectionSecretRef": {"name": "db", "key": "uri"}}},
+            "database": {"postgres": {"connectionSecretRef": {"name": "db", "key": "uri"},
+                "sslMode": "disable"}},
             "mode": {"polling": {}},
             "broker": {"nats": {"url": "nats://nats:4222"}},
             "replicas": 1

@@ -105,6 +105,7 @@ async fn the_operator_checks_the_database_over_verified_tls() {
         &ns,
         "pg-client",
         &[
+            ("ca.crt", ca.as_str()),
             ("tls.crt", client_crt.as_str()),
             ("tls.key", client_key.as_str()),
         ],
@@ -131,8 +132,10 @@ async fn the_operator_checks_the_database_over_verified_tls() {
     let mut by_cert = manifest("by-cert", "pg-ca");
     let pg = &mut by_cert["spec"]["database"]["postgres"];
     pg["connectionSecretRef"] = json!({"name": "db-cert"});
-    pg["clientCertSecretRef"] = json!({"name": "pg-client", "key": "tls.crt"});
-    pg["clientKeySecretRef"] = json!({"name": "pg-client", "key": "tls.key"});
+    // One kubernetes.io/tls Secret, as cert-manager writes it, named without a key:
+    // its ca.crt verifies the server, its tls.crt and tls.key log the relay in.
+    pg["caSecretRef"] = json!({"name": "pg-client"});
+    pg["clientCertSecretRef"] = json!({"name": "pg-client"});
     for (name, relay) in [
         ("good", manifest("good", "pg-ca")),
         ("wrong-ca", manifest("wrong-ca", "other-ca")),

@@ -112,8 +112,9 @@ async fn main() {
         let namespace = format!("{}-{example}", args.prefix);
         create_namespace(&client, &namespace).await;
         let database = operator::example_database().await;
-        let uri = common::node::for_pods(&database.url);
-        operator::create_secret(&client, &namespace, "orders-db", &[("uri", &uri)]).await;
+        let data = common::node::db_secret_for_pods(&database.url);
+        let data: Vec<(&str, &str)> = data.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        operator::create_secret(&client, &namespace, "orders-db", &data).await;
         let mut manifest = operator::example_manifest(&format!("{example}.yaml"));
         manifest["metadata"]["labels"] = json!({"outbox.dev/demo": args.prefix});
         match broker {

@@ -172,15 +172,12 @@ where
     }
 }
 
-/// Secret `orders-db` with the example database's URL as the relay pods reach it.
+/// Secret `orders-db` as the examples ask: the database's URL as the relay pods reach
+/// it, and the CA of its server's certificate.
 async fn create_db_secret(client: &Client, ns: &str, db: &common::TestDatabase) {
-    operator::create_secret(
-        client,
-        ns,
-        "orders-db",
-        &[("uri", &common::node::for_pods(&db.url))],
-    )
-    .await;
+    let data = common::node::db_secret_for_pods(&db.url);
+    let data: Vec<(&str, &str)> = data.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    operator::create_secret(client, ns, "orders-db", &data).await;
 }
 
 /// Waits for `Ready=True` (reason `RelayAvailable`) for the relay's current generation,

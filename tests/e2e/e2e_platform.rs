@@ -8,6 +8,9 @@
 //! (`RelayPodsRefused`, with the platform's answer). Unpinned, as the operator builds it
 //! by default, it runs as the arbitrary user the platform assigned, reads its config and
 //! Secret files, and publishes every committed event in per-aggregate order.
+//!
+//! And Secrets as cert-manager and Strimzi write them, referenced by name only: each
+//! reference reads the key its role has in those Secrets.
 
 use crate::common;
 
@@ -112,6 +115,44 @@ async fn emulate_restricted_scc(client: &kube::Client, tag: &str) -> String {
     name
 }
 
+/// Waits for the API server to enforce the emulated SCC in `ns` (its admission-policy
+/// cache syncs after the policies are created): a dry-run pod that names no user comes
+/// back with the range's first, and one pinned to 65532 is refused.
+async fn wait_enforced(client: &kube::Client, ns: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let probe = |user: Option<i64>| -> Pod {
+        let mut security = json!({"runAsNonRoot": true,
+            "seccompProfile": {"type": "RuntimeDefault"}});
+        if let Some(user) = user {
+            security["runAsUser"] = json!(user);
+        }
+        serde_json::from_value(json!({
+            "metadata": {"generateName": "scc-probe-"},
+            "spec": {"securityContext": security, "containers": [{
+                "name": "probe", "image": "probe",
+                "securityContext": {"allowPrivilegeEscalation": false,
+                    "capabilities": {"drop": ["ALL"]}}}]}}))
+        .unwrap()
+    };
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    common::wait_for_some(
+        "the emulated SCC enforced in the namespace",
+        WAIT,
+        || async {
+            let assigned = pods.create(&dry_run, &probe(None)).await.ok()?;
+            let user = assigned.spec?.security_context?.run_as_user;
+            let pinned = pods.create(&dry_run, &probe(Some(65_532))).await;
+            let refused =
+                matches!(&pinned, Err(e) if e.to_string().contains("security context constraint"));
+            (user == Some(UID_START) && refused).then_some(())
+        },
+    )
+    .await;
+}
+
 async fn remove_scc(client: &kube::Client, name: &str) {
     for kind in [
         "MutatingAdmissionPolicyBinding",
@@ -164,6 +205,7 @@ async fn relays_run_as_the_user_a_restricted_platform_assigns() {
         .await
         .unwrap_or_else(|e| panic!("labelling namespace {ns}: {e}"));
     let scc = emulate_restricted_scc(&client, &ns).await;
+    wait_enforced(&client, &ns).await;
     let pods = RelayPods::start(&client, &ns).await;
     let mut controller = pods.controller(&ns, &[]);
     operator::create_secret(&client, &ns, "orders-db", &[("uri", &pods.url(&db.url))]).await;
@@ -305,6 +347,183 @@ async fn relays_run_as_the_user_a_restricted_platform_assigns() {
     remove_scc(&client, &scc).await;
     common::delete_namespace(&client, &ns).await;
     let _ = stream.jetstream.delete_stream(&stream.name).await;
+    db.drop_database().await;
+    assert!(stopped.is_ok_and(|s| s.success()), "the controller's exit");
+}
+
+/// A Secret of `type_` with `data`, as cert-manager or Strimzi would leave it.
+async fn typed_secret(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    type_: &str,
+    data: &[(&str, &[u8])],
+) {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Secret;
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.to_owned()),
+            ..Default::default()
+        },
+        type_: Some(type_.to_owned()),
+        data: Some(
+            data.iter()
+                .map(|(k, v)| ((*k).to_owned(), ByteString(v.to_vec())))
+                .collect(),
+        ),
+        ..Secret::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_or_else(|e| panic!("creating Secret {name}: {e}"));
+}
+
+/// Secrets laid out as the ecosystem writes them, named without a single key: a
+/// cert-manager `kubernetes.io/tls` Secret (`ca.crt`, `tls.crt`, `tls.key`) gives the
+/// database's CA and the client certificate that logs the relay in (sslMode
+/// verify-full, no password anywhere); a Strimzi cluster-CA Secret (`ca.crt`) verifies
+/// Kafka, and a Strimzi KafkaUser Secret (`password`, `sasl.jaas.config`, no user name)
+/// with the user's name given in the spec logs in over SCRAM. The operator's checks
+/// and the relay on the node read the same keys, and every committed row arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
+    const RELAY: &str = "ecosystem";
+    const ROWS: usize = 200;
+    common::node::name();
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    db.client
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE outbox_cert LOGIN REPLICATION; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             GRANT SELECT, UPDATE, DELETE ON public.outbox TO outbox_cert;",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("granting outbox_cert: {e}"));
+    let parsed: tokio_postgres::Config = db.url.parse().unwrap();
+    let topic = common::fresh_topic(4).await;
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let pods = RelayPods::start(&client, &ns).await;
+    let mut controller = pods.controller(&ns, &[]);
+
+    let tls_dir = rig.get("OUTBOX_RIG_TLS_DIR").to_owned();
+    let read = |name: &str| {
+        std::fs::read(format!("{tls_dir}/{name}"))
+            .unwrap_or_else(|e| panic!("the rig's {name}: {e}"))
+    };
+    let (ca, crt, key) = (read("ca.crt"), read("client.crt"), read("client.key"));
+    typed_secret(
+        &client,
+        &ns,
+        "relay-db-tls",
+        "kubernetes.io/tls",
+        &[("ca.crt", &ca), ("tls.crt", &crt), ("tls.key", &key)],
+    )
+    .await;
+    let cert_url = pods.url(&format!(
+        "postgres://outbox_cert@127.0.0.1:{}/{}",
+        parsed.get_ports()[0],
+        parsed.get_dbname().unwrap()
+    ));
+    operator::create_secret(&client, &ns, "orders-db", &[("uri", &cert_url)]).await;
+    typed_secret(
+        &client,
+        &ns,
+        "my-cluster-cluster-ca-cert",
+        "Opaque",
+        &[
+            ("ca.crt", &ca),
+            ("ca.p12", b"\x30\x82binary"),
+            ("ca.password", b"x"),
+        ],
+    )
+    .await;
+    let user = rig.get("OUTBOX_RIG_KAFKA_USER").to_owned();
+    let password = rig.get("OUTBOX_RIG_KAFKA_PASSWORD").to_owned();
+    let jaas = format!(
+        "org.apache.kafka.common.security.scram.ScramLoginModule required \
+         username=\"{user}\" password=\"{password}\";"
+    );
+    typed_secret(
+        &client,
+        &ns,
+        &user,
+        "Opaque",
+        &[
+            ("password", password.as_bytes()),
+            ("sasl.jaas.config", jaas.as_bytes()),
+        ],
+    )
+    .await;
+    let mut manifest = json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": RELAY},
+        "spec": {
+            "database": {"postgres": {
+                "connectionSecretRef": {"name": "orders-db"},
+                "sslMode": "verify-full",
+                "caSecretRef": {"name": "relay-db-tls"},
+                "clientCertSecretRef": {"name": "relay-db-tls"}}},
+            "mode": {"polling": {"interval": "200ms"}},
+            "broker": {"kafka": {
+                "bootstrapServers": rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP"),
+                "topic": topic,
+                "tls": {"caSecretRef": {"name": "my-cluster-cluster-ca-cert"}},
+                "sasl": {"mechanism": "SCRAM-SHA-512", "username": user,
+                         "passwordSecretRef": {"name": user}}}},
+            "ordering": {"mode": "perAggregate", "partitions": 4},
+        }
+    });
+    pods.adapt(&mut manifest);
+    operator::apply_relay(&client, &ns, &manifest).await;
+    let ids: BTreeSet<i64> = common::commit_rows(&db.client, "ecosystem", ROWS)
+        .await
+        .into_iter()
+        .collect();
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let ready = common::wait_for_some_or(
+        "the relay Ready with every row published",
+        WAIT,
+        || pods.log_tails(20),
+        || async {
+            let relay = relays.get_opt(RELAY).await.ok().flatten()?;
+            (operator::is_ready(&relay) && common::unpublished_rows(&db.client).await == 0)
+                .then_some(relay)
+        },
+    )
+    .await;
+    let database = operator::condition(&ready, "DatabaseReady")
+        .unwrap_or_else(|| panic!("no DatabaseReady condition: {:?}", ready.status));
+    assert!(
+        database.status == "True" && database.message.contains("outbox_cert"),
+        "the operator did not log in by the certificate: {database:?}"
+    );
+    let received = tokio::task::spawn_blocking({
+        let topic = topic.clone();
+        move || common::consume_kafka(&topic)
+    })
+    .await
+    .unwrap();
+    let got: BTreeSet<i64> = received.iter().map(|r| r.id).collect();
+    assert!(
+        ids.is_subset(&got),
+        "committed rows never arrived: {:?}",
+        ids.difference(&got).collect::<Vec<_>>()
+    );
+    println!(
+        "ecosystem Secrets, no key named: {} rows committed, {} deliveries",
+        ids.len(),
+        received.len()
+    );
+    operator::delete_relays(&client, &ns, WAIT).await;
+    let stopped = controller.stop(WAIT);
+    drop(pods);
+    common::delete_namespace(&client, &ns).await;
     db.drop_database().await;
     assert!(stopped.is_ok_and(|s| s.success()), "the controller's exit");
 }

@@ -25,14 +25,16 @@ pub fn secrets(k: &KafkaSpec) -> Vec<SecretSlot> {
     };
     let mut all = Vec::new();
     if let Some(sasl) = &k.sasl {
-        all.push(slot(
-            "spec.broker.kafka.sasl.usernameSecretRef",
-            &sasl.username_secret_ref,
-            Delivery::Env(ENV_KAFKA_SASL_USERNAME),
-        ));
+        if let Some(username) = &sasl.username_secret_ref {
+            all.push(slot(
+                "spec.broker.kafka.sasl.usernameSecretRef",
+                &username.into(),
+                Delivery::Env(ENV_KAFKA_SASL_USERNAME),
+            ));
+        }
         all.push(slot(
             "spec.broker.kafka.sasl.passwordSecretRef",
-            &sasl.password_secret_ref,
+            &(&sasl.password_secret_ref).into(),
             Delivery::Env(ENV_KAFKA_SASL_PASSWORD),
         ));
     }
@@ -72,7 +74,9 @@ pub fn settings(
         sasl: k.sasl.as_ref().map(|s| {
             (
                 s.mechanism,
-                value("spec.broker.kafka.sasl.usernameSecretRef"),
+                s.username
+                    .clone()
+                    .unwrap_or_else(|| value("spec.broker.kafka.sasl.usernameSecretRef")),
                 value("spec.broker.kafka.sasl.passwordSecretRef"),
             )
         }),
@@ -124,12 +128,32 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
         );
     }
     if let Some(sasl) = &k.sasl {
-        check_secret_ref(
-            p,
-            "spec.broker.kafka.sasl.usernameSecretRef",
-            &sasl.username_secret_ref.name,
-            &sasl.username_secret_ref.key,
-        );
+        if let Some(username) = &sasl.username_secret_ref {
+            check_secret_ref(
+                p,
+                "spec.broker.kafka.sasl.usernameSecretRef",
+                &username.name,
+                &username.key,
+            );
+        }
+        match (&sasl.username, &sasl.username_secret_ref) {
+            (Some(_), Some(_)) => p.push(
+                "spec.broker.kafka.sasl.username",
+                "the user name is given twice",
+                "keep username or usernameSecretRef, not both",
+            ),
+            (None, None) => p.push(
+                "spec.broker.kafka.sasl.username",
+                "no user name",
+                "set username (a Strimzi KafkaUser's name) or usernameSecretRef",
+            ),
+            (Some(name), None) if name.trim().is_empty() => p.push(
+                "spec.broker.kafka.sasl.username",
+                "is empty",
+                "give the user name",
+            ),
+            _ => {}
+        }
         check_secret_ref(
             p,
             "spec.broker.kafka.sasl.passwordSecretRef",
