@@ -269,6 +269,19 @@ pub fn replication_tls(
     }
 }
 
+/// Under `verify-full`, a host given as an IP address is verified against the
+/// certificate's IP addresses, as the query connections do (rustls); the replication
+/// client refuses an IP literal unless it is named as the server name, so it is.
+pub fn verify_by_address(tls: &mut pgwire_replication::config::TlsConfig, host: &str) {
+    use pgwire_replication::config::SslMode as Rep;
+    if tls.mode == Rep::VerifyFull
+        && tls.sni_hostname.is_none()
+        && host.parse::<std::net::IpAddr>().is_ok()
+    {
+        tls.sni_hostname = Some(host.to_owned());
+    }
+}
+
 /// Why a connection failed at TLS, and what to change: the condition's reason and
 /// advice, when `error` (the driver's text, causes included) is a TLS failure under
 /// `mode`; `has_ca` tells whether the spec names a CA.
@@ -313,6 +326,19 @@ pub fn diagnose(mode: SslMode, has_ca: bool, error: &str) -> Option<(&'static st
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replication_verifies_an_address_host_as_the_query_connections_do() {
+        let mut tls = replication_tls(SslMode::VerifyFull, Some("/ca.crt"), None);
+        verify_by_address(&mut tls, "10.244.0.1");
+        assert_eq!(tls.sni_hostname.as_deref(), Some("10.244.0.1"));
+        let mut named = replication_tls(SslMode::VerifyFull, Some("/ca.crt"), None);
+        verify_by_address(&mut named, "db.example.com");
+        assert_eq!(named.sni_hostname, None);
+        let mut chain_only = replication_tls(SslMode::VerifyCa, Some("/ca.crt"), None);
+        verify_by_address(&mut chain_only, "10.244.0.1");
+        assert_eq!(chain_only.sni_hostname, None);
+    }
 
     #[test]
     fn tls_failures_say_how_to_give_the_ca_or_choose_a_weaker_mode() {

@@ -140,6 +140,14 @@ async fn create_secret(client: &Client, namespace: &str, name: &str, keys: &[&st
         .unwrap();
 }
 
+/// Secret `orders-db` as the examples ask for it: the URL and the CA their default
+/// verify-full checks the server with.
+async fn create_example_db_secret(client: &Client, namespace: &str, url: &str) {
+    let data = common::node::db_secret_for_pods(url);
+    let data: Vec<(&str, &str)> = data.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    common::operator::create_secret(client, namespace, "orders-db", &data).await;
+}
+
 /// A fresh database with the tests' outbox table: the controller checks it before it
 /// creates a relay.
 async fn outbox_database() -> common::TestDatabase {
@@ -247,7 +255,7 @@ async fn relay_lifecycle_creates_owned_children_rolls_on_change_and_is_collected
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let database = outbox_database().await;
-    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
+    create_example_db_secret(&client, &ns, &database.url).await;
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -470,7 +478,7 @@ async fn a_settled_relay_reconciles_for_others_changes_not_for_its_own_writes() 
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let database = outbox_database().await;
-    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
+    create_example_db_secret(&client, &ns, &database.url).await;
     // No periodic recheck within the test.
     let mut args = ControllerArgs::for_namespace(&ns);
     args.status_interval_seconds = 600;
@@ -886,7 +894,7 @@ async fn only_the_lease_holder_writes_and_a_standby_takes_over() {
     common::install_outbox_crd(&client).await;
     let ns = common::fresh_namespace(&client).await;
     let database = outbox_database().await;
-    create_secret(&client, &ns, "orders-db", &["uri"], &database.url).await;
+    create_example_db_secret(&client, &ns, &database.url).await;
     let first = start_controller(&client, &ns, "replica-a");
     common::wait_for("replica-a to lead", WAIT, || async {
         first.metrics.is_leader()

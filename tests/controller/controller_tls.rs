@@ -136,10 +136,19 @@ async fn the_operator_checks_the_database_over_verified_tls() {
     // its ca.crt verifies the server, its tls.crt and tls.key log the relay in.
     pg["caSecretRef"] = json!({"name": "pg-client"});
     pg["clientCertSecretRef"] = json!({"name": "pg-client"});
+    // The default mode (verify-full) with no CA named: the system's roots do not know
+    // the rig's CA.
+    let mut no_ca = manifest("no-ca", "pg-ca");
+    let pg = no_ca["spec"]["database"]["postgres"]
+        .as_object_mut()
+        .unwrap();
+    pg.remove("caSecretRef");
+    pg.remove("sslMode");
     for (name, relay) in [
         ("good", manifest("good", "pg-ca")),
         ("wrong-ca", manifest("wrong-ca", "other-ca")),
         ("by-cert", by_cert),
+        ("no-ca", no_ca),
     ] {
         api.patch(name, &PatchParams::apply("tls-test"), &Patch::Apply(&relay))
             .await
@@ -170,12 +179,31 @@ async fn the_operator_checks_the_database_over_verified_tls() {
         operator::condition(&r, "DatabaseReady").filter(|c| c.status == "False")
     })
     .await;
-    assert_eq!(wrong.reason, "ConnectionFailed", "{wrong:?}");
+    assert_eq!(wrong.reason, "TLSNotVerified", "{wrong:?}");
     assert!(
-        wrong.message.contains("UnknownIssuer") && !wrong.message.contains("pw-Tls_9"),
+        wrong.message.contains("UnknownIssuer")
+            && wrong.message.contains("give the CA that signed it")
+            && !wrong.message.contains("pw-Tls_9"),
         "{}",
         wrong.message
     );
+    let no_ca = common::wait_for_some(
+        "DatabaseReady=False under the default verify-full without a CA",
+        WAIT,
+        || async {
+            let r = api.get_opt("no-ca").await.ok().flatten()?;
+            operator::condition(&r, "DatabaseReady").filter(|c| c.status == "False")
+        },
+    )
+    .await;
+    assert_eq!(no_ca.reason, "TLSNotVerified", "{no_ca:?}");
+    assert!(
+        no_ca.message.contains("spec.database.postgres.caSecretRef")
+            && no_ca.message.contains("sslMode: require"),
+        "the condition does not say how to give the CA or choose a weaker mode: {}",
+        no_ca.message
+    );
+    println!("default verify-full without a CA: {}", no_ca.message);
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     assert!(deployments.get_opt("good-relay").await.unwrap().is_some());
     assert!(

@@ -34,16 +34,20 @@ const WAIT: Duration = Duration::from_secs(60);
 /// RBAC objects reach the authorizer's cache shortly after they are written.
 const RBAC_PROPAGATION: Duration = Duration::from_secs(30);
 
+/// The example's database Secret: the URL and the CA its default verify-full checks
+/// the server with.
 async fn create_secret(client: &Client, namespace: &str, name: &str, url: &str) {
     let secret = Secret {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
             ..ObjectMeta::default()
         },
-        data: Some(BTreeMap::from([(
-            "uri".to_owned(),
-            ByteString(url.as_bytes().to_vec()),
-        )])),
+        data: Some(
+            common::node::db_secret_for_pods(url)
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), ByteString(v.into_bytes())))
+                .collect::<BTreeMap<_, _>>(),
+        ),
         ..Secret::default()
     };
     Api::<Secret>::namespaced(client.clone(), namespace)

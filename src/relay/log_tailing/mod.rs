@@ -430,6 +430,7 @@ impl LogTailer {
             config.host = host;
             config.port = port;
         }
+        crate::postgres::tls::verify_by_address(&mut config.tls, &config.host);
         let mut stream = ReplicationClient::connect(config)
             .await
             .map_err(stream_error)?;
