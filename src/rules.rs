@@ -14,6 +14,62 @@ pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
 /// The key a Secret reference names when it names none: the one entry every reader
 /// (CRD default, controller, relay, `check`, the README reference) goes by.
 pub const DEFAULT_SECRET_KEY: &str = "uri";
+/// Checks a Kubernetes label: the key an optional DNS-subdomain prefix and a name of at
+/// most 63 characters, the value at most 63, both alphanumeric at the ends with `-`,
+/// `_` and `.` inside. The error says which part is wrong.
+pub fn check_label(key: &str, value: &str) -> Result<(), String> {
+    fn name_ok(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    }
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if let Some(prefix) = prefix {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= 253
+            && prefix.split('.').all(|part| {
+                !part.is_empty()
+                    && part.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && part.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && part
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            });
+        if !ok {
+            return Err(format!(
+                "label key {key:?}: its prefix is not a DNS subdomain"
+            ));
+        }
+    }
+    if !name_ok(name) {
+        return Err(format!(
+            "label key {key:?}: the name must be 1-63 letters, digits, '-', '_' or '.', alphanumeric at both ends"
+        ));
+    }
+    if !value.is_empty() && !name_ok(value) {
+        return Err(format!(
+            "label {key}: the value {value:?} must be at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends"
+        ));
+    }
+    Ok(())
+}
+
+/// A `KEY=VALUE` label (the operator's `--monitoring-label`), checked.
+pub fn parse_label(text: &str) -> Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
+    let (key, value) = (key.trim(), value.trim());
+    check_label(key, value)?;
+    Ok((key.to_owned(), value.to_owned()))
+}
+
 /// Placeholder in topic, subject and routing-key templates.
 pub const AGGREGATE_TYPE_PLACEHOLDER: &str = "{aggregateType}";
 /// The shortest heartbeat a log-tailing relay accepts.
@@ -279,6 +335,34 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn labels_are_checked_as_kubernetes_does() {
+        for good in [
+            "release=kube-prometheus-stack",
+            "prometheus.io/team=payments",
+            "app.kubernetes.io/part-of=shop",
+            "empty=",
+        ] {
+            assert!(parse_label(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "release",
+            "=x",
+            "-a=b",
+            "a=b-",
+            "Example.com/x=y",
+            "a/b/c=d",
+            &format!("a={}", "v".repeat(64)),
+            &format!("{}=v", "k".repeat(64)),
+        ] {
+            assert!(parse_label(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_label(" release = prom ").unwrap(),
+            ("release".to_owned(), "prom".to_owned())
+        );
+    }
 
     #[test]
     fn identifiers() {

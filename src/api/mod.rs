@@ -112,6 +112,10 @@ pub struct OutboxRelaySpec {
     /// Prometheus alerting rules rendered for this relay.
     #[serde(default)]
     pub alerting: AlertingSpec,
+    /// How the cluster's Prometheus picks up this relay's ServiceMonitor and
+    /// PrometheusRule.
+    #[serde(default, skip_serializing_if = "MonitoringSpec::is_empty")]
+    pub monitoring: MonitoringSpec,
     /// Overrides for the relay pods.
     #[serde(default, skip_serializing_if = "RelayPodSpec::is_empty")]
     pub relay: RelayPodSpec,
@@ -327,6 +331,24 @@ pub enum OnExhausted {
     Block,
     /// Move the row to the dead-letter table.
     DeadLetter,
+}
+
+/// Labels of the relay's Prometheus-operator objects.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MonitoringSpec {
+    /// Labels on the relay's ServiceMonitor and PrometheusRule, over those the operator
+    /// gives every relay (its `--monitoring-label`, the chart's `monitoring.labels`):
+    /// the ones your Prometheus's `serviceMonitorSelector` and `ruleSelector` match.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 16))]
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+impl MonitoringSpec {
+    fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
 }
 
 /// Thresholds of the rendered alerting rules.

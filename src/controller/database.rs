@@ -300,7 +300,7 @@ pub(super) async fn scan_orphans(relay: &OutboxRelay, ctx: &Context, client: &Cl
             String::new()
         };
         let note = format!(
-            "{slot_note}publication {} in database {key} were created for OutboxRelay {}/{} (uid {}), which no longer exists. The operator never drops them on its own: recreate OutboxRelay {}/{} to adopt them, or drop them after checking nothing consumes the slot (docs/runbooks.md, orphaned slot)",
+            "{slot_note}publication {} in database {key} were created for OutboxRelay {}/{} (uid {}), which no longer exists. The operator never drops them on its own: recreate OutboxRelay {}/{} to adopt them, or drop them after checking nothing consumes the slot (docs/runbooks.md, OutboxOrphanedReplicationSlots)",
             m.publication, o.namespace, o.name, o.uid, o.namespace, o.name
         );
         found.insert(format!("{}/{}", m.publication, m.marker.slot), note);

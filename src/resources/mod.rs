@@ -22,8 +22,8 @@ use crate::api::{ImagePullPolicy, OutboxRelay};
 use crate::spec::ValidRelay;
 
 pub use monitoring::{
-    PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, RUNBOOK_BASE_URL, SERVICE_MONITOR_KIND,
-    SERVICE_MONITOR_PLURAL, prometheus_rule, runbook_url, service, service_monitor,
+    PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL,
+    default_runbook_base_url, prometheus_rule, runbook_url, service, service_monitor,
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,
@@ -96,6 +96,19 @@ pub struct BuildOptions {
     /// Group owning relay pods' mounted files, when their spec names none.
     #[arg(long, env = "OUTBOX_RELAY_FS_GROUP", value_parser = clap::value_parser!(i64).range(0..))]
     pub relay_fs_group: Option<i64>,
+    /// A label (KEY=VALUE) on every relay's ServiceMonitor and PrometheusRule: the one
+    /// your Prometheus selects them by (kube-prometheus-stack: release=<its release>).
+    /// Repeat the flag, or separate with commas.
+    #[arg(
+        long = "monitoring-label",
+        env = "OUTBOX_MONITORING_LABELS",
+        value_delimiter = ',',
+        value_parser = crate::rules::parse_label
+    )]
+    pub monitoring_labels: Vec<(String, String)>,
+    /// Where the alerts' `runbook_url` points: `<base>#<alert name, lower case>`.
+    #[arg(long, env = "OUTBOX_RUNBOOK_BASE_URL", default_value_t = default_runbook_base_url())]
+    pub runbook_base_url: String,
 }
 
 impl Default for BuildOptions {
@@ -107,6 +120,8 @@ impl Default for BuildOptions {
             relay_run_as_user: None,
             relay_run_as_group: None,
             relay_fs_group: None,
+            monitoring_labels: Vec::new(),
+            runbook_base_url: default_runbook_base_url(),
         }
     }
 }
@@ -144,8 +159,8 @@ pub fn build(relay: &ValidRelay, options: &BuildOptions) -> Result<Desired, Buil
     Ok(Desired {
         service: service(relay),
         pod_disruption_budget: pod_disruption_budget(relay),
-        service_monitor: service_monitor(relay),
-        prometheus_rule: prometheus_rule(relay),
+        service_monitor: service_monitor(relay, options),
+        prometheus_rule: prometheus_rule(relay, options),
         deployment,
         config_map,
     })

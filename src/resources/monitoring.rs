@@ -11,7 +11,11 @@ use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
 use super::workload::METRICS_PORT_NAME;
-use super::{MONITORING_API_VERSION, child_meta, labels, namespace, relay_object_name};
+use std::collections::BTreeMap;
+
+use super::{
+    BuildOptions, MONITORING_API_VERSION, child_meta, labels, namespace, relay_object_name,
+};
 use crate::spec::config::HTTP_PORT;
 use crate::spec::{ValidMode, ValidRelay};
 
@@ -52,21 +56,36 @@ pub fn service(relay: &ValidRelay) -> Service {
     }
 }
 
-fn dynamic(relay: &ValidRelay, kind: &str, component: &str, spec: Value) -> DynamicObject {
+/// A Prometheus-operator object of the relay, labelled for the Prometheus that should
+/// pick it up: the operator's monitoring labels, then the relay's
+/// (`spec.monitoring.labels`), then the operator's own labels, which always win.
+fn dynamic(
+    relay: &ValidRelay,
+    options: &BuildOptions,
+    kind: &str,
+    component: &str,
+    spec: Value,
+) -> DynamicObject {
+    let mut metadata = child_meta(relay, relay_object_name(relay), component);
+    let mut labels: BTreeMap<String, String> = options.monitoring_labels.iter().cloned().collect();
+    labels.extend(relay.monitoring().labels.clone());
+    labels.extend(metadata.labels.take().unwrap_or_default());
+    metadata.labels = Some(labels);
     DynamicObject {
         types: Some(kube::api::TypeMeta {
             api_version: MONITORING_API_VERSION.to_owned(),
             kind: kind.to_owned(),
         }),
-        metadata: child_meta(relay, relay_object_name(relay), component),
+        metadata,
         data: json!({ "spec": spec }),
     }
 }
 
 /// Scrapes the metrics Service every 30 s.
-pub fn service_monitor(relay: &ValidRelay) -> DynamicObject {
+pub fn service_monitor(relay: &ValidRelay, options: &BuildOptions) -> DynamicObject {
     dynamic(
         relay,
+        options,
         SERVICE_MONITOR_KIND,
         "metrics",
         json!({
@@ -80,10 +99,17 @@ pub fn service_monitor(relay: &ValidRelay) -> DynamicObject {
     )
 }
 
-/// Where each alert's `runbook_url` points: a section of docs/runbooks.md whose heading is
-/// the alert name (GitHub's anchor for `## OutboxRelayDown` is `#outboxrelaydown`).
-pub const RUNBOOK_BASE_URL: &str =
-    "https://github.com/outbox-operator/outbox-operator/blob/main/docs/runbooks.md";
+/// Where each alert's `runbook_url` points by default: docs/runbooks.md as this release
+/// ships it (its tag), whose sections are headed by the alert names (GitHub's anchor for
+/// `## OutboxRelayDown` is `#outboxrelaydown`). The operator's `--runbook-base-url` (the
+/// chart's `monitoring.runbookBaseUrl`) points elsewhere, at a copy of your own.
+pub fn default_runbook_base_url() -> String {
+    format!(
+        "{}/blob/v{}/docs/runbooks.md",
+        env!("CARGO_PKG_REPOSITORY"),
+        env!("CARGO_PKG_VERSION")
+    )
+}
 
 /// The relay's metrics, as the relay exports them (DESIGN §4, README "Metrics and alerts").
 const METRIC_BACKLOG: &str = "outbox_relay_backlog_rows";
@@ -130,7 +156,7 @@ struct Alert {
 }
 
 impl Alert {
-    fn into_rule(self, ns: &str, name: &str) -> Value {
+    fn into_rule(self, ns: &str, name: &str, runbooks: &str) -> Value {
         json!({
             "alert": self.name,
             "expr": self.expr,
@@ -145,19 +171,19 @@ impl Alert {
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
-                "runbook_url": runbook_url(self.name),
+                "runbook_url": runbook_url(runbooks, self.name),
             },
         })
     }
 }
 
-/// The runbook section of `alert`.
-pub fn runbook_url(alert: &str) -> String {
-    format!("{RUNBOOK_BASE_URL}#{}", alert.to_ascii_lowercase())
+/// The runbook section of `alert` under `base`.
+pub fn runbook_url(base: &str, alert: &str) -> String {
+    format!("{base}#{}", alert.to_ascii_lowercase())
 }
 
 /// The alerts, from `spec.alerting`'s thresholds; `None` when alerting is off.
-pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
+pub fn prometheus_rule(valid: &ValidRelay, options: &BuildOptions) -> Option<DynamicObject> {
     let relay = valid;
     let alerting = &valid.alerting;
     if !alerting.enabled {
@@ -331,10 +357,11 @@ pub fn prometheus_rule(valid: &ValidRelay) -> Option<DynamicObject> {
     }
     let rules: Vec<Value> = alerts
         .into_iter()
-        .map(|a| a.into_rule(&ns, &name))
+        .map(|a| a.into_rule(&ns, &name, &options.runbook_base_url))
         .collect();
     Some(dynamic(
         relay,
+        options,
         PROMETHEUS_RULE_KIND,
         "alerting",
         json!({

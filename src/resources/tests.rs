@@ -389,10 +389,60 @@ fn alerts_select_the_relays_own_labels_and_link_their_runbook() {
         }
         assert_eq!(
             r["annotations"]["runbook_url"],
-            format!("{RUNBOOK_BASE_URL}#{}", alert.to_ascii_lowercase()),
+            format!(
+                "{}#{}",
+                default_runbook_base_url(),
+                alert.to_ascii_lowercase()
+            ),
             "{r}"
         );
     }
+}
+
+#[test]
+fn monitoring_objects_carry_the_operators_then_the_relays_labels_and_runbook_base() {
+    let mut r = relay(POLLING_RABBIT);
+    r.spec.monitoring.labels = [
+        ("team".to_owned(), "payments".to_owned()),
+        ("release".to_owned(), "relay-choice".to_owned()),
+        // Never over the operator's own labels.
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            "someone".to_owned(),
+        ),
+    ]
+    .into();
+    let options = BuildOptions {
+        monitoring_labels: vec![
+            ("release".to_owned(), "kube-prometheus-stack".to_owned()),
+            ("tier".to_owned(), "ops".to_owned()),
+        ],
+        runbook_base_url: "https://runbooks.example/outbox".to_owned(),
+        ..BuildOptions::default()
+    };
+    let desired = build(&r, &options).unwrap();
+    for object in [
+        &desired.service_monitor,
+        desired.prometheus_rule.as_ref().unwrap(),
+    ] {
+        let labels = object.metadata.labels.clone().unwrap();
+        let get = |k: &str| labels.get(k).map(String::as_str);
+        assert_eq!(get("release"), Some("relay-choice"), "{labels:?}");
+        assert_eq!(get("tier"), Some("ops"));
+        assert_eq!(get("team"), Some("payments"));
+        assert_eq!(get("app.kubernetes.io/managed-by"), Some(MANAGED_BY));
+    }
+    // The scrape still selects the Service by the operator's labels only.
+    let selector = &desired.service_monitor.data["spec"]["selector"]["matchLabels"];
+    assert!(selector.get("team").is_none(), "{selector}");
+    let rules = desired.prometheus_rule.unwrap().data["spec"]["groups"][0]["rules"].clone();
+    assert_eq!(
+        rules[0]["annotations"]["runbook_url"],
+        "https://runbooks.example/outbox#outboxrelaydown"
+    );
+    r.spec.monitoring.labels = [("bad key!".to_owned(), "x".to_owned())].into();
+    let refused = build(&r, &options).unwrap_err();
+    assert!(refused.contains("spec.monitoring.labels"), "{refused}");
 }
 
 #[test]

@@ -439,6 +439,11 @@ impl ValidRelay {
         &self.relay.spec.relay
     }
 
+    /// `spec.monitoring`: the labels of its ServiceMonitor and PrometheusRule.
+    pub fn monitoring(&self) -> &crate::api::MonitoringSpec {
+        &self.relay.spec.monitoring
+    }
+
     /// `spec.database.databaseRef`: the CloudNativePG Cluster, if the relay names one.
     pub fn database_ref(&self) -> Option<&crate::api::DatabaseRef> {
         self.relay.spec.database.database_ref.as_ref()

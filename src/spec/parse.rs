@@ -596,6 +596,15 @@ fn failure(spec: &OutboxRelaySpec, table_name: &str, p: &mut Problems) -> Failur
 
 /// `spec.alerting`: the thresholds of the shipped alerts.
 fn alerting(spec: &OutboxRelaySpec, p: &mut Problems) -> Alerting {
+    for (key, value) in &spec.monitoring.labels {
+        if let Err(why) = crate::rules::check_label(key, value) {
+            p.push(
+                "spec.monitoring.labels",
+                why,
+                "give Kubernetes label keys and values",
+            );
+        }
+    }
     let oldest = duration(
         p,
         "spec.alerting.oldestUnpublishedAge",

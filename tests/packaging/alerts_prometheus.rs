@@ -24,9 +24,9 @@ const FOR: &str = "4s";
 
 /// Files this test dropped into the rig's Prometheus; removed (and Prometheus reloaded)
 /// on drop, also when the test panics.
-struct PrometheusFiles {
+pub(crate) struct PrometheusFiles {
     base: String,
-    rules: PathBuf,
+    pub(crate) rules: PathBuf,
     targets: PathBuf,
 }
 
@@ -34,7 +34,7 @@ impl PrometheusFiles {
     /// Points the `tests` job at `addr`, with the target labels a ServiceMonitor scrape
     /// gives (`namespace`, `service`). Written aside and renamed so that Prometheus never
     /// reads half a file.
-    fn set_target(&self, addr: &str, namespace: &str, service: &str) {
+    pub(crate) fn set_target(&self, addr: &str, namespace: &str, service: &str) {
         let body =
             json!([{"targets": [addr], "labels": {"namespace": namespace, "service": service}}]);
         let tmp = self.targets.with_extension("tmp");
@@ -55,7 +55,7 @@ impl Drop for PrometheusFiles {
 
 /// The rig's Prometheus (its URL, once it answers), an HTTP client for its API, and
 /// the rule and target files of a test named by a fresh suffix (also returned).
-async fn prometheus() -> (String, reqwest::Client, PrometheusFiles, String) {
+pub(crate) async fn prometheus() -> (String, reqwest::Client, PrometheusFiles, String) {
     let rig = common::Rig::load();
     let base = rig.prometheus_url().to_owned();
     common::require_listening("Prometheus", common::host_port(&base)).await;
@@ -89,7 +89,7 @@ fn reload_blocking(base: &str) {
     });
 }
 
-async fn reload(http: &reqwest::Client, base: &str) {
+pub(crate) async fn reload(http: &reqwest::Client, base: &str) {
     let response = http
         .post(format!("{base}/-/reload"))
         .send()
@@ -176,7 +176,10 @@ spec:
     );
     let relay_object: OutboxRelay = serde_yaml::from_str(&relay_yaml).unwrap();
     let valid = outbox_operator::spec::parse(&relay_object).unwrap_or_else(|e| panic!("{e}"));
-    let mut spec = prometheus_rule(&valid).unwrap().data["spec"].clone();
+    let mut spec = prometheus_rule(&valid, &outbox_operator::resources::BuildOptions::default())
+        .unwrap()
+        .data["spec"]
+        .clone();
     let mut alert_names = Vec::new();
     for group in spec["groups"].as_array_mut().unwrap() {
         for rule in group["rules"].as_array_mut().unwrap() {
@@ -414,7 +417,10 @@ spec:
     );
     let relay_object: OutboxRelay = serde_yaml::from_str(&relay_yaml).unwrap();
     let valid = outbox_operator::spec::parse(&relay_object).unwrap_or_else(|e| panic!("{e}"));
-    let mut spec = prometheus_rule(&valid).unwrap().data["spec"].clone();
+    let mut spec = prometheus_rule(&valid, &outbox_operator::resources::BuildOptions::default())
+        .unwrap()
+        .data["spec"]
+        .clone();
     for group in spec["groups"].as_array_mut().unwrap() {
         for rule in group["rules"].as_array_mut().unwrap() {
             rule["for"] = json!(FOR);

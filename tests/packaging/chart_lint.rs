@@ -106,12 +106,14 @@ fn chart_crd_is_the_one_the_api_types_generate() {
 }
 
 /// The panels the DESIGN promises, each on a metric the relay exports.
-const DASHBOARD_METRICS: [&str; 5] = [
+const DASHBOARD_METRICS: [&str; 7] = [
     "outbox_relay_published_total",
     "outbox_relay_backlog_rows",
     "outbox_relay_oldest_unpublished_age_seconds",
     "outbox_relay_publish_errors_total",
     "outbox_relay_slot_retained_wal_bytes",
+    "outbox_relay_end_to_end_lag_seconds_bucket",
+    "outbox_relay_dead_lettered_total",
 ];
 
 #[test]
@@ -150,6 +152,16 @@ fn dashboard_configmap_is_labelled_and_its_queries_are_valid_promql() {
         .flat_map(|panel| panel["targets"].as_array().cloned().unwrap_or_default())
         .filter_map(|target| target["expr"].as_str().map(str::to_string))
         .collect();
+    // Every query selects and groups by the relay's own constant labels, which survive
+    // any scrape config, never by the target labels a ServiceMonitor happens to add.
+    for expr in &exprs {
+        assert!(
+            expr.contains(r#"relay_namespace=~"$namespace", relay_name=~"$relay""#)
+                && !expr.contains("service")
+                && !expr.contains("by (namespace"),
+            "a panel on unstable target labels: {expr}"
+        );
+    }
     for metric in DASHBOARD_METRICS {
         assert!(
             exprs.iter().any(|expr| expr.contains(metric)),

@@ -17,12 +17,14 @@ struct Controller {
     args: ControllerArgs,
 }
 
-/// The chart's operator Deployment for `values`, and the relay Deployment its
-/// controller would build for the polling Kafka example.
-fn operator_and_relay(values: &[&str]) -> (Value, Value) {
+/// Everything the chart renders for `values`, and every object its controller (the
+/// operator Deployment's flags, parsed by the controller's own parser) builds for the
+/// example manifest `example`.
+pub(crate) fn chart_and_relay(values: &[&str], example: &str) -> (Vec<Value>, Vec<Value>) {
     let rendered = template("ops", "operators", values);
-    let operator = documents(&rendered)
-        .into_iter()
+    let chart = documents(&rendered);
+    let operator = chart
+        .iter()
         .find(|doc| doc["kind"] == "Deployment")
         .expect("the operator's Deployment");
     let args: Vec<String> = operator["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -33,15 +35,24 @@ fn operator_and_relay(values: &[&str]) -> (Value, Value) {
         .collect();
     let parsed = Controller::try_parse_from(&args)
         .unwrap_or_else(|e| panic!("the controller refuses the chart's flags {args:?}: {e}"));
-    let example =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/polling-kafka.yaml");
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(example);
     let objects =
         outbox_operator::render::render_file(&example, &parsed.args.build).expect("render");
-    let relay = documents(&objects)
-        .into_iter()
-        .find(|doc| doc["kind"] == "Deployment")
-        .expect("the relay's Deployment");
-    (operator, relay)
+    (chart, documents(&objects))
+}
+
+/// The chart's operator Deployment for `values`, and the relay Deployment its
+/// controller would build for the polling Kafka example.
+fn operator_and_relay(values: &[&str]) -> (Value, Value) {
+    let (chart, relay) = chart_and_relay(values, "polling-kafka.yaml");
+    let deployment = |docs: Vec<Value>| {
+        docs.into_iter()
+            .find(|doc| doc["kind"] == "Deployment")
+            .expect("a Deployment")
+    };
+    (deployment(chart), deployment(relay))
 }
 
 fn pod(deployment: &Value) -> &Value {

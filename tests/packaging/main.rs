@@ -13,6 +13,7 @@ mod chart_common;
 
 mod alerts_prometheus;
 mod alerts_rules;
+mod alerts_stack;
 mod chart_apply;
 mod chart_install;
 mod chart_lint;

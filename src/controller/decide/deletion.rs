@@ -179,7 +179,7 @@ pub(in crate::controller) fn next(seen: &Seen) -> Step {
             Some(Note::warning(
                 "SlotAbandoned",
                 format!(
-                    "replication slot {} and publication {} are left behind as annotation {} asks; they retain WAL on the database server until dropped by hand (docs/runbooks.md, orphaned slot)",
+                    "replication slot {} and publication {} are left behind as annotation {} asks; they retain WAL on the database server until dropped by hand (docs/runbooks.md, OutboxOrphanedReplicationSlots)",
                     t.slot, t.publication, ABANDON_SLOT_ANNOTATION
                 ),
             )),
