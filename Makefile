@@ -11,8 +11,14 @@ CHART := charts/outbox-operator
 HELM ?= $(CACHE)/bin/helm-$(shell awk '$$1 == "require" && $$2 == "helm.sh/helm/v4" {print $$3}' tests/rig/helm/go.mod)
 
 VERSION := $(shell awk -F'"' '/^version = / {print $$2; exit}' Cargo.toml)
+# The image the chart installs by default (values.yaml image.repository), tagged VERSION.
+IMAGE ?= $(shell awk '$$1 == "repository:" {print $$2; exit}' $(CHART)/values.yaml):$(VERSION)
+# A container engine for make image: docker, else podman, else buildah.
+ENGINE ?= $(shell command -v docker || command -v podman || command -v buildah)
+DIST ?= dist
+ACTIONLINT ?= $(CACHE)/bin/actionlint-$(shell awk '$$1 == "require" && $$2 == "github.com/rhysd/actionlint" {print $$3}' tests/rig/lint/go.mod)
 
-.PHONY: help test demo provision rig-up rig-down lint build crds bench image chart-package
+.PHONY: help test demo provision rig-up rig-down lint build crds bench image chart-package release-check docs
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -33,7 +39,7 @@ rig-up: provision ## start the rig and leave it running (then: export OUTBOX_RIG
 rig-down: ## stop a rig started with make rig-up
 	tests/rig/down.sh
 
-lint: ## rustfmt, clippy (warnings are errors) and the committed CRD matches the code
+lint: ## rustfmt, clippy (warnings are errors), the committed CRD matches the code, helm lint, actionlint
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --locked -- -D warnings
 	@tmp=$$(mktemp) && trap 'rm -f "$$tmp"' EXIT && \
@@ -44,6 +50,12 @@ lint: ## rustfmt, clippy (warnings are errors) and the committed CRD matches the
 	@diff -r crds $(CHART)/crds || { echo "$(CHART)/crds differs from crds/: run make crds" >&2; exit 1; }
 	@test -x $(HELM) || { echo "$(HELM) is missing: run make provision" >&2; exit 1; }
 	$(HELM) lint --strict $(CHART)
+	@test -x $(ACTIONLINT) || { echo "$(ACTIONLINT) is missing: run make provision" >&2; exit 1; }
+	$(ACTIONLINT) .github/workflows/*.yml
+
+docs: provision ## build the documentation book (docs/) into $(CACHE)/docs-book
+	$(CACHE)/bin/mdbook-$(shell awk -F= '/^MDBOOK_VERSION=/ {print $$2}' tests/rig/lib.sh) build docs --dest-dir $(CACHE)/docs-book
+	@echo "open $(CACHE)/docs-book/index.html"
 
 crds: ## regenerate crds/ and the chart's copy from the Rust types (commit the result)
 	$(CARGO) run --quiet --locked -- crd > crds/outboxrelay.yaml
@@ -58,9 +70,19 @@ bench: provision ## benchmark on a fresh rig: relay throughput and latency, oper
 build: ## build the binary
 	$(CARGO) build --release --locked
 
-image: ## build the container image (needs a container engine; CI builds the same binary with make build)
-	docker build -t ghcr.io/outbox-operator/outbox-operator:$(VERSION) \
+image: ## build the image the chart installs (IMAGE=...; docker, podman or buildah), from this checkout
+	@test -n "$(ENGINE)" || { echo "make image needs docker, podman or buildah" >&2; exit 1; }
+	$(ENGINE) build -t $(IMAGE) --build-arg VERSION=$(VERSION) \
 	  --build-arg REVISION=$$(git rev-parse HEAD) --build-arg CREATED=$$(date -u +%FT%TZ) .
 
-chart-package: ## package the Helm chart into dist/
-	$(HELM) package $(CHART) -d dist/
+chart-package: ## package the Helm chart for VERSION into $(DIST)/ (the release workflow's step)
+	@mkdir -p $(DIST)
+	$(HELM) package $(CHART) --version $(VERSION) --app-version $(VERSION) -d $(DIST)
+
+release-check: ## a release tag (TAG=v1.2.3) names the version of Cargo.toml and the chart
+	@test -n "$(TAG)" || { echo "release-check: set TAG=v<version>" >&2; exit 1; }
+	@chart=$$(awk -F'"' '/^appVersion:/ {print $$2}' $(CHART)/Chart.yaml); \
+	  [ "$(TAG)" = "v$(VERSION)" ] || { echo "tag $(TAG) is not v$(VERSION), the version in Cargo.toml" >&2; exit 1; }; \
+	  [ "$$chart" = "$(VERSION)" ] || { echo "the chart's appVersion $$chart is not $(VERSION), the version in Cargo.toml" >&2; exit 1; }; \
+	  grep -q "^## \[$(VERSION)\]" docs/changelog.md || { echo "docs/changelog.md has no section ## [$(VERSION)]" >&2; exit 1; }; \
+	  echo "release $(TAG): Cargo.toml, the chart's appVersion and docs/changelog.md agree"

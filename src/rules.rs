@@ -12,7 +12,7 @@ pub const SLOT_NAME_PATTERN: &str = "^[a-z0-9_]{1,63}$";
 /// Go-style durations: `500ms`, `30s`, `5m`, `24h`, `1h30m`.
 pub const DURATION_PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
 /// The key a Secret reference names when it names none: the one entry every reader
-/// (CRD default, controller, relay, `check`, the README reference) goes by.
+/// (CRD default, controller, relay, `check`, docs/reference.md) goes by.
 pub const DEFAULT_SECRET_KEY: &str = "uri";
 /// Checks a Kubernetes label: the key an optional DNS-subdomain prefix and a name of at
 /// most 63 characters, the value at most 63, both alphanumeric at the ends with `-`,

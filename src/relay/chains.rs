@@ -92,8 +92,8 @@ pub(crate) const CROWD: usize = 32;
 /// All chains are in flight together: a batch is already bounded by `batchSize`, and a
 /// cap below it (64 chains, earlier) left the producer waiting on a few dozen
 /// acknowledgements per round trip instead of batching the whole poll, which held the
-/// polling relay to a fraction of the broker's produce rate (see the README's
-/// Performance section). Order is unaffected: it is kept inside each chain.
+/// polling relay to a fraction of the broker's produce rate (see
+/// docs/performance.md). Order is unaffected: it is kept inside each chain.
 ///
 /// No message is sent once `fence` says no (the polling relay's [`Fence`]: its
 /// partition locks are only known to be held up to then); the rest of each chain comes

@@ -111,7 +111,7 @@ pub fn default_runbook_base_url() -> String {
     )
 }
 
-/// The relay's metrics, as the relay exports them (DESIGN §4, README "Metrics and alerts").
+/// The relay's metrics, as the relay exports them (docs/metrics.md).
 const METRIC_BACKLOG: &str = "outbox_relay_backlog_rows";
 const METRIC_OLDEST_AGE: &str = "outbox_relay_oldest_unpublished_age_seconds";
 const METRIC_PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";

@@ -143,6 +143,12 @@ impl Rig {
     pub fn helm(&self) -> &Path {
         self.tool("OUTBOX_RIG_HELM")
     }
+    pub fn actionlint(&self) -> &Path {
+        self.tool("OUTBOX_RIG_ACTIONLINT")
+    }
+    pub fn mdbook(&self) -> &Path {
+        self.tool("OUTBOX_RIG_MDBOOK")
+    }
     pub fn kubectl(&self) -> &Path {
         self.tool("OUTBOX_RIG_KUBECTL")
     }

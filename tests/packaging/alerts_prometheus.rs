@@ -250,13 +250,16 @@ spec:
         },
     )
     .await;
-    // Every metric the relay exports is documented in the README.
+    // Every metric the relay exports is documented (docs/metrics.md).
     let exposition = relay.metrics().await.expect("the relay serves /metrics");
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).unwrap();
     for family in exposition.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
         let metric = family.split(' ').next().unwrap();
-        assert!(readme.contains(metric), "README does not document {metric}");
+        assert!(
+            readme.contains(metric),
+            "docs/metrics.md does not document {metric}"
+        );
     }
 
     std::fs::write(&files.rules, serde_yaml::to_string(&spec).unwrap()).unwrap();

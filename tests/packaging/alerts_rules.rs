@@ -252,7 +252,8 @@ fn every_alert_has_for_severity_annotations_and_a_runbook_section() {
         .map(anchor)
         .collect();
     let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/metrics.md"))
+            .unwrap();
     for yaml in [POLLING, LOG_TAILING] {
         for rule in rules_of(&rule_spec(yaml)) {
             let alert = rule["alert"].as_str().unwrap();
@@ -273,7 +274,10 @@ fn every_alert_has_for_severity_annotations_and_a_runbook_section() {
                 anchors.contains(fragment),
                 "{alert}: docs/runbooks.md has no section #{fragment} (sections: {anchors:?})"
             );
-            assert!(readme.contains(alert), "README does not list {alert}");
+            assert!(
+                readme.contains(alert),
+                "docs/metrics.md does not list {alert}"
+            );
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The layer order the README states ("How the code is laid out"): every `crate::`
+//! The layer order docs/development.md states ("How the code is laid out"): every `crate::`
 //! path in a source file names a module of a lower layer (or its own), so no module
 //! imports one above it and no two import each other. Doc comments and test modules
 //! may name anything.
@@ -6,14 +6,15 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The README's table: module → layer.
+/// The table of docs/development.md: module → layer.
 fn layers() -> BTreeMap<String, u32> {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-        .expect("README.md");
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/development.md"))
+            .expect("docs/development.md");
     let section = readme
         .split("## How the code is laid out")
         .nth(1)
-        .expect("the README has a section \"How the code is laid out\"");
+        .expect("docs/development.md has a section \"How the code is laid out\"");
     let mut layers = BTreeMap::new();
     for line in section.lines().take_while(|l| !l.starts_with("## ")) {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
@@ -24,7 +25,7 @@ fn layers() -> BTreeMap<String, u32> {
             layers.insert(module.trim().trim_matches('`').to_owned(), layer);
         }
     }
-    assert!(layers.len() > 10, "the README's layer table: {layers:?}");
+    assert!(layers.len() > 10, "the layer table: {layers:?}");
     layers
 }
 
@@ -111,7 +112,7 @@ fn no_module_imports_one_above_its_layer() {
         }
         let Some(own) = layers.get(&module) else {
             wrong.push(format!(
-                "{}: module `{module}` is not in the README's table",
+                "{}: module `{module}` is not in the table of docs/development.md",
                 file.display()
             ));
             continue;

@@ -22,6 +22,9 @@ gomod_version() { # gomod_version GO_MOD MODULE: the version GO_MOD requires of 
 K8S_VERSION=$(gomod_version "$RIG_ROOT/k8s/go.mod" k8s.io/kubernetes)
 ETCD_VERSION=$(gomod_version "$RIG_ROOT/k8s/go.mod" go.etcd.io/etcd/server/v3)
 HELM_VERSION=$(gomod_version "$RIG_ROOT/helm/go.mod" helm.sh/helm/v4)
+ACTIONLINT_VERSION=$(gomod_version "$RIG_ROOT/lint/go.mod" github.com/rhysd/actionlint)
+# mdBook builds the documentation book (docs/); cargo installs it from crates.io.
+MDBOOK_VERSION=0.4.52
 NATSCLI_VERSION=$(gomod_version "$RIG_ROOT/clients/go.mod" github.com/nats-io/natscli)
 # amqpget is ours: its binary is named by the hash of its source and module sums.
 AMQPGET_BUILD=$(cat "$RIG_ROOT/clients/amqpget/main.go" "$RIG_ROOT/clients/go.sum" | sha256sum | cut -c1-12)
@@ -41,8 +44,8 @@ CNPG_VERSION=v1.30.0
 CNPG_CRD="$CACHE/cloudnative-pg-$CNPG_VERSION/postgresql.cnpg.io_clusters.yaml"
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$RIG_ROOT/kafka/pom.xml")
 KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
-[ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] ||
-  { echo "rig: cannot read pinned versions from tests/rig/{k8s,helm,clients}/go.mod and kafka/pom.xml" >&2; exit 1; }
+[ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$ACTIONLINT_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] ||
+  { echo "rig: cannot read pinned versions from tests/rig/{k8s,helm,clients,lint}/go.mod and kafka/pom.xml" >&2; exit 1; }
 
 export GOCACHE="$CACHE/go-build"
 export GOMODCACHE="$CACHE/go-mod"

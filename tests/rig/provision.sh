@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs or builds everything the tests need, once; later runs find it cached and
-# return in seconds. Debian packages: PostgreSQL, PgBouncer, NATS, RabbitMQ, Prometheus, kcat.
+# return in seconds. Debian packages: PostgreSQL, PgBouncer, NATS, RabbitMQ, Prometheus, kcat,
+# shellcheck.
 # Built from source with Go: etcd, kube-apiserver, kube-controller-manager, kubectl,
-# helm. Resolved with Maven: Apache Kafka and its runtime jars.
+# helm, actionlint; with cargo: mdbook. Resolved with Maven: Apache Kafka and its runtime jars.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 started=$SECONDS
@@ -14,6 +15,8 @@ command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || missing+=(n
 [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v kcat >/dev/null || missing+=(kcat)
+# actionlint checks the release workflow's shell steps with it.
+command -v shellcheck >/dev/null || missing+=(shellcheck)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v curl >/dev/null || missing+=(curl)
 command -v cmake >/dev/null || missing+=(cmake)
@@ -103,6 +106,17 @@ if [ ! -s "$CACHE/images/pause-$PAUSE_BUILD.tar" ]; then
   mv "$CACHE/images/pause-$PAUSE_BUILD.tar.tmp" "$CACHE/images/pause-$PAUSE_BUILD.tar"
 fi
 go_build helm helm.sh/helm/v4/cmd/helm "$BIN/helm-$HELM_VERSION" "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
+go_build lint github.com/rhysd/actionlint/cmd/actionlint "$BIN/actionlint-$ACTIONLINT_VERSION" "-X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION"
+# mdBook, for the docs book: a Rust tool, so cargo builds it (its own target folder,
+# cached; the binary is kept by version like the Go-built ones).
+if [ ! -x "$BIN/mdbook-$MDBOOK_VERSION" ]; then
+  log "building mdbook-$MDBOOK_VERSION with cargo (cold: several minutes)"
+  t=$SECONDS
+  CARGO_TARGET_DIR="$CACHE/target-tools" cargo install mdbook --version "=$MDBOOK_VERSION" \
+    --locked --root "$CACHE/tools" --quiet
+  cp "$CACHE/tools/bin/mdbook" "$BIN/mdbook-$MDBOOK_VERSION"
+  log "built mdbook-$MDBOOK_VERSION in $((SECONDS - t))s"
+fi
 
 # --- CloudNativePG's Cluster CRD from its Go module -------------------------------------
 if [ ! -s "$CNPG_CRD" ]; then

@@ -10,7 +10,7 @@
 //! to that partition: one round trip for the lot. (Until then each next message waited
 //! for its predecessor's acknowledgement: an aggregate with N events in a batch cost N
 //! round trips, and a relay on ten busy aggregates drained at 14,416 events/s where it
-//! now drains 96,733; see the README's Performance section.)
+//! now drains 96,733; see docs/performance.md.)
 //!
 //! Kafka writes a partition in the order an idempotent producer sent to it, so waiting
 //! is not what keeps order. What must never happen is a gap: a message written behind
