@@ -198,6 +198,10 @@ pub struct ControllerArgs {
     /// Off by default: a ServiceAccount may carry API rights its author does not have.
     #[arg(long, env = "OUTBOX_ALLOW_RELAY_SERVICE_ACCOUNT", default_value_t = false, action = clap::ArgAction::Set)]
     pub allow_relay_service_account: bool,
+    /// Let relays use only the Secrets that carry this label (KEY=VALUE): the owner of
+    /// a namespace opts each Secret in. Unset: any Secret of the relay's namespace.
+    #[arg(long, env = "OUTBOX_RELAY_SECRET_LABEL", value_parser = crate::rules::parse_label)]
+    pub relay_secret_label: Option<(String, String)>,
 }
 
 impl ControllerArgs {
@@ -218,6 +222,7 @@ impl ControllerArgs {
             max_rechecks_per_second: 20.0,
             allow_relay_image: false,
             allow_relay_service_account: false,
+            relay_secret_label: None,
         }
     }
 
@@ -376,6 +381,7 @@ pub async fn run(
         policy: crate::spec::Policy {
             allow_image: args.allow_relay_image,
             allow_service_account: args.allow_relay_service_account,
+            secret_label: args.relay_secret_label.clone(),
         },
         reporter: Reporter {
             controller: MANAGED_BY.to_owned(),

@@ -380,6 +380,17 @@ async fn secrets(
             }
             continue;
         };
+        if let Some(problem) = ctx.policy.secret_problem(
+            slot.field,
+            &reference.name,
+            &valid.namespace,
+            secret.labels(),
+        ) {
+            if !seen.problems.contains(&problem) {
+                seen.problems.push(problem);
+            }
+            continue;
+        }
         let value =
             secret_value(&secret, &reference.key).map(|b| String::from_utf8_lossy(&b).into_owned());
         let checked = match value {

@@ -18,12 +18,15 @@ pub use parse::parse;
 /// `relayPolicy.*`). Both off by default: whoever may create an OutboxRelay must not
 /// get a pod with another image, or another ServiceAccount's API rights, next to the
 /// Secrets the relay names.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Policy {
     /// `spec.relay.image` is honoured.
     pub allow_image: bool,
     /// `spec.relay.serviceAccountName` is honoured.
     pub allow_service_account: bool,
+    /// A relay may use only the Secrets carrying this label (`relayPolicy.secretLabel`):
+    /// the namespace's owner opts each Secret in. `None`: any Secret of its namespace.
+    pub secret_label: Option<(String, String)>,
 }
 
 impl Policy {
@@ -46,6 +49,28 @@ impl Policy {
             });
         }
         problems
+    }
+
+    /// The problem of a relay's reference (`field`) to Secret `name` in `namespace`,
+    /// whose labels are `labels`, when this install opts Secrets in by label and this
+    /// one is not.
+    pub fn secret_problem(
+        &self,
+        field: &str,
+        name: &str,
+        namespace: &str,
+        labels: &std::collections::BTreeMap<String, String>,
+    ) -> Option<Problem> {
+        let (key, value) = self.secret_label.as_ref()?;
+        (labels.get(key) != Some(value)).then(|| Problem {
+            field: field.to_owned(),
+            message: format!(
+                "Secret {name} is not open to relays: this operator's install lets a relay use only the Secrets labelled {key}={value}"
+            ),
+            fix: format!(
+                "if relays may read it, label it (kubectl -n {namespace} label secret {name} {key}={value}; whoever may label Secrets in the namespace decides), or name a Secret that is"
+            ),
+        })
     }
 }
 

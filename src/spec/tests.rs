@@ -360,9 +360,40 @@ fn the_install_policy_refuses_image_and_service_account_unless_allowed() {
     let open = Policy {
         allow_image: true,
         allow_service_account: true,
+        secret_label: None,
     };
     assert!(open.check(&r).is_empty());
     assert!(Policy::default().check(&relay(BASE)).is_empty());
+}
+
+#[test]
+fn with_a_secret_label_only_opted_in_secrets_are_usable() {
+    let field = "spec.database.postgres.connectionSecretRef";
+    let unlabelled = std::collections::BTreeMap::new();
+    assert_eq!(
+        Policy::default().secret_problem(field, "db", "shop", &unlabelled),
+        None,
+        "without the policy every Secret of the namespace is usable"
+    );
+    let policy = Policy {
+        secret_label: Some(("outbox.dev/relays".to_owned(), "allowed".to_owned())),
+        ..Policy::default()
+    };
+    let problem = policy
+        .secret_problem(field, "db-superuser", "shop", &unlabelled)
+        .unwrap();
+    assert_eq!(problem.field, field);
+    assert!(
+        problem
+            .fix
+            .contains("kubectl -n shop label secret db-superuser outbox.dev/relays=allowed"),
+        "{}",
+        problem.fix
+    );
+    let wrong = [("outbox.dev/relays".to_owned(), "no".to_owned())].into();
+    assert!(policy.secret_problem(field, "db", "shop", &wrong).is_some());
+    let opted_in = [("outbox.dev/relays".to_owned(), "allowed".to_owned())].into();
+    assert_eq!(policy.secret_problem(field, "db", "shop", &opted_in), None);
 }
 
 #[test]

@@ -180,6 +180,8 @@ async fn controller_as_service_account_reconciles_fully(
             );
         }
 
+        secret_policy_allows_only_the_operators_finalizers(&as_operator, watch).await;
+
         // Deleting the relay: the controller removes its finalizer, so it goes.
         relays
             .delete("polling-nats", &DeleteParams::default())
@@ -226,6 +228,62 @@ async fn controller_as_service_account_reconciles_fully(
         Ok(Ok(Ok(()))) => {}
         other => panic!("the controller did not stop cleanly: {other:?}"),
     }
+}
+
+/// The chart's ValidatingAdmissionPolicy: RBAC must grant the operator `patch` on
+/// Secrets (for its slot-protection finalizer), and the policy holds it to exactly
+/// that. As the operator's ServiceAccount: its own finalizer goes on and comes off;
+/// a change of the data, a label, or another finalizer is refused.
+async fn secret_policy_allows_only_the_operators_finalizers(as_operator: &Client, watch: &str) {
+    let secrets: Api<Secret> = Api::namespaced(as_operator.clone(), watch);
+    let json = |ops: serde_json::Value| {
+        Patch::<()>::Json(serde_json::from_value::<json_patch::Patch>(ops).unwrap())
+    };
+    let ours = "outbox.dev/slot-of-polling-nats";
+    let added = secrets
+        .patch(
+            "orders-db",
+            &PatchParams::default(),
+            &json(json!([{"op": "add", "path": "/metadata/finalizers", "value": [ours]}])),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("the operator may put its finalizer on a Secret: {e}"));
+    assert_eq!(added.finalizers(), [ours]);
+    let refused = [
+        (
+            json!([{"op": "add", "path": "/data/uri", "value": "cG9zdGdyZXM6Ly9ldmls"}]),
+            "not its data",
+        ),
+        (
+            json!([{"op": "add", "path": "/metadata/labels", "value": {"x": "y"}}]),
+            "not its labels",
+        ),
+        (
+            json!([{"op": "add", "path": "/metadata/finalizers/-", "value": "example.com/hold"}]),
+            "only its own finalizers",
+        ),
+    ];
+    for (ops, why) in refused {
+        match secrets
+            .patch("orders-db", &PatchParams::default(), &json(ops.clone()))
+            .await
+        {
+            Err(kube::Error::Api(status)) => assert!(
+                status.message.contains(why),
+                "{ops}: refused, but not by the chart's policy: {status:?}"
+            ),
+            other => panic!("{ops}: the operator's ServiceAccount was allowed: {other:?}"),
+        }
+    }
+    let removed = secrets
+        .patch(
+            "orders-db",
+            &PatchParams::default(),
+            &json(json!([{"op": "remove", "path": "/metadata/finalizers/0"}])),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("the operator may take its finalizer off a Secret: {e}"));
+    assert!(removed.finalizers().is_empty());
 }
 
 #[tokio::test]
