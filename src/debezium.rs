@@ -582,6 +582,7 @@ fn broker(
                     tls: None,
                     sasl: None,
                     properties,
+                    allow_plaintext_credentials: false,
                 }),
                 nats: None,
                 rabbitmq: None,

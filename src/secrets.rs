@@ -86,7 +86,10 @@ pub enum Content {
     /// A `postgres://` URL or a libpq key=value string.
     PostgresUrl,
     /// An `amqp://` or `amqps://` URI.
-    AmqpUrl,
+    AmqpUrl {
+        /// An `amqp://` URI may carry a password (`allowPlaintextCredentials`).
+        plaintext_credentials: bool,
+    },
     /// Any non-empty text (a user name, a password, a creds file).
     Text,
     /// PEM certificates.
@@ -126,7 +129,17 @@ impl SecretSlot {
         }
         let ok = match self.content {
             Content::PostgresUrl => value.parse::<tokio_postgres::Config>().is_ok(),
-            Content::AmqpUrl => value.starts_with("amqp://") || value.starts_with("amqps://"),
+            Content::AmqpUrl {
+                plaintext_credentials,
+            } => {
+                if !plaintext_credentials && amqp_password_in_clear(value) {
+                    return Err(format!(
+                        "Secret {} key {} holds an amqp:// URI with a password, which would cross the network unencrypted: use amqps:// (and spec.broker.rabbitmq.tls), or set spec.broker.rabbitmq.allowPlaintextCredentials: true to accept that",
+                        self.reference.name, self.reference.key
+                    ));
+                }
+                value.starts_with("amqp://") || value.starts_with("amqps://")
+            }
             Content::Text | Content::PostgresUser | Content::PostgresPassword => true,
             Content::Certificates => value.contains("-----BEGIN CERTIFICATE-----"),
             Content::PrivateKey => {
@@ -140,7 +153,7 @@ impl SecretSlot {
             Content::PostgresUrl => {
                 "a postgres:// URL or key=value connection string (postgres://user:password@host:5432/db)"
             }
-            Content::AmqpUrl => "an amqp:// or amqps:// URI",
+            Content::AmqpUrl { .. } => "an amqp:// or amqps:// URI",
             Content::Text | Content::PostgresUser | Content::PostgresPassword => "text",
             Content::Certificates => "PEM certificates (-----BEGIN CERTIFICATE-----)",
             Content::PrivateKey => {
@@ -191,6 +204,17 @@ impl SecretSlot {
             ),
         }
     }
+}
+
+/// Whether `uri` is a plain `amqp://` URI with a password in its user information.
+fn amqp_password_in_clear(uri: &str) -> bool {
+    let Some(rest) = uri.strip_prefix("amqp://") else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
 #[cfg(test)]
@@ -256,6 +280,28 @@ mod tests {
     }
 
     #[test]
+    fn an_amqp_password_in_clear_is_refused_unless_allowed() {
+        let strict = slot(Content::AmqpUrl {
+            plaintext_credentials: false,
+        });
+        let err = strict
+            .check_value("amqp://app:s3cret@mq:5672/%2f")
+            .unwrap_err();
+        assert!(
+            err.contains("allowPlaintextCredentials") && !err.contains("s3cret"),
+            "{err}"
+        );
+        assert!(strict.check_value("amqps://app:s3cret@mq:5671/%2f").is_ok());
+        // No password to leak: the broker's default login, or a user name alone.
+        assert!(strict.check_value("amqp://mq:5672/%2f").is_ok());
+        assert!(strict.check_value("amqp://app@mq:5672/a@b").is_ok());
+        let allowed = slot(Content::AmqpUrl {
+            plaintext_credentials: true,
+        });
+        assert!(allowed.check_value("amqp://app:s3cret@mq:5672/%2f").is_ok());
+    }
+
+    #[test]
     fn values_are_checked_without_being_quoted() {
         let pg = slot(Content::PostgresUrl);
         assert!(pg.check_value("postgres://u:p@h:5432/d").is_ok());
@@ -263,7 +309,9 @@ mod tests {
         let err = pg.check_value("mysql://u:s3cret@h/d").unwrap_err();
         assert!(!err.contains("s3cret"), "{err}");
         assert!(pg.check_value("  ").is_err());
-        let amqp = slot(Content::AmqpUrl);
+        let amqp = slot(Content::AmqpUrl {
+            plaintext_credentials: true,
+        });
         assert!(amqp.check_value("amqps://u:p@h/v").is_ok());
         let err = amqp.check_value("http://u:s3cret@h").unwrap_err();
         assert!(!err.contains("s3cret"), "{err}");

@@ -64,10 +64,16 @@ impl Broker<'_> {
 /// Apache Kafka. The producer is idempotent with `acks=all`; those cannot be overridden.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.sasl) || has(self.tls) || (has(self.allowPlaintextCredentials) && self.allowPlaintextCredentials)").message("spec.broker.kafka.sasl without tls sends the login unencrypted (SASL_PLAINTEXT): add tls, or set allowPlaintextCredentials: true to accept that"))]
 pub struct KafkaSpec {
     /// Comma-separated `host:port` list.
     #[schemars(length(min = 1, max = 2048), regex(pattern = "\\S"))]
     pub bootstrap_servers: String,
+    /// Send the SASL login (`sasl` without `tls`: SASL_PLAINTEXT) over a connection without TLS. Off by default: anyone on the
+    /// network path could read them. Set it only for a broker you cannot reach over TLS.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_plaintext_credentials: bool,
+
     /// Debezium's `route.topic.replacement`: the topic template; `{aggregateType}` (the
     /// router's `${routedByValue}`) is replaced by the row's aggregate type.
     #[serde(default = "default_kafka_topic")]
@@ -192,6 +198,7 @@ pub enum SaslMechanism {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("[has(self.credentialsSecretRef), has(self.nkeySeedSecretRef), has(self.tokenSecretRef), has(self.usernameSecretRef)].filter(x, x).size() <= 1").message("spec.broker.nats: authenticate one way: credentialsSecretRef, nkeySeedSecretRef, tokenSecretRef, or usernameSecretRef with passwordSecretRef"))]
 #[x_kube(validation = Rule::new("has(self.usernameSecretRef) == has(self.passwordSecretRef)").message("spec.broker.nats.usernameSecretRef and passwordSecretRef go together"))]
+#[x_kube(validation = Rule::new("!(has(self.usernameSecretRef) || has(self.tokenSecretRef)) || has(self.tls) || self.url.split(',').all(u, u.trim().startsWith('tls://')) || (has(self.allowPlaintextCredentials) && self.allowPlaintextCredentials)").message("spec.broker.nats: a password or token over a nats:// URL without tls may cross the network unencrypted: add tls (or tls:// URLs), or set allowPlaintextCredentials: true to accept that"))]
 pub struct NatsSpec {
     /// Server URL(s), comma-separated (`nats://host:4222`).
     #[schemars(
@@ -199,6 +206,10 @@ pub struct NatsSpec {
         regex(pattern = "^\\s*(nats|tls)://[^,]+(,\\s*(nats|tls)://[^,]+)*$")
     )]
     pub url: String,
+    /// Send a password or token (`usernameSecretRef`, `tokenSecretRef` on `nats://` URLs without `tls`) over a connection without TLS. Off by default: anyone on the
+    /// network path could read them. Set it only for a broker you cannot reach over TLS.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_plaintext_credentials: bool,
     /// Subject template; `{aggregateType}` is replaced by the row's aggregate type.
     #[serde(default = "default_nats_subject")]
     #[schemars(length(min = 1, max = 255))]
@@ -237,6 +248,10 @@ pub struct RabbitMqSpec {
     /// A Secret key holding the AMQP URI (`amqp://user:password@host:5672/vhost`, or
     /// `amqps://` for TLS).
     pub url_secret_ref: SecretKeyRef,
+    /// Send the user name and password of an `amqp://` URI over a connection without TLS. Off by default: anyone on the
+    /// network path could read them. Set it only for a broker you cannot reach over TLS.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_plaintext_credentials: bool,
     /// TLS settings for an `amqps://` URI: the CA that verifies the server and a client
     /// certificate for mutual TLS. The URI must be `amqps://` when this is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -271,7 +271,9 @@ pub fn secrets(r: &RabbitMqSpec) -> Vec<SecretSlot> {
         purpose: SecretUse::Broker,
         reference: r.url_secret_ref.clone(),
         delivery: Delivery::Env(ENV_RABBITMQ_URL),
-        content: Content::AmqpUrl,
+        content: Content::AmqpUrl {
+            plaintext_credentials: r.allow_plaintext_credentials,
+        },
     }];
     all.extend(tls::secrets(r.tls.as_ref(), tls::RABBITMQ));
     all

@@ -150,6 +150,22 @@ impl Broker for NatsBroker {
 
 /// Every problem of a NATS spec.
 pub fn check(n: &NatsSpec, p: &mut Problems) {
+    let all_tls = n.url.split(',').all(|u| u.trim().starts_with("tls://"));
+    if (n.username_secret_ref.is_some() || n.token_secret_ref.is_some())
+        && n.tls.is_none()
+        && !all_tls
+        && !n.allow_plaintext_credentials
+    {
+        p.push(
+            if n.token_secret_ref.is_some() {
+                TOKEN
+            } else {
+                USERNAME
+            },
+            "a password or token over a nats:// URL without tls may cross the network unencrypted",
+            "add spec.broker.nats.tls (or use tls:// URLs), or set spec.broker.nats.allowPlaintextCredentials: true to accept that",
+        );
+    }
     if n.url.trim().is_empty() {
         p.push(
             "spec.broker.nats.url",

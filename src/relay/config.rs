@@ -191,7 +191,7 @@ listen: nowhere
 spec:
   database: {postgres: {connectionSecretRef: {name: db}}}
   mode: {polling: {}}
-  broker: {rabbitmq: {urlSecretRef: {name: mq}, exchange: x, routingKey: \"{aggregateType}\"}}
+  broker: {rabbitmq: {urlSecretRef: {name: mq}, allowPlaintextCredentials: true, exchange: x, routingKey: \"{aggregateType}\"}}
 listen: 127.0.0.1:0
 ";
         let config: RelayConfig = serde_yaml::from_str(good).unwrap();

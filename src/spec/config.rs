@@ -287,7 +287,7 @@ metadata: {name: orders, namespace: shop}
 spec:
   database: {postgres: {connectionSecretRef: {name: orders-db}}}
   mode: {logTailing: {}}
-  broker: {kafka: {bootstrapServers: "kafka:9092", sasl: {mechanism: SCRAM-SHA-512, usernameSecretRef: {name: k, key: user}, passwordSecretRef: {name: k, key: pass}}}}
+  broker: {kafka: {bootstrapServers: "kafka:9092", allowPlaintextCredentials: true, sasl: {mechanism: SCRAM-SHA-512, usernameSecretRef: {name: k, key: user}, passwordSecretRef: {name: k, key: pass}}}}
 "#;
 
     fn valid() -> ValidRelay {

@@ -878,7 +878,8 @@ pub fn relay_config_yaml(broker: &RelayBroker, options: &RelayOptions) -> String
             routing_key,
             ..
         } => format!(
-            "rabbitmq: {{urlSecretRef: {{name: amqp}}, exchange: \"{exchange}\", routingKey: \"{routing_key}\"}}"
+            // The rig's plain AMQP port, with the URI's password: allowed explicitly.
+            "rabbitmq: {{urlSecretRef: {{name: amqp}}, allowPlaintextCredentials: true, exchange: \"{exchange}\", routingKey: \"{routing_key}\"}}"
         ),
     };
     let RelayOptions {

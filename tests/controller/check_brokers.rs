@@ -175,7 +175,7 @@ async fn check_finds_the_rabbitmq_exchange_and_reports_a_missing_one_or_uri() {
     common::create_outbox_table(&db.client, 4).await;
     let queue = common::fresh_queue().await;
     let exchange = common::fresh_exchange_for(&queue).await;
-    let broker = |exchange: &str| json!({"rabbitmq": {"urlSecretRef": {"name": "amqp", "key": "url"}, "exchange": exchange, "routingKey": "orders"}});
+    let broker = |exchange: &str| json!({"rabbitmq": {"urlSecretRef": {"name": "amqp", "key": "url"}, "allowPlaintextCredentials": true, "exchange": exchange, "routingKey": "orders"}});
 
     let output = check(
         &manifest("orders", broker(&exchange)),

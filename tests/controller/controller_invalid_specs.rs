@@ -60,6 +60,28 @@ const CASES: &[Case] = &[
         expect: &["clientKeySecretRef needs clientCertSecretRef"],
     },
     Case {
+        what: "a Kafka login over plain text",
+        edit: |s| {
+            s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "sasl": {
+                "mechanism": "PLAIN", "username": "u", "passwordSecretRef": {"name": "k"}}}});
+        },
+        expect: &["sends the login unencrypted (SASL_PLAINTEXT)"],
+    },
+    Case {
+        what: "a NATS token over plain text",
+        edit: |s| s["broker"]["nats"]["tokenSecretRef"] = json!({"name": "nats"}),
+        expect: &["may cross the network unencrypted"],
+    },
+    Case {
+        what: "an amqp:// URI with a password, not allowed",
+        edit: |s| {
+            s["broker"] = json!({"rabbitmq": {"urlSecretRef": {"name": "mq", "key": "plain"}}});
+        },
+        expect: &[
+            "spec.broker.rabbitmq.urlSecretRef: Secret mq key plain holds an amqp:// URI with a password",
+        ],
+    },
+    Case {
         what: "a Kafka user name given twice",
         edit: |s| {
             s["broker"] = json!({"kafka": {"bootstrapServers": "k:9092", "sasl": {
@@ -533,7 +555,16 @@ async fn invalid_specs_are_refused_or_reported_and_create_nothing() {
         ],
     )
     .await;
-    operator::create_secret(&client, &namespace, "mq", &[("http", "http://u:p@mq")]).await;
+    operator::create_secret(
+        &client,
+        &namespace,
+        "mq",
+        &[
+            ("http", "http://u:p@mq"),
+            ("plain", "amqp://app:s3cret@mq:5672/%2f"),
+        ],
+    )
+    .await;
     let before = replication_objects(&admin).await;
     let (_, publications_before) = replication_objects(&db.client).await;
 

@@ -119,6 +119,7 @@ async fn a_relay_whose_broker_takes_no_message_is_not_ready_with_the_brokers_rea
                 "mq-db",
                 json!({"rabbitmq": {
                     "urlSecretRef": {"name": "orders-mq", "key": "url"},
+                    "allowPlaintextCredentials": true,
                     "exchange": missing_exchange,
                     "routingKey": "{aggregateType}"}}),
             ),

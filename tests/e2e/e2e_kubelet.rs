@@ -47,6 +47,7 @@ impl Sink {
                 "subject": format!("{}.{{aggregateType}}", stream.subject_prefix)}}),
             Self::Rabbit(queue, _) => json!({"rabbitmq": {
                 "urlSecretRef": {"name": "orders-mq", "key": "url"},
+                "allowPlaintextCredentials": true,
                 "exchange": common::fresh_exchange_for(queue).await,
                 "routingKey": "{aggregateType}"}}),
         }

@@ -233,6 +233,7 @@ async fn a_nats_user_denied_the_subject_is_retried_with_the_servers_reason_and_l
     let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, 4).await;
     let broker = json!({"nats": {"url": url, "subject": subject,
+        "allowPlaintextCredentials": true,
         "usernameSecretRef": {"name": "nats", "key": "user"},
         "passwordSecretRef": {"name": "nats", "key": "password"}}});
     let yaml = relay_yaml(&broker, &[], None);

@@ -127,6 +127,13 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
             "remove it or give a value the relay's idempotent producer takes",
         );
     }
+    if k.sasl.is_some() && k.tls.is_none() && !k.allow_plaintext_credentials {
+        p.push(
+            "spec.broker.kafka.sasl",
+            "without tls sends the login unencrypted (SASL_PLAINTEXT)",
+            "add spec.broker.kafka.tls (SASL_SSL), or set spec.broker.kafka.allowPlaintextCredentials: true to accept that",
+        );
+    }
     if let Some(sasl) = &k.sasl {
         if let Some(username) = &sasl.username_secret_ref {
             check_secret_ref(
