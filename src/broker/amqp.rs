@@ -271,8 +271,10 @@ pub fn secrets(r: &RabbitMqSpec) -> Vec<SecretSlot> {
         purpose: SecretUse::Broker,
         reference: r.url_secret_ref.clone(),
         delivery: Delivery::Env(ENV_RABBITMQ_URL),
+        // With `tls` set an amqp:// URI is refused before any login (TLS is never
+        // skipped), so only the spec's word matters without it.
         content: Content::AmqpUrl {
-            plaintext_credentials: r.allow_plaintext_credentials,
+            plaintext_credentials: r.allow_plaintext_credentials || r.tls.is_some(),
         },
     }];
     all.extend(tls::secrets(r.tls.as_ref(), tls::RABBITMQ));
