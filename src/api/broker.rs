@@ -140,20 +140,11 @@ pub struct TlsSpec {
 impl TlsSpec {
     /// The references: CA, client certificate, client key (resolved), each as set.
     pub fn refs(&self) -> [Option<SecretKeyRef>; 3] {
-        [
-            self.ca_secret_ref.as_ref().map(SecretKeyRef::from),
-            self.client_cert_secret_ref.as_ref().map(SecretKeyRef::from),
-            self.client_key().as_ref().map(SecretKeyRef::from),
-        ]
-    }
-
-    /// The client key: the one named, else `tls.key` of the certificate's Secret.
-    pub fn client_key(&self) -> Option<KeySecretRef> {
-        self.client_key_secret_ref.clone().or_else(|| {
-            self.client_cert_secret_ref
-                .as_ref()
-                .map(|cert| KeySecretRef::named(&cert.name))
-        })
+        super::secret_ref::tls_refs(
+            self.ca_secret_ref.as_ref(),
+            self.client_cert_secret_ref.as_ref(),
+            self.client_key_secret_ref.as_ref(),
+        )
     }
 }
 

@@ -116,6 +116,24 @@ into_secret_key_ref!(
     PasswordSecretRef
 );
 
+/// The references of a TLS block, as set: the CA, the client certificate, and the
+/// client key, which defaults to `tls.key` of the certificate's Secret (one
+/// `kubernetes.io/tls` Secret named in `clientCertSecretRef` gives both).
+pub(super) fn tls_refs(
+    ca: Option<&CaSecretRef>,
+    cert: Option<&CertSecretRef>,
+    key: Option<&KeySecretRef>,
+) -> [Option<SecretKeyRef>; 3] {
+    let key = key
+        .cloned()
+        .or_else(|| cert.map(|cert| KeySecretRef::named(&cert.name)));
+    [
+        ca.map(SecretKeyRef::from),
+        cert.map(SecretKeyRef::from),
+        key.as_ref().map(SecretKeyRef::from),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,5 +157,24 @@ mod tests {
             serde_json::from_str(r#"{"name": "s", "key": "root.pem"}"#).unwrap();
         assert_eq!(SecretKeyRef::from(&chosen).key, "root.pem");
         assert_eq!(CaSecretRef::named("x").key, CaSecretRef::DEFAULT_KEY);
+    }
+
+    #[test]
+    fn a_client_key_defaults_to_the_certificates_secret() {
+        let cert = CertSecretRef::named("my-tls");
+        let [ca, c, k] = tls_refs(None, Some(&cert), None);
+        assert_eq!(ca, None);
+        assert_eq!(
+            c.map(|c| (c.name, c.key)),
+            Some(("my-tls".into(), "tls.crt".into()))
+        );
+        assert_eq!(
+            k.map(|k| (k.name, k.key)),
+            Some(("my-tls".into(), "tls.key".into()))
+        );
+        let own = KeySecretRef::named("other");
+        let [_, _, k] = tls_refs(None, Some(&cert), Some(&own));
+        assert_eq!(k.map(|k| k.name), Some("other".into()));
+        assert_eq!(tls_refs(None, None, None), [None, None, None]);
     }
 }
