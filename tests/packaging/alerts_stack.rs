@@ -39,6 +39,11 @@ fn alert_names(rule: &Value) -> BTreeSet<String> {
         .collect()
 }
 
+/// The JSON body of a GET of Prometheus's API (`None` on any error: callers wait on it).
+async fn api_json(http: &reqwest::Client, url: &str) -> Option<Value> {
+    http.get(url).send().await.ok()?.json().await.ok()
+}
+
 #[test]
 fn without_the_selectors_label_nothing_is_picked_up() {
     let (chart, relay) = chart_and_relay(
@@ -144,14 +149,7 @@ async fn the_stacks_prometheus_loads_the_selected_rules_and_the_operator_down_al
         "the rule groups loaded by Prometheus",
         Duration::from_secs(30),
         || async {
-            let body: Value = http
-                .get(format!("{prom}/api/v1/rules"))
-                .send()
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
+            let body = api_json(&http, &format!("{prom}/api/v1/rules")).await?;
             let names: BTreeSet<String> = body["data"]["groups"]
                 .as_array()?
                 .iter()
@@ -170,14 +168,7 @@ async fn the_stacks_prometheus_loads_the_selected_rules_and_the_operator_down_al
         "OutboxOperatorDown firing",
         Duration::from_secs(60),
         || async {
-            let body: Value = http
-                .get(format!("{prom}/api/v1/alerts"))
-                .send()
-                .await
-                .ok()?
-                .json()
-                .await
-                .ok()?;
+            let body = api_json(&http, &format!("{prom}/api/v1/alerts")).await?;
             body["data"]["alerts"]
                 .as_array()?
                 .iter()
