@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio_postgres::{Client, GenericClient};
 
-use super::table::{IdKind, id_param};
+use super::ids::{IdKind, id_param};
 use super::{PgError, RowId, db, quote};
 use crate::spec::Archive;
 
