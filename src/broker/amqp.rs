@@ -180,9 +180,13 @@ impl Broker for AmqpBroker {
             };
             match confirmation {
                 Ok(Confirmation::Ack(None)) => Ok(Delivered::default()),
+                // Returned unroutable: the exchange has no binding for this routing
+                // key. The broker's configuration, as a missing exchange is, so an
+                // outage: counted against the row, it would dead-letter every row of
+                // the key until someone binds a queue.
                 Ok(Confirmation::Ack(Some(returned))) | Ok(Confirmation::Nack(Some(returned))) => {
-                    Err(PublishError::refused(format!(
-                        "RabbitMQ: row {}: exchange `{}` routed routing key `{}` to no queue ({} {})",
+                    Err(PublishError::outage(format!(
+                        "RabbitMQ: row {}: exchange `{}` routed routing key `{}` to no queue ({} {}); bind a queue for it",
                         message.id,
                         self.exchange,
                         message.destination,

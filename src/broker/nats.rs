@@ -35,16 +35,18 @@ pub struct NatsBroker {
 
 impl NatsBroker {
     /// Why no stream took a message for `subject`. JetStream answers "no responders"
-    /// both when no stream captures the subject (this row will never be accepted: a
-    /// row fault, counted against `failure.maxAttempts` and dead-lettered or blocked as
-    /// the spec says) and while it is starting or unreachable (an outage, retried
-    /// without counting). Asking JetStream which stream captures the subject tells the
-    /// two apart: an answer of "none" is the first, no answer the second.
+    /// both when no stream captures the subject and while it is starting or
+    /// unreachable; asking which stream captures the subject tells the two apart. Both
+    /// are outages, retried without counting toward `failure.maxAttempts`: a missing
+    /// stream is the server's configuration, as a missing Kafka topic is, and counted
+    /// against the row it would dead-letter every row of the subject until someone
+    /// adds the stream. Only a subject that cannot exist (made invalid by the row's
+    /// own values) is the row's fault.
     async fn no_stream(&self, subject: &str, err: &impl std::fmt::Display) -> PublishError {
         match self.jetstream.stream_by_subject(subject).await {
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::NotFound => {
-                PublishError::refused(format!(
-                    "NATS: no JetStream stream captures subject {subject} ({err})"
+                PublishError::outage(format!(
+                    "NATS: no JetStream stream captures subject {subject} ({err}); add a stream for it"
                 ))
             }
             Err(lookup) if lookup.kind() == GetStreamByNameErrorKind::InvalidSubject => {

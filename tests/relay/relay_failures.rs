@@ -463,64 +463,168 @@ async fn aggregate_of_row(client: &tokio_postgres::Client, id: i64) -> String {
         .get(0)
 }
 
-/// NATS: a row whose subject no JetStream stream captures is refused for good (JetStream
-/// itself says no stream matches), so it is dead-lettered after `maxAttempts` while the
-/// other rows are published. Before, "no responders" always read as an outage, retried
-/// forever without counting, and the row held its partition for good.
+/// `outbox_relay_publish_errors_total` of one `kind` in a relay's metrics text.
+fn publish_errors(metrics: &str, kind: &str) -> f64 {
+    let label = format!("kind=\"{kind}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("outbox_relay_publish_errors_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Where a message goes is the broker's configuration, as a missing Kafka topic is: a
+/// row whose destination does not exist waits as an outage, retried without counting
+/// and never dead-lettered however often it fails, while the other rows are published;
+/// once the destination exists it goes through. (Before, NATS's "no stream captures the
+/// subject" and RabbitMQ's unroutable return counted as the row's fault, so a stream or
+/// binding missing for one aggregate type dead-lettered every row of it.)
+///
+/// Phase one, shared by the brokers: one row of aggregate type `ghost` (no destination)
+/// and 20 of type `captured`, published by a polling relay with `deadLetter` after 3
+/// attempts; returns once the 20 are out and the ghost failed 7 times as an outage, with
+/// the relay, the ghost's id and the ids expected in the end.
+async fn missing_destination_waits(
+    db: &common::TestDatabase,
+    broker: &RelayBroker,
+    captured: &str,
+    ghost: &str,
+    why: &str,
+) -> (RelayProcess, i64, BTreeSet<i64>) {
+    let c = &db.client;
+    let ghost_agg = "ghost-1";
+    let ghost_id = common::insert_row(
+        c,
+        ghost,
+        ghost_agg,
+        &serde_json::json!({"aggregate": ghost_agg}),
+    )
+    .await;
+    let mut expected = BTreeSet::from([ghost_id]);
+    for i in 0..20 {
+        let agg = format!("agg-{i}");
+        expected.insert(
+            common::insert_row(c, captured, &agg, &serde_json::json!({"aggregate": agg})).await,
+        );
+    }
+    let relay = RelayProcess::start(
+        &common::relay_config_yaml(broker, &options("deadLetter")),
+        &db.url,
+        broker,
+    );
+    // More than twice as many failures as maxAttempts would have allowed the row.
+    common::wait_for_relays(
+        "the other rows published and the ghost row retried 7 times as an outage",
+        Duration::from_secs(90),
+        &[&relay],
+        || async {
+            common::unpublished_rows(c).await == 1
+                && relay
+                    .metrics()
+                    .await
+                    .is_some_and(|m| publish_errors(&m, "unavailable") >= 7.0)
+        },
+    )
+    .await;
+    let metrics = relay.metrics().await.unwrap_or_default();
+    assert_eq!(
+        publish_errors(&metrics, "row"),
+        0.0,
+        "counted as the row's fault"
+    );
+    let dead = dead_letters(c).await;
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
+    assert!(
+        relay.log().contains(why),
+        "the relay never said {why:?}: {}",
+        relay.log_tail(20)
+    );
+    (relay, ghost_id, expected)
+}
+
+/// Phase two: once the destination exists, the ghost row goes out and nothing was lost.
+async fn then_it_goes_through(
+    db: &common::TestDatabase,
+    relay: &RelayProcess,
+    expected: &BTreeSet<i64>,
+    received: impl std::future::Future<Output = Vec<common::Received>>,
+) {
+    common::wait_for_relays(
+        "the ghost row published once its destination exists",
+        Duration::from_secs(60),
+        &[relay],
+        || async { common::unpublished_rows(&db.client).await == 0 },
+    )
+    .await;
+    assert!(dead_letters(&db.client).await.is_empty());
+    let report = common::check_delivery(&received.await, expected, &BTreeSet::new());
+    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+}
+
 #[tokio::test]
-async fn a_nats_subject_no_stream_captures_is_a_refused_row() {
+async fn a_nats_subject_no_stream_captures_waits_until_a_stream_does() {
     let rig = common::Rig::load();
     let db = common::fresh_database().await;
     common::create_outbox_table(&db.client, PARTITIONS).await;
     let stream = common::fresh_stream().await;
-    let c = &db.client;
     // The stream captures test.<suffix>.> ; the subject is test.<aggregate type>.events,
-    // so aggregate type <suffix> is captured and Ghost is not.
+    // so aggregate type <suffix> is captured and ghost_<suffix> is not.
     let captured = stream
         .subject_prefix
         .strip_prefix("test.")
         .unwrap_or_else(|| panic!("stream prefix {}", stream.subject_prefix))
         .to_owned();
-    let ghost_agg = "ghost-1";
-    let ghost = common::insert_row(
-        c,
-        "Ghost",
-        ghost_agg,
-        &serde_json::json!({"aggregate": ghost_agg}),
-    )
-    .await;
-    let mut good = BTreeSet::new();
-    for i in 0..20 {
-        let agg = format!("agg-{i}");
-        good.insert(
-            common::insert_row(c, &captured, &agg, &serde_json::json!({"aggregate": agg})).await,
-        );
-    }
+    let ghost = format!("ghost_{captured}");
     let broker = RelayBroker::Nats {
         url: rig.nats_url().to_owned(),
         subject: "test.{aggregateType}.events".to_owned(),
     };
-    let relay = RelayProcess::start(
-        &common::relay_config_yaml(&broker, &options("deadLetter")),
-        &db.url,
+    let (relay, _, expected) = missing_destination_waits(
+        &db,
         &broker,
-    );
-    common::wait_for_relays(
-        "the outbox drained (the ghost row dead-lettered, the rest published)",
-        Duration::from_secs(60),
-        &[&relay],
-        || async { common::unpublished_rows(c).await == 0 },
+        &captured,
+        &ghost,
+        "no JetStream stream captures subject",
     )
     .await;
-    let dead = dead_letters(c).await;
-    println!("NATS refused row: {dead:?}");
-    assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_eq!(dead[0].0, ghost);
-    assert!(
-        dead[0].1.contains("no JetStream stream captures"),
-        "{dead:?}"
-    );
-    let received = common::consume_nats(&stream).await;
-    let report = common::check_delivery(&received, &good, &BTreeSet::new());
-    assert!(report.missing.is_empty(), "lost: {:?}", report.missing);
+    let mut config = stream
+        .jetstream
+        .get_stream(&stream.name)
+        .await
+        .unwrap_or_else(|err| panic!("NATS get_stream: {err}"))
+        .info()
+        .await
+        .unwrap_or_else(|err| panic!("NATS stream info: {err}"))
+        .config
+        .clone();
+    config.subjects.push(format!("test.{ghost}.events"));
+    stream
+        .jetstream
+        .update_stream(config)
+        .await
+        .unwrap_or_else(|err| panic!("NATS update_stream: {err}"));
+    then_it_goes_through(&db, &relay, &expected, common::consume_nats(&stream)).await;
+    db.drop_database().await;
+}
+
+#[tokio::test]
+async fn a_rabbitmq_routing_key_no_queue_is_bound_to_waits_until_one_is() {
+    let rig = common::Rig::load();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, PARTITIONS).await;
+    let queue = common::fresh_queue().await;
+    let captured = format!("kept_{}", common::unique_suffix());
+    let ghost = format!("ghost_{}", common::unique_suffix());
+    let exchange = format!("test-x-{}", common::unique_suffix());
+    common::bind_queue(&queue, &exchange, &format!("outbox.{captured}")).await;
+    let broker = RelayBroker::Amqp {
+        url: rig.amqp_url().to_owned(),
+        exchange: exchange.clone(),
+        routing_key: "outbox.{aggregateType}".to_owned(),
+    };
+    let (relay, _, expected) =
+        missing_destination_waits(&db, &broker, &captured, &ghost, "to no queue").await;
+    common::bind_queue(&queue, &exchange, &format!("outbox.{ghost}")).await;
+    then_it_goes_through(&db, &relay, &expected, common::consume_amqp(&queue)).await;
+    db.drop_database().await;
 }
