@@ -61,10 +61,31 @@ pub async fn standbys(client: &Client, slots: &[String]) -> Result<Standbys, PgE
 /// The primary's WAL flushed to disk now: any commit already sent on a stream ends at
 /// or before it.
 pub async fn flushed_now(client: &Client) -> Result<Lsn, PgError> {
+    wal_position(
+        client,
+        "pg_current_wal_flush_lsn",
+        "reading the flushed WAL position",
+    )
+    .await
+}
+
+/// The primary's WAL inserted now: every transaction already visible to a snapshot
+/// committed at or before it (its commit record is inserted before it becomes visible,
+/// flushed or not).
+pub async fn inserted_now(client: &Client) -> Result<Lsn, PgError> {
+    wal_position(
+        client,
+        "pg_current_wal_insert_lsn",
+        "reading the inserted WAL position",
+    )
+    .await
+}
+
+async fn wal_position(client: &Client, function: &str, what: &'static str) -> Result<Lsn, PgError> {
     let text: String = client
-        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .query_one(&format!("SELECT {function}()::text"), &[])
         .await
-        .map_err(db("reading the flushed WAL position"))?
+        .map_err(db(what))?
         .get(0);
     Lsn::parse(&text).map_err(|e| PgError::Replication(format!("WAL position {text:?}: {e}")))
 }

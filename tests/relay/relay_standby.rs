@@ -178,3 +178,105 @@ async fn a_multi_host_url_streams_from_the_primary_whichever_host_comes_first() 
     drop(relay);
     drop(standby);
 }
+
+/// Rows the relay reads from the table rather than the stream wait for the standbys
+/// too: the publication gate's back-fill after a DROP/ADD of the table (deleteAfterPublish)
+/// sends none of the rows written in the gap while the standby is stopped, and all of
+/// them, in order, once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_fill_waits_for_the_named_standby_too() {
+    let primary = PrivatePostgres::start_with(&["max_replication_slots=10", "max_wal_senders=10"]);
+    let admin = common::pg_connect(&primary.url()).await.unwrap();
+    common::create_outbox_table(&admin, 4).await;
+    admin
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby_1')")
+        .await
+        .unwrap();
+    let mut standby =
+        PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
+    let slot = format!("standby_{}", common::unique_suffix());
+    common::create_replication(&admin, &slot, &slot).await;
+    let topic = common::fresh_topic(4).await;
+    let broker = RelayBroker::Kafka {
+        bootstrap: common::Rig::load().kafka_bootstrap().to_owned(),
+        topic: topic.clone(),
+    };
+    let yaml = common::with_spec_line(
+        &common::relay_config_yaml(&broker, &common::RelayOptions::default()),
+        "mode",
+        &format!(
+            "{{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, \
+             deleteAfterPublish: true, synchronizedStandbySlots: [standby_1]}}}}"
+        ),
+    );
+    let relay = RelayProcess::start(&yaml, &primary.url(), &broker);
+    common::wait_slot_active(&admin, &slot, &relay).await;
+    let mut written = insert(&admin, 8).await;
+    wait_on_topic(&topic, &written, &relay).await;
+
+    // The standby stops; the table leaves the publication and comes back with rows
+    // written in between, which only the back-fill can publish.
+    standby.stop();
+    let alter = |change: &str| format!("ALTER PUBLICATION {slot} {change} TABLE public.outbox");
+    admin.batch_execute(&alter("DROP")).await.unwrap();
+    let gap = insert(&admin, 12).await;
+    admin.batch_execute(&alter("ADD")).await.unwrap();
+    let after = insert(&admin, 4).await;
+    // The back-fill has begun; it either waits for the standby (its gauge moves) or,
+    // wrongly, publishes the gap's rows.
+    let on_topic = || {
+        let topic = topic.clone();
+        async move {
+            tokio::task::spawn_blocking(move || ids_on(&topic))
+                .await
+                .unwrap_or_default()
+        }
+    };
+    common::wait_for_relays(
+        "the back-fill waiting for the standby (or publishing)",
+        WAIT,
+        &[&relay],
+        || async {
+            relay
+                .log()
+                .contains("publishing every row left in the table first")
+                && (relay
+                    .metric("outbox_relay_standby_wait_bytes")
+                    .await
+                    .is_some_and(|bytes| bytes > 0.0)
+                    || on_topic().await.contains(&gap[0]))
+        },
+    )
+    .await;
+    let got = on_topic().await;
+    let early: Vec<i64> = gap
+        .iter()
+        .chain(&after)
+        .filter(|id| got.contains(id))
+        .copied()
+        .collect();
+    assert!(
+        early.is_empty(),
+        "published before the standby had them: {early:?}"
+    );
+
+    standby.start();
+    written.extend(gap);
+    written.extend(after);
+    wait_on_topic(&topic, &written, &relay).await;
+    let received = {
+        let topic = topic.clone();
+        tokio::task::spawn_blocking(move || common::consume_kafka(&topic))
+            .await
+            .unwrap()
+    };
+    let committed = written.iter().copied().collect();
+    let report = common::check_delivery(&received, &committed, &BTreeSet::new());
+    assert!(
+        report.missing.is_empty()
+            && report.order_violations.is_empty()
+            && report.stale_redeliveries.is_empty(),
+        "{report:?}"
+    );
+    drop(relay);
+}

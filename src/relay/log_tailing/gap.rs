@@ -24,6 +24,7 @@ use std::time::Duration;
 use pgwire_replication::Lsn;
 use tokio_postgres::Client;
 
+use super::standby::Holder;
 use super::{LogTailer, SessionEnd};
 use crate::api::AfterPublish;
 use crate::postgres::coverage::{Coverage, coverage};
@@ -233,6 +234,15 @@ impl LogTailer {
                     coverage(&client, &self.lt.publication, &t.schema, &t.name).await?;
                 return Ok(Some(cov.lsn));
             };
+            // Read from the table, not the stream: out only once the standbys hold them.
+            let holder = Holder {
+                slots: &self.lt.standby_slots,
+                health: &self.health,
+                stop: &self.stop,
+            };
+            if !holder.hold_read_rows(tx.client()).await? {
+                return Ok(None);
+            }
             let results = publish_chains(
                 self.broker.as_ref(),
                 &self.shape,

@@ -317,6 +317,7 @@ impl LogTailer {
                 stop: self.stop.clone(),
                 passed: passed_rx.clone(),
                 deleted,
+                standby_slots: self.lt.standby_slots.clone(),
             }))
         });
         let mut backoff = Backoff::new();

@@ -24,6 +24,7 @@ use pgwire_replication::Lsn;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
+use super::standby::Holder;
 use crate::api::AfterPublish;
 use crate::broker::{Broker, Shape};
 use crate::postgres::horizon::{Horizon, horizon};
@@ -50,6 +51,8 @@ pub(super) struct SweepTarget {
     pub passed: watch::Receiver<f64>,
     /// The WAL position through which the tail has streamed and deleted everything.
     pub deleted: watch::Receiver<Lsn>,
+    /// `synchronizedStandbySlots`: what is swept goes out only once they hold it.
+    pub standby_slots: Vec<String>,
 }
 
 /// Sweeps every `sweep.interval` until shutdown.
@@ -166,6 +169,15 @@ async fn sweep_once(
                 what: "ending a sweep",
                 source,
             })?;
+            return Ok(found);
+        }
+        // Read from the table, not the stream: out only once the standbys hold them.
+        let holder = Holder {
+            slots: &target.standby_slots,
+            health: &target.health,
+            stop: &target.stop,
+        };
+        if !holder.hold_read_rows(tx.client()).await? {
             return Ok(found);
         }
         let results = publish_chains(
