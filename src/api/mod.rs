@@ -71,10 +71,17 @@ pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
     category = "outbox",
     namespaced,
     status = "OutboxRelayStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
     validation = Rule::new("self.metadata.name.size() <= 50 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must be a DNS label of at most 50 characters starting with a letter: it names the relay's Deployment and Service"),
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.mode"}"#,
     printcolumn = r#"{"name":"Broker","type":"string","jsonPath":".status.broker"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","priority":1,"jsonPath":".status.replicas"}"#,
     printcolumn = r#"{"name":"Backlog","type":"integer","jsonPath":".status.backlogRows"}"#,
     printcolumn = r#"{"name":"Oldest","type":"string","jsonPath":".status.oldestUnpublishedAge"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -83,6 +90,7 @@ pub use crate::rules::{DURATION_PATTERN, IDENTIFIER_PATTERN, SLOT_NAME_PATTERN};
 #[x_kube(validation = Rule::new("!(has(self.mode.polling) && has(self.retention) && has(self.retention.publishedRows) && has(self.mode.polling.interval) && (!has(self.mode.polling.afterPublish) || self.mode.polling.afterPublish == 'mark')) || duration(self.retention.publishedRows) >= duration(self.mode.polling.interval)").message("spec.retention.publishedRows is shorter than the poll interval (keep published rows at least one poll interval)"))]
 #[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter' && !has(self.failure.deadLetterTable)) || !has(self.table) || !has(self.table.name) || size(self.table.name) <= 51").message("spec.failure.deadLetterTable: the default <table>_dead_letter is longer than 63 characters: set spec.failure.deadLetterTable"))]
 #[x_kube(validation = Rule::new("!(has(self.failure) && has(self.failure.deadLetterTable) && has(self.failure.onExhausted) && self.failure.onExhausted == 'deadLetter') || self.failure.deadLetterTable != (has(self.table) && has(self.table.name) ? self.table.name : 'outbox')").message("spec.failure.deadLetterTable is the outbox table itself: name another table for exhausted rows"))]
+#[x_kube(validation = Rule::new("!has(self.mode.logTailing) || self.replicas <= 1 || self.replicas == oldSelf.replicas").message("spec.replicas: a log-tailing relay runs one pod (its replication slot streams to one consumer): scale it to 0 or 1 (or set spec.suspend); only polling relays scale out"))]
 #[x_kube(validation = Rule::new("!has(self.table) || !has(self.table.additionalFields) || !self.table.additionalFields.exists(f, f.placement == 'partition') || has(self.broker.kafka)").message("spec.table.additionalFields: only Kafka has partitions; place the column as a header"))]
 pub struct OutboxRelaySpec {
     /// The database that holds the outbox table.
@@ -97,11 +105,22 @@ pub struct OutboxRelaySpec {
     /// Per-aggregate ordering and how rows are spread over partitions.
     #[serde(default)]
     pub ordering: OrderingSpec,
-    /// Number of relay pods. Log tailing runs one active consumer whatever this says
-    /// (a replication slot admits one); the others stand by.
+    /// Number of relay pods; the `/scale` subresource sets it (`kubectl scale`, an
+    /// autoscaler on the backlog metric). A log-tailing relay runs one pod (a
+    /// replication slot streams to one consumer): a count above one is read as one,
+    /// and changing the count to more than one is refused.
     #[serde(default = "default_replicas")]
     #[schemars(range(min = 0, max = 64))]
     pub replicas: i32,
+    /// Stops publishing without dropping anything: no relay pod runs, and the
+    /// replication slot and publication stay. The slot keeps its confirmed position
+    /// and retains WAL meanwhile, watched as always (`status.slot.retainedWalBytes`,
+    /// `Degraded` past `spec.alerting.slotRetainedWal`, the
+    /// `OutboxRelaySlotRetainedWalHigh` alert from the operator's own metric, and
+    /// `maxRetainedWal` still applying). Set back to `false`, publishing resumes from
+    /// where it stopped. `Ready` is `False` with reason `Suspended` meanwhile.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspend: bool,
     /// How long published rows are kept: marked rows in the outbox table, archived
     /// rows in the archive.
     #[serde(default)]

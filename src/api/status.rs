@@ -42,6 +42,12 @@ pub struct OutboxRelayStatus {
     /// `spec.mode.logTailing.maxRetainedWal`: since when and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<FallbackStatus>,
+    /// Relay pods running now (the `/scale` subresource's current count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// The label selector of the relay's pods (`/scale`, for an autoscaler).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
 }
 
 /// A log-tailing relay's fall back to polling (its WAL budget was passed).

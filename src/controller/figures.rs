@@ -232,6 +232,11 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         },
         None => None,
     };
+    ctx.metrics.set_slot_retained_wal(
+        &relay.namespace().unwrap_or_default(),
+        &relay.name_any(),
+        slot.as_ref().map(|s| s.retained_wal_bytes),
+    );
     database::scan_orphans(relay, ctx, &client, &conn.url).await;
     let figures = Figures { backlog, slot };
     let patch = status_patch(&figures);

@@ -29,6 +29,13 @@ struct RelayLabels {
     relay: String,
 }
 
+/// A relay, labelled as the relay's own metrics are, so that its alerts select both.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OwnLabels {
+    relay_namespace: String,
+    relay_name: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CategoryLabel {
     category: &'static str,
@@ -46,6 +53,7 @@ pub struct Metrics {
     duration: Histogram,
     switches: Family<SwitchLabels, Counter>,
     slot_lost: Family<RelayLabels, Gauge>,
+    slot_wal: Family<OwnLabels, Gauge>,
     // Plain copies for callers that embed the controller (tests) and want a number
     // without parsing the text format.
     reconciles_total: AtomicU64,
@@ -70,6 +78,12 @@ impl Metrics {
         let duration = Histogram::new(exponential_buckets(0.005, 2.0, 12));
         let switches = Family::<SwitchLabels, Counter>::default();
         let slot_lost = Family::<RelayLabels, Gauge>::default();
+        let slot_wal = Family::<OwnLabels, Gauge>::default();
+        registry.register(
+            "slot_retained_wal_bytes",
+            "WAL a log-tailing relay's replication slot retains on the database server, as the operator measures it: there whether or not a relay pod runs (suspended, scaled to zero, crash-looping), so the relay's OutboxRelaySlotRetainedWalHigh alert still fires",
+            slot_wal.clone(),
+        );
         registry.register(
             "slot_lost",
             "1 while a log-tailing relay's replication slot is lost (vanished after the relay streamed it: a promotion, a drop by hand) and not yet replaced; status.slot.lost says how it goes on",
@@ -120,6 +134,7 @@ impl Metrics {
             duration,
             switches,
             slot_lost,
+            slot_wal,
             reconciles_total: AtomicU64::new(0),
             writes_total: AtomicU64::new(0),
         }
@@ -158,6 +173,23 @@ impl Metrics {
             }
             None => {
                 self.slot_lost.remove(&labels);
+            }
+        }
+    }
+
+    /// The WAL a relay's slot retains, as last measured; a relay without a slot, or
+    /// that goes, is forgotten (`None`).
+    pub(crate) fn set_slot_retained_wal(&self, namespace: &str, relay: &str, bytes: Option<i64>) {
+        let labels = OwnLabels {
+            relay_namespace: namespace.to_owned(),
+            relay_name: relay.to_owned(),
+        };
+        match bytes {
+            Some(bytes) => {
+                self.slot_wal.get_or_create(&labels).set(bytes);
+            }
+            None => {
+                self.slot_wal.remove(&labels);
             }
         }
     }

@@ -124,6 +124,9 @@ const METRIC_SLOT_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 const METRIC_SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 const METRIC_SWEEP_FOUND: &str = "outbox_relay_sweep_found_total";
 const METRIC_SLOT_WAL_STATUS: &str = "outbox_relay_slot_wal_status";
+/// The operator's measure of the same, labelled as the relay's metrics are
+/// (`controller/metrics.rs`).
+const METRIC_OPERATOR_SLOT_WAL: &str = "outbox_operator_slot_retained_wal_bytes";
 
 /// How bad an alert is: `critical` pages (events are not flowing, or the database is at
 /// risk), `warning` goes to a ticket queue.
@@ -320,7 +323,11 @@ pub fn prometheus_rule(valid: &ValidRelay, options: &BuildOptions) -> Option<Dyn
         let bytes = alerting.slot_retained_wal_bytes;
         alerts.push(Alert {
             name: "OutboxRelaySlotRetainedWalHigh",
-            expr: format!("max({METRIC_SLOT_WAL}{{{own}}}) > {bytes}"),
+            // The relay's measure and the operator's: the operator's is there while no
+            // relay pod runs (suspended, scaled to zero, crash-looping).
+            expr: format!(
+                r#"max({{__name__=~"{METRIC_SLOT_WAL}|{METRIC_OPERATOR_SLOT_WAL}",{own}}}) > {bytes}"#
+            ),
             for_: "5m",
             severity: Severity::Critical,
             summary: format!("The replication slot of {who} retains too much WAL"),

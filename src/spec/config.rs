@@ -95,11 +95,12 @@ pub enum ConfigError {
 
 impl RelayConfig {
     /// The file for a parsed relay. Fields the relay process does not read (replicas,
-    /// alerting, pod overrides) are left at their defaults: the file's hash rolls the
-    /// pods, and scaling or a new alert threshold must not restart them.
+    /// suspend, alerting, pod overrides) are left at their defaults: the file's hash
+    /// rolls the pods, and scaling or a new alert threshold must not restart them.
     pub fn for_relay(valid: &ValidRelay) -> Self {
         let mut spec = valid.relay.spec.clone();
         spec.replicas = 1;
+        spec.suspend = false;
         spec.alerting = crate::api::AlertingSpec::default();
         spec.relay = crate::api::RelayPodSpec::default();
         let secret_files = valid

@@ -484,9 +484,17 @@ impl ValidRelay {
             .and_then(|s| s.coverage_baseline.as_deref())
     }
 
-    /// Pods the Deployment runs: the spec's count, at most one for log tailing (a
-    /// replication slot streams to one connection).
+    /// `spec.suspend`: no relay pod runs; the slot and publication stay.
+    pub fn suspended(&self) -> bool {
+        self.relay.spec.suspend
+    }
+
+    /// Pods the Deployment runs: none while suspended, else the spec's count, at most
+    /// one for log tailing (a replication slot streams to one connection).
     pub fn effective_replicas(&self) -> i32 {
+        if self.suspended() {
+            return 0;
+        }
         match self.mode {
             ValidMode::LogTailing(_) => self.relay.spec.replicas.min(1),
             ValidMode::Polling(_) => self.relay.spec.replicas,

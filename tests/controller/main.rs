@@ -15,6 +15,7 @@ mod controller_invalid_specs;
 mod controller_reconcile;
 mod controller_resync;
 mod controller_rotation;
+mod controller_scale;
 mod controller_secret_opt_in;
 mod controller_slots;
 mod controller_tls;

@@ -125,11 +125,11 @@ pub(in crate::controller) async fn cleanup(
 /// Forgets the relay's bookkeeping: its metric, last apply, status write and
 /// connection.
 fn forget(relay: &OutboxRelay, ctx: &Context) {
-    ctx.metrics.set_slot_lost(
-        &relay.namespace().unwrap_or_default(),
-        &relay.name_any(),
-        None,
-    );
+    let namespace = relay.namespace().unwrap_or_default();
+    ctx.metrics
+        .set_slot_lost(&namespace, &relay.name_any(), None);
+    ctx.metrics
+        .set_slot_retained_wal(&namespace, &relay.name_any(), None);
     if let Some(uid) = relay.uid() {
         ctx.applied
             .lock()

@@ -60,6 +60,8 @@ pub(super) async fn update_status(
             ..SlotStatus::default()
         }),
         fallback,
+        replicas: plan.scale.as_ref().map(|(replicas, _)| *replicas),
+        selector: plan.scale.as_ref().map(|(_, selector)| selector.clone()),
         ..OutboxRelayStatus::default()
     };
     let event = decide::ready_transition(current, conditions);
@@ -82,6 +84,8 @@ pub(super) async fn update_status(
         differs(s, &desired)
             || slot_names(s) != slot_names(Some(&desired))
             || s.and_then(|s| s.fallback.as_ref()) != desired.fallback.as_ref()
+            || s.map(|s| (s.replicas, s.selector.as_ref()))
+                != Some((desired.replicas, desired.selector.as_ref()))
     };
     if stale(current) || stale(cached) {
         let namespace = relay.namespace().unwrap_or_default();

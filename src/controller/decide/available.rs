@@ -12,7 +12,19 @@ pub(super) fn availability(valid: &ValidRelay, observed: &Observed) -> Cond {
         .and_then(|d| d.status.as_ref())
         .and_then(|s| s.available_replicas)
         .unwrap_or(0);
-    if wanted == 0 {
+    if valid.suspended() {
+        Cond::no(
+            CONDITION_READY,
+            "Suspended",
+            match valid.mode.log_tailing() {
+                Some(lt) => format!(
+                    "spec.suspend is true: no relay runs and nothing is published; replication slot {} keeps its position and retains WAL until publishing resumes from it (spec.suspend: false)",
+                    lt.slot
+                ),
+                None => "spec.suspend is true: no relay runs and nothing is published; the rows wait in the table until publishing resumes (spec.suspend: false)".to_owned(),
+            },
+        )
+    } else if wanted == 0 {
         Cond::no(
             CONDITION_READY,
             "ScaledToZero",

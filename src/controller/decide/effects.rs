@@ -104,6 +104,8 @@ pub(in crate::controller) struct Effects {
     pub release: Vec<String>,
     /// When to look again.
     pub next: Next,
+    /// The `/scale` subresource's view: relay pods now, and their selector.
+    pub scale: Option<(i32, String)>,
 }
 
 /// What a pass saw besides the decision: the relay's Secrets guard, the fall back as
@@ -286,6 +288,15 @@ pub(in crate::controller) fn plan(decision: Decision, seen: &Seen<'_>) -> Effect
         fallback,
         release,
         next,
+        scale: seen.parsed.ok().map(|valid| {
+            let running = seen
+                .observed
+                .and_then(|o| o.children.deployment.as_ref())
+                .and_then(|d| d.status.as_ref())
+                .and_then(|s| s.replicas)
+                .unwrap_or(0);
+            (running, crate::resources::pod_selector(valid))
+        }),
     }
 }
 
@@ -335,7 +346,12 @@ pub(in crate::controller) fn ready_transition(
     }
     let message = new.message.clone();
     Some(
-        if new.status || new.reason == "RelayUnavailable" || new.reason == "ScaledToZero" {
+        if new.status
+            || matches!(
+                new.reason,
+                "RelayUnavailable" | "ScaledToZero" | "Suspended"
+            )
+        {
             Note::normal(new.reason, message)
         } else {
             Note::warning(new.reason, message)

@@ -568,3 +568,4 @@ fn delete_drops_the_slot_status_shows_or_the_one_the_spec_names() {
 
 mod budget;
 mod failover;
+mod suspend;
