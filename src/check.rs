@@ -15,7 +15,7 @@ use crate::postgres::admin::{self, Plan};
 use crate::postgres::redact_url;
 
 /// Default variable holding the database URL, as in the relay's pods.
-pub const DEFAULT_URL_ENV: &str = "OUTBOX_DATABASE_URL";
+pub const DEFAULT_URL_ENV: &str = crate::secrets::ENV_DATABASE_URL;
 
 /// Checks every OutboxRelay in the file at `path`, with the URL from variable `url_env`.
 /// Returns whether every check passed; writes the report to `out`.

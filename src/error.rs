@@ -6,6 +6,10 @@ pub enum Error {
     /// `outbox-operator check` cannot run (its input is incomplete).
     #[error("check: {0}")]
     Check(String),
+    /// `outbox-operator audit` cannot run (its input is incomplete, or a server cannot
+    /// be read).
+    #[error("audit: {0}")]
+    Audit(String),
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
@@ -19,6 +23,7 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::Check(_) => "check",
+            Error::Audit(_) => "audit",
             Error::Relay(_) => "relay",
             Error::Controller(err) => err.category(),
         }

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod audit;
 pub mod broker;
 pub mod check;
 pub mod cnpg;

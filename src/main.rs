@@ -56,6 +56,9 @@ enum Command {
         #[arg(long, requires = "from_debezium")]
         bootstrap_servers: Option<String>,
     },
+    /// Prove a window of events reached the broker: every row the relay published in
+    /// it delivered, each aggregate in order (exit 1 otherwise); redeliveries counted.
+    Audit(outbox_operator::audit::AuditArgs),
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
     Check {
@@ -101,6 +104,17 @@ fn main() -> ExitCode {
             outbox_operator::render::render_file(&file, &options)
                 .map(|yaml| print_out(&yaml))
                 .map_err(Error::from)
+        }
+        Command::Audit(args) => {
+            let passed = runtime().block_on(outbox_operator::audit::audit_file(
+                &args,
+                &mut std::io::stdout().lock(),
+            ));
+            match passed {
+                // Findings are the report, not a usage error: exit 1.
+                Ok(false) => return ExitCode::from(1),
+                other => other.map(|_| ()),
+            }
         }
         Command::Check {
             file,

@@ -5,6 +5,7 @@ pub mod amqp;
 pub mod kafka;
 mod message;
 pub mod nats;
+pub mod nats_read;
 pub mod probe;
 pub mod tls;
 
@@ -147,6 +148,72 @@ impl BrokerSettings {
             BrokerSettings::Kafka(k) => kafka::probe(k).await,
             BrokerSettings::Nats(n) => nats::probe(n).await,
             BrokerSettings::RabbitMq(r) => amqp::probe(r).await,
+        }
+    }
+
+    /// `audit`'s read of one destination: the `id` header of every message it received
+    /// at or after `since`, in the order a consumer of one aggregate sees them (per
+    /// Kafka partition, per stream). RabbitMQ hands a queue's messages to one consumer
+    /// and takes them away: it cannot be read beside the application's consumers.
+    pub async fn delivered_ids(
+        &self,
+        destination: &str,
+        since: std::time::SystemTime,
+    ) -> Result<Vec<String>, ReadError> {
+        match self {
+            BrokerSettings::Kafka(k) => {
+                let since_ms = since
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+                let (k, topic) = (k.clone(), destination.to_owned());
+                tokio::task::spawn_blocking(move || kafka::read::ids_since(&k, &topic, since_ms))
+                    .await
+                    .map_err(|e| ReadError::failed("Kafka", "the read stopped", e))?
+            }
+            BrokerSettings::Nats(n) => nats_read::ids_since(n, destination, since).await,
+            BrokerSettings::RabbitMq(_) => Err(ReadError::NotReadable),
+        }
+    }
+}
+
+/// Why `audit` could not read what a destination received.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The broker refused or failed a request.
+    #[error("{broker}: {what}: {message}")]
+    Failed {
+        /// `Kafka` or `NATS`.
+        broker: &'static str,
+        /// What was asked.
+        what: String,
+        /// The client's error.
+        message: String,
+    },
+    /// Nothing holds the destination.
+    #[error("{broker}: {destination} does not exist")]
+    Missing {
+        /// `Kafka` or `NATS`.
+        broker: &'static str,
+        /// The topic or subject.
+        destination: String,
+    },
+    /// RabbitMQ gives each message of a queue to one consumer and removes it.
+    #[error(
+        "RabbitMQ: a queue gives each message to one consumer and removes it, so it cannot be audited beside the application's consumers"
+    )]
+    NotReadable,
+}
+
+impl ReadError {
+    pub(crate) fn failed(
+        broker: &'static str,
+        what: impl Into<String>,
+        error: impl std::fmt::Display,
+    ) -> Self {
+        ReadError::Failed {
+            broker,
+            what: what.into(),
+            message: error.to_string(),
         }
     }
 }

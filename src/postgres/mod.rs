@@ -13,6 +13,7 @@
 //! connections' TLS, hosts and poolers (`tls`, `hosts`, `pooling`).
 
 pub mod admin;
+pub mod audit;
 pub mod coverage;
 pub mod horizon;
 pub mod hosts;

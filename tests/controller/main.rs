@@ -1,10 +1,11 @@
 //! The controller against the rig's real kube-apiserver and PostgreSQL (in-process and
-//! as a process), its PostgreSQL administration, and `outbox-operator check` against
-//! the real brokers.
+//! as a process), its PostgreSQL administration, and `outbox-operator check` and
+//! `audit` against the real brokers.
 //!
 //! One test binary per area (see tests/smoke/main.rs). Run one file's tests with e.g.
 //! `cargo test --test controller controller_slots`.
 
+mod audit_window;
 #[path = "../common/mod.rs"]
 mod common;
 

@@ -16,7 +16,7 @@ fn help_lists_every_subcommand() {
     let output = outbox_operator(&["--help"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "--help failed: {output:?}");
-    for subcommand in ["controller", "relay", "crd", "render", "check"] {
+    for subcommand in ["controller", "relay", "crd", "render", "check", "audit"] {
         assert!(
             stdout
                 .lines()
@@ -75,6 +75,37 @@ fn relay_with_a_missing_config_file_names_it() {
     assert_eq!(output.status.code(), Some(2), "stderr:\n{stderr}");
     assert!(
         stderr.contains("cannot read relay config /nonexistent/relay.yaml"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn audit_of_a_relay_that_keeps_nothing_says_so_before_connecting() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("relay.yaml");
+    std::fs::write(
+        &manifest,
+        "apiVersion: outbox.dev/v1alpha1
+kind: OutboxRelay
+metadata: {name: orders, namespace: shop}
+spec:
+  database: {postgres: {connectionSecretRef: {name: db}}}
+  mode: {polling: {afterPublish: delete}}
+  broker: {nats: {url: \"nats://n:4222\"}}
+",
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
+        .args(["audit", "-f"])
+        .arg(&manifest)
+        // Never reached: the verdict comes before any connection.
+        .env("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("OutboxRelay shop/orders") && stderr.contains("keeps no archive"),
         "{stderr}"
     );
 }

@@ -88,6 +88,7 @@
 mod probe;
 mod producer;
 mod properties;
+pub mod read;
 mod settings;
 
 use std::sync::atomic::Ordering;
