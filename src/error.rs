@@ -10,6 +10,9 @@ pub enum Error {
     /// be read).
     #[error("audit: {0}")]
     Audit(String),
+    /// `outbox-operator dead-letters` cannot run.
+    #[error("dead-letters: {0}")]
+    DeadLetters(String),
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
@@ -24,6 +27,7 @@ impl Error {
         match self {
             Error::Check(_) => "check",
             Error::Audit(_) => "audit",
+            Error::DeadLetters(_) => "dead_letters",
             Error::Relay(_) => "relay",
             Error::Controller(err) => err.category(),
         }

@@ -7,6 +7,7 @@ pub mod broker;
 pub mod check;
 pub mod cnpg;
 pub mod controller;
+pub mod dead_letters;
 pub mod debezium;
 pub mod error;
 pub mod http;

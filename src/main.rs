@@ -59,6 +59,9 @@ enum Command {
     /// Prove a window of events reached the broker: every row the relay published in
     /// it delivered, each aggregate in order (exit 1 otherwise); redeliveries counted.
     Audit(outbox_operator::audit::AuditArgs),
+    /// List a relay's dead-lettered rows; with --redrive, move them back into the outbox
+    /// table with their ids, so the relay publishes them again.
+    DeadLetters(outbox_operator::dead_letters::DeadLetterArgs),
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
     Check {
@@ -116,6 +119,9 @@ fn main() -> ExitCode {
                 other => other.map(|_| ()),
             }
         }
+        Command::DeadLetters(args) => runtime().block_on(
+            outbox_operator::dead_letters::dead_letters_file(&args, &mut std::io::stdout().lock()),
+        ),
         Command::Check {
             file,
             database_url_env,

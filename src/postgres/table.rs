@@ -14,6 +14,9 @@ use super::removal::{self, Removal};
 use super::{OutboxRow, PgError, RowId, db, quote};
 use crate::api::AfterPublish;
 
+mod dead_letters;
+pub use dead_letters::DeadLetter;
+
 /// The column types `table.columns.order` may have (`information_schema` names).
 pub const ORDER_TYPES: [&str; 5] = [
     "smallint",

@@ -16,7 +16,15 @@ fn help_lists_every_subcommand() {
     let output = outbox_operator(&["--help"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "--help failed: {output:?}");
-    for subcommand in ["controller", "relay", "crd", "render", "check", "audit"] {
+    for subcommand in [
+        "controller",
+        "relay",
+        "crd",
+        "render",
+        "check",
+        "audit",
+        "dead-letters",
+    ] {
         assert!(
             stdout
                 .lines()

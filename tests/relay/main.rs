@@ -14,6 +14,7 @@ mod relay_brokers;
 mod relay_cloudevents;
 mod relay_compression;
 mod relay_crash;
+mod relay_dead_letters;
 mod relay_debezium;
 mod relay_deletes;
 mod relay_failover;
