@@ -1857,3 +1857,17 @@ impl Drop for SlotGuard {
         }
     }
 }
+
+/// A replication slot's row: (active, WAL it retains in bytes), `None` when there is no
+/// slot of that name.
+pub async fn slot_row(client: &tokio_postgres::Client, slot: &str) -> Option<(bool, i64)> {
+    client
+        .query_opt(
+            "SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("reading pg_replication_slots: {e}"))
+        .map(|r| (r.get(0), r.get(1)))
+}

@@ -493,3 +493,61 @@ pub fn audited_writes_since(mark: u64, namespace: &str) -> Vec<AuditedWrite> {
         })
         .collect()
 }
+
+/// A controller replica in the test's own runtime, as the controller tests run it (its
+/// metrics read as numbers, no process to start).
+pub struct InProcess {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), outbox_operator::controller::Error>>,
+    /// Its metrics.
+    pub metrics: std::sync::Arc<outbox_operator::controller::Metrics>,
+}
+
+impl InProcess {
+    /// Starts one with `args` (identity, Lease name and intervals as the test sets them).
+    pub fn start(client: &Client, args: outbox_operator::controller::ControllerArgs) -> Self {
+        outbox_operator::telemetry::init_logging();
+        let metrics = std::sync::Arc::new(outbox_operator::controller::Metrics::new());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(outbox_operator::controller::run(
+            client.clone(),
+            args,
+            metrics.clone(),
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        Self {
+            stop: Some(tx),
+            task,
+            metrics,
+        }
+    }
+
+    /// Signals shutdown and waits up to `wait`; `Err` says how it did not stop cleanly.
+    pub async fn stop(mut self, wait: Duration) -> Result<(), String> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match tokio::time::timeout(wait, &mut self.task).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(err))) => Err(format!("the controller returned an error: {err}")),
+            Ok(Err(err)) => Err(format!("the controller task panicked: {err}")),
+            Err(_) => Err(format!(
+                "the controller did not stop within {wait:?} of its shutdown signal"
+            )),
+        }
+    }
+}
+
+/// Sets `spec.suspend` of relay `name`, as `kubectl patch` would.
+pub async fn set_suspend(relays: &Api<OutboxRelay>, name: &str, on: bool) {
+    relays
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"suspend": on}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("setting spec.suspend of {name}: {e}"));
+}

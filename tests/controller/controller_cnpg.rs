@@ -7,7 +7,6 @@
 //! missing Cluster, a missing Service, a `wal_level = replica` Cluster and a Cluster
 //! bootstrapped from a Secret of its own each get their reason.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::{self, operator};
@@ -16,9 +15,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use serde_json::json;
-use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -191,15 +189,7 @@ async fn a_cloudnativepg_cluster_is_reached_through_its_secrets_and_checked() {
     args.identity = Some("cnpg-test".to_owned());
     args.lease_name = "outbox-operator-cnpg-test".to_owned();
     args.status_interval_seconds = 1;
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
     let api: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     for (name, manifest) in [
         ("orders", relay("orders", json!({"name": "orders"}))),
@@ -391,8 +381,7 @@ async fn a_cloudnativepg_cluster_is_reached_through_its_secrets_and_checked() {
         !slot_exists(&db.client, &slot).await,
         "slot {slot} left behind"
     );
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(WAIT, task).await;
+    let _ = running.stop(WAIT).await;
     for name in ["orders", "replica", "owned", "unserved"] {
         let _ = clusters(&client, &ns)
             .delete(name, &Default::default())

@@ -8,7 +8,6 @@
 
 use crate::common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::operator;
@@ -17,9 +16,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -572,15 +570,7 @@ async fn invalid_specs_are_refused_or_reported_and_create_nothing() {
     args.identity = Some("invalid-specs-test".to_owned());
     args.lease_name = "outbox-operator-invalid-specs-test".to_owned();
     args.status_interval_seconds = 1;
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
 
     let mut report = Vec::new();
     for (i, case) in CASES.iter().enumerate() {
@@ -686,8 +676,7 @@ async fn invalid_specs_are_refused_or_reported_and_create_nothing() {
             .is_ok_and(|l| l.items.is_empty())
     })
     .await;
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(WAIT, task).await;
+    let _ = running.stop(WAIT).await;
     common::delete_namespace(&client, &namespace).await;
     db.drop_database().await;
 }

@@ -3,16 +3,14 @@
 //! nothing else of the relay, changes. Rolling is the path the e2e tests prove
 //! lossless (e2e_operator's spec edit rolls the pods under load with no event lost).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::{self, operator};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::Api;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use outbox_operator::resources::{CONFIG_HASH_ANNOTATION, SECRETS_VERSION_ANNOTATION};
 use serde_json::json;
-use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -37,15 +35,7 @@ async fn rotating_a_referenced_secret_rolls_the_relay_pods() {
     args.identity = Some("rotation-test".to_owned());
     args.lease_name = "outbox-operator-rotation-test".to_owned();
     args.status_interval_seconds = 1;
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
     let manifest = json!({
         "apiVersion": "outbox.dev/v1alpha1",
         "kind": "OutboxRelay",
@@ -94,8 +84,7 @@ async fn rotating_a_referenced_secret_rolls_the_relay_pods() {
     );
 
     operator::delete_relays(&client, &ns, WAIT).await;
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(WAIT, task).await;
+    let _ = running.stop(WAIT).await;
     common::delete_namespace(&client, &ns).await;
     db.drop_database().await;
 }

@@ -6,16 +6,14 @@
 
 use crate::common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
 
 use common::operator;
 
@@ -93,15 +91,7 @@ async fn kubectl_scale_sets_a_polling_relays_pods_and_log_tailing_refuses_more_t
     let mut args = ControllerArgs::for_namespace(&ns);
     args.identity = Some("scale-test".to_owned());
     args.lease_name = "outbox-operator-scale-test".to_owned();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
     let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
 
     // A polling relay: 2 pods by default, then what kubectl scale says.
@@ -116,20 +106,7 @@ async fn kubectl_scale_sets_a_polling_relays_pods_and_log_tailing_refuses_more_t
     assert_eq!(spec.replicas, 4);
 
     // Suspended: no pod, whatever the count; resumed: the count again.
-    let suspend = |on: bool| {
-        let relays = relays.clone();
-        async move {
-            relays
-                .patch(
-                    "orders",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"suspend": on}})),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("setting spec.suspend: {e}"))
-        }
-    };
-    suspend(true).await;
+    operator::set_suspend(&relays, "orders", true).await;
     wait_scaled(&client, &ns, "orders", 0).await;
     let suspended = common::wait_for_some("Ready=False Suspended", WAIT, || async {
         let relay = relays.get_opt("orders").await.ok().flatten()?;
@@ -141,7 +118,7 @@ async fn kubectl_scale_sets_a_polling_relays_pods_and_log_tailing_refuses_more_t
         "{}",
         suspended.message
     );
-    suspend(false).await;
+    operator::set_suspend(&relays, "orders", false).await;
     wait_scaled(&client, &ns, "orders", 4).await;
 
     // A log-tailing relay (in a namespace no controller watches: admission alone).
@@ -173,13 +150,11 @@ async fn kubectl_scale_sets_a_polling_relays_pods_and_log_tailing_refuses_more_t
     );
 
     operator::delete_relays(&client, &ns, WAIT).await;
-    let _ = stop_tx.send(());
-    let stopped = tokio::time::timeout(WAIT, task).await;
+    let stopped = running.stop(WAIT).await;
     common::delete_namespace(&client, &other).await;
     common::delete_namespace(&client, &ns).await;
     db.drop_database().await;
-    assert!(
-        matches!(stopped, Ok(Ok(Ok(())))),
-        "the controller did not stop cleanly"
-    );
+    if let Err(err) = stopped {
+        panic!("{err}");
+    }
 }

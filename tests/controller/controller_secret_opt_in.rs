@@ -6,16 +6,14 @@
 
 use crate::common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use serde_json::json;
-use tokio::sync::oneshot;
 
 use common::operator;
 
@@ -37,15 +35,7 @@ async fn a_relay_uses_only_secrets_the_namespace_owner_opted_in() {
     args.lease_name = "outbox-operator-secret-opt-in-test".to_owned();
     args.status_interval_seconds = 1;
     args.relay_secret_label = Some((LABEL.0.to_owned(), LABEL.1.to_owned()));
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
 
     let manifest = json!({
         "apiVersion": "outbox.dev/v1alpha1",
@@ -106,12 +96,10 @@ async fn a_relay_uses_only_secrets_the_namespace_owner_opted_in() {
     println!("refused until opted in: {}", refused.message);
 
     operator::delete_relays(&client, &ns, WAIT).await;
-    let _ = stop_tx.send(());
-    let stopped = tokio::time::timeout(WAIT, task).await;
+    let stopped = running.stop(WAIT).await;
     common::delete_namespace(&client, &ns).await;
     db.drop_database().await;
-    assert!(
-        matches!(stopped, Ok(Ok(Ok(())))),
-        "the controller did not stop cleanly"
-    );
+    if let Err(err) = stopped {
+        panic!("{err}");
+    }
 }

@@ -19,58 +19,22 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::{ControllerArgs, Metrics};
 use outbox_operator::postgres::admin::{Marker, Origin, Owner};
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(60);
 
 // ---------------------------------------------------------------------------------------
 // Helpers
 
-struct Running {
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), controller::Error>>,
-    metrics: Arc<Metrics>,
-}
-
-impl Running {
-    async fn stop(mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        tokio::time::timeout(WAIT, self.task)
-            .await
-            .expect("the controller did not stop within 60s")
-            .expect("the controller task panicked")
-            .expect("the controller returned an error");
-    }
-}
-
-fn start_controller(client: &Client, namespace: &str) -> Running {
-    outbox_operator::telemetry::init_logging();
+fn start_controller(client: &Client, namespace: &str) -> operator::InProcess {
     let mut args = ControllerArgs::for_namespace(namespace);
     args.identity = Some("slots-test".to_owned());
     args.lease_name = "outbox-operator-slots-test".to_owned();
     // Status follows the database quickly in tests.
     args.status_interval_seconds = 1;
-    let metrics = Arc::new(Metrics::new());
-    let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        metrics.clone(),
-        async move {
-            let _ = rx.await;
-        },
-    ));
-    Running {
-        stop: Some(tx),
-        task,
-        metrics,
-    }
+    operator::InProcess::start(client, args)
 }
 
 /// A relay reading Secret `db`, publishing to a NATS URL nobody needs to reach (the rig
@@ -204,7 +168,7 @@ where
     if outcome.is_err() {
         release_relays(&client, &ns).await;
     }
-    running.stop().await;
+    running.stop(WAIT).await.unwrap_or_else(|e| panic!("{e}"));
     common::delete_namespace(&client, &ns).await;
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);

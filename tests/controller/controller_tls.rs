@@ -4,16 +4,14 @@
 //! created; with a client certificate (`clientCertSecretRef`) it logs in as the role
 //! pg_hba.conf admits by certificate only.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::{self, operator};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
-use outbox_operator::controller::{self, ControllerArgs, Metrics};
+use outbox_operator::controller::ControllerArgs;
 use serde_json::json;
-use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -119,15 +117,7 @@ async fn the_operator_checks_the_database_over_verified_tls() {
     args.identity = Some("tls-test".to_owned());
     args.lease_name = "outbox-operator-tls-test".to_owned();
     args.status_interval_seconds = 1;
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(controller::run(
-        client.clone(),
-        args,
-        Arc::new(Metrics::new()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let running = operator::InProcess::start(&client, args);
     let api: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let mut by_cert = manifest("by-cert", "pg-ca");
     let pg = &mut by_cert["spec"]["database"]["postgres"];
@@ -227,8 +217,7 @@ async fn the_operator_checks_the_database_over_verified_tls() {
     assert!(encrypted >= 1, "no encrypted operator session");
 
     operator::delete_relays(&client, &ns, WAIT).await;
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(WAIT, task).await;
+    let _ = running.stop(WAIT).await;
     common::delete_namespace(&client, &ns).await;
     db.client
         .batch_execute(&format!(

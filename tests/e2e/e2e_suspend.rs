@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use outbox_operator::api::OutboxRelay;
 use serde_json::json;
 
@@ -22,19 +22,6 @@ use common::operator;
 const WAIT: Duration = Duration::from_secs(120);
 /// `spec.alerting.slotRetainedWal` of the test's relay.
 const ALERT_BYTES: i64 = 1 << 20;
-
-/// The slot's row: (active, retained bytes), `None` when there is no slot.
-async fn slot_row(client: &tokio_postgres::Client, slot: &str) -> Option<(bool, i64)> {
-    client
-        .query_opt(
-            "SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 \
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap_or_else(|e| panic!("reading pg_replication_slots: {e}"))
-        .map(|r| (r.get(0), r.get(1)))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_relay_keeps_its_slot_publishes_nothing_and_resumes_where_it_stopped() {
@@ -101,27 +88,16 @@ async fn a_suspended_relay_keeps_its_slot_publishes_nothing_and_resumes_where_it
         || runner.log_tails(30),
         || async {
             let relay = relay_now().await?;
-            let active = slot_row(&db.client, &slot).await.is_some_and(|(a, _)| a);
+            let active = common::slot_row(&db.client, &slot)
+                .await
+                .is_some_and(|(a, _)| a);
             (operator::is_ready(&relay) && active).then_some(())
         },
     )
     .await;
 
     // 2. Suspended: no pod, the slot kept but no longer streamed, Ready says why.
-    let suspend = |on: bool| {
-        let relays = relays.clone();
-        async move {
-            relays
-                .patch(
-                    "orders",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"suspend": on}})),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("setting spec.suspend: {e}"))
-        }
-    };
-    suspend(true).await;
+    operator::set_suspend(&relays, "orders", true).await;
     common::wait_for_some_or(
         "Ready=False Suspended, no relay pod, the slot inactive",
         WAIT,
@@ -137,7 +113,7 @@ async fn a_suspended_relay_keeps_its_slot_publishes_nothing_and_resumes_where_it
                 .status?
                 .replicas
                 .unwrap_or(0);
-            let inactive = slot_row(&db.client, &slot)
+            let inactive = common::slot_row(&db.client, &slot)
                 .await
                 .is_some_and(|(active, _)| !active);
             (ready.status == "False"
@@ -164,7 +140,7 @@ async fn a_suspended_relay_keeps_its_slot_publishes_nothing_and_resumes_where_it
         )
         .await
         .unwrap_or_else(|e| panic!("writing ballast: {e}"));
-    let retained = slot_row(&db.client, &slot)
+    let retained = common::slot_row(&db.client, &slot)
         .await
         .map_or(0, |(_, retained)| retained);
     assert!(retained > ALERT_BYTES, "the slot retains {retained} bytes");
@@ -197,12 +173,12 @@ async fn a_suspended_relay_keeps_its_slot_publishes_nothing_and_resumes_where_it
         "published while suspended: {while_suspended:?}"
     );
     assert!(
-        slot_row(&db.client, &slot).await.is_some(),
+        common::slot_row(&db.client, &slot).await.is_some(),
         "the slot was dropped while suspended"
     );
 
     // 4. Resumed: every event committed meanwhile goes out, in order.
-    suspend(false).await;
+    operator::set_suspend(&relays, "orders", false).await;
     writer.allow(ledger_so_far + 300);
     let ledger = writer.finish().await;
     common::wait_for_some_or(

@@ -26,19 +26,6 @@ use common::private::PrivateNats;
 const WAIT: Duration = Duration::from_secs(120);
 const STEP: usize = 1_000;
 
-/// The slot's row: (active, retained bytes), `None` when there is no slot.
-async fn slot_row(client: &tokio_postgres::Client, slot: &str) -> Option<(bool, i64)> {
-    client
-        .query_opt(
-            "SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 \
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap_or_else(|e| panic!("reading pg_replication_slots: {e}"))
-        .map(|r| (r.get(0), r.get(1)))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_its_wal_budget_a_relay_polls_drops_its_slot_and_returns_with_nothing_lost() {
     budget_scenario(Pg::V15, OutboxIds::Bigint).await;
@@ -145,7 +132,9 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
             let relay = relay_now().await?;
             let within = operator::condition(&relay, "PollingFallback")
                 .is_some_and(|c| c.status == "False" && c.reason == "WithinBudget");
-            let active = slot_row(&db.client, &slot).await.is_some_and(|(a, _)| a);
+            let active = common::slot_row(&db.client, &slot)
+                .await
+                .is_some_and(|(a, _)| a);
             (operator::is_ready(&relay) && within && active && writer.committed() >= STEP)
                 .then_some(())
         },
@@ -163,7 +152,7 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
         )
         .await
         .unwrap_or_else(|e| panic!("writing ballast: {e}"));
-    let retained = slot_row(&db.client, &slot)
+    let retained = common::slot_row(&db.client, &slot)
         .await
         .map_or(0, |(_, retained)| retained);
     assert!(
@@ -175,7 +164,7 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
     for reason in ["FellBackToPolling", "SlotDroppedOverBudget"] {
         operator::wait_relay_event(&client, &ns, "budget", reason, WAIT).await;
     }
-    let left = slot_row(&db.client, &slot).await;
+    let left = common::slot_row(&db.client, &slot).await;
     assert_eq!(
         left,
         None,
@@ -243,7 +232,7 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
     )
     .await;
     assert_eq!(
-        slot_row(&db.client, &slot).await,
+        common::slot_row(&db.client, &slot).await,
         None,
         "no return while the broker is down"
     );
@@ -284,7 +273,7 @@ async fn budget_scenario(pg: Pg, ids: OutboxIds) {
             let back = relay.status.as_ref().is_some_and(|s| s.fallback.is_none())
                 && operator::condition(&relay, "PollingFallback")
                     .is_some_and(|c| c.status == "False");
-            let active = slot_row(&db.client, &slot).await.is_some_and(|(a, _)| a);
+            let active = common::slot_row(&db.client, &slot).await.is_some_and(|(a, _)| a);
             (left == 0 && mode().await.as_deref() == Some("logTailing") && active && back)
                 .then_some(())
         },

@@ -43,8 +43,19 @@ async fn wait_on_topic(topic: &str, ids: &[i64], relay: &RelayProcess) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
+/// A PostgreSQL 15 primary with one streaming standby (physical slot `standby_1`), an
+/// outbox table and its slot, and a log-tailing relay to a fresh Kafka topic that waits
+/// for `standby_1`, streaming.
+struct Guarded {
+    primary: PrivatePostgres,
+    admin: tokio_postgres::Client,
+    standby: PrivatePostgres,
+    slot: String,
+    topic: String,
+    relay: RelayProcess,
+}
+
+async fn guarded(delete_after_publish: bool) -> Guarded {
     let primary = PrivatePostgres::start_with(&["max_replication_slots=10", "max_wal_senders=10"]);
     let admin = common::pg_connect(&primary.url()).await.unwrap();
     let version: i32 = admin
@@ -61,8 +72,7 @@ async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
         .batch_execute("SELECT pg_create_physical_replication_slot('standby_1')")
         .await
         .unwrap();
-    let mut standby =
-        PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
+    let standby = PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
     let slot = format!("standby_{}", common::unique_suffix());
     common::create_replication(&admin, &slot, &slot).await;
     let topic = common::fresh_topic(4).await;
@@ -75,11 +85,31 @@ async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
         "mode",
         &format!(
             "{{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, \
-             deleteAfterPublish: false, synchronizedStandbySlots: [standby_1]}}}}"
+             deleteAfterPublish: {delete_after_publish}, synchronizedStandbySlots: [standby_1]}}}}"
         ),
     );
     let relay = RelayProcess::start(&yaml, &primary.url(), &broker);
     common::wait_slot_active(&admin, &slot, &relay).await;
+    Guarded {
+        primary,
+        admin,
+        standby,
+        slot,
+        topic,
+        relay,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_published_before_the_named_standby_has_flushed_it() {
+    let Guarded {
+        primary: _primary,
+        admin,
+        mut standby,
+        topic,
+        relay,
+        ..
+    } = guarded(false).await;
 
     // With the standby streaming, rows go out.
     let first = insert(&admin, 20).await;
@@ -185,32 +215,14 @@ async fn a_multi_host_url_streams_from_the_primary_whichever_host_comes_first() 
 /// them, in order, once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_back_fill_waits_for_the_named_standby_too() {
-    let primary = PrivatePostgres::start_with(&["max_replication_slots=10", "max_wal_senders=10"]);
-    let admin = common::pg_connect(&primary.url()).await.unwrap();
-    common::create_outbox_table(&admin, 4).await;
-    admin
-        .batch_execute("SELECT pg_create_physical_replication_slot('standby_1')")
-        .await
-        .unwrap();
-    let mut standby =
-        PrivatePostgres::standby_of(&primary, "standby_1", &["hot_standby_feedback=on"]);
-    let slot = format!("standby_{}", common::unique_suffix());
-    common::create_replication(&admin, &slot, &slot).await;
-    let topic = common::fresh_topic(4).await;
-    let broker = RelayBroker::Kafka {
-        bootstrap: common::Rig::load().kafka_bootstrap().to_owned(),
-        topic: topic.clone(),
-    };
-    let yaml = common::with_spec_line(
-        &common::relay_config_yaml(&broker, &common::RelayOptions::default()),
-        "mode",
-        &format!(
-            "{{logTailing: {{slotName: {slot}, publicationName: {slot}, heartbeatInterval: 1s, \
-             deleteAfterPublish: true, synchronizedStandbySlots: [standby_1]}}}}"
-        ),
-    );
-    let relay = RelayProcess::start(&yaml, &primary.url(), &broker);
-    common::wait_slot_active(&admin, &slot, &relay).await;
+    let Guarded {
+        primary: _primary,
+        admin,
+        mut standby,
+        slot,
+        topic,
+        relay,
+    } = guarded(true).await;
     let mut written = insert(&admin, 8).await;
     wait_on_topic(&topic, &written, &relay).await;
 
