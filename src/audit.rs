@@ -12,8 +12,6 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
-use kube::ResourceExt;
-
 use crate::Error;
 use crate::api::AfterPublish;
 use crate::postgres::audit::{AuditRow, Evidence, published_rows};
@@ -144,12 +142,6 @@ fn evidence(valid: &ValidRelay) -> Result<Evidence, String> {
 /// Audits every OutboxRelay in the manifest; writes the report to `out` and returns
 /// whether every window passed.
 pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, Error> {
-    let text = std::fs::read_to_string(&args.file).map_err(|source| {
-        crate::controller::Error::ReadManifest {
-            path: args.file.display().to_string(),
-            source,
-        }
-    })?;
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let url = env(&args.database_url_env).ok_or_else(|| {
         Error::Audit(format!(
@@ -160,18 +152,7 @@ pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, 
     let now = SystemTime::now();
     let (since, until) = (now - args.since, now - args.until);
     let mut passed = true;
-    for document in crate::render::load_documents(&text, &args.file.display().to_string())? {
-        let crate::render::Document::Relay(relay) = document else {
-            return Err(Error::Audit(
-                "a document does not fit the OutboxRelay schema (see `check`)".to_owned(),
-            ));
-        };
-        let valid = crate::spec::parse(&relay).map_err(|problems| {
-            Error::Audit(format!(
-                "OutboxRelay {}: invalid spec: {problems}",
-                relay.name_any()
-            ))
-        })?;
+    for valid in crate::render::parsed_relays(&args.file)? {
         passed &= audit_relay(&valid, &url, &args.database_url_env, (since, until), out).await?;
     }
     Ok(passed)
@@ -187,10 +168,7 @@ async fn audit_relay(
     let who = format!("OutboxRelay {}/{}", valid.namespace, valid.name);
     let fail = |what: String| Error::Audit(format!("{who}: {what}"));
     let evidence = evidence(valid).map_err(&fail)?;
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let tls = crate::postgres::tls::PgTls::from_files(valid, &env)
-        .map_err(|(field, message)| fail(format!("{field}: {message}")))?;
-    let client = crate::postgres::connect(url, url_env, &tls)
+    let client = crate::postgres::connect_for(valid, url, url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
     let unix = |t: SystemTime| {
@@ -208,6 +186,7 @@ async fn audit_relay(
     )
     .await
     .map_err(|e| fail(e.to_string()))?;
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let broker = crate::spec::config::read_broker(valid, &env).map_err(|e| {
         fail(format!(
             "{e} (outside a pod, set these variables to the values the relay gets)"

@@ -9,8 +9,6 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use kube::ResourceExt;
-
 use crate::Error;
 use crate::api::AfterPublish;
 use crate::postgres::RowId;
@@ -70,12 +68,6 @@ pub async fn dead_letters_file(args: &DeadLetterArgs, out: &mut impl Write) -> R
         .map(redrive_of)
         .transpose()
         .map_err(Error::DeadLetters)?;
-    let text = std::fs::read_to_string(&args.file).map_err(|source| {
-        crate::controller::Error::ReadManifest {
-            path: args.file.display().to_string(),
-            source,
-        }
-    })?;
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let url = env(&args.database_url_env).ok_or_else(|| {
         Error::DeadLetters(format!(
@@ -83,18 +75,7 @@ pub async fn dead_letters_file(args: &DeadLetterArgs, out: &mut impl Write) -> R
             args.database_url_env
         ))
     })?;
-    for document in crate::render::load_documents(&text, &args.file.display().to_string())? {
-        let crate::render::Document::Relay(relay) = document else {
-            return Err(Error::DeadLetters(
-                "a document does not fit the OutboxRelay schema (see `check`)".to_owned(),
-            ));
-        };
-        let valid = crate::spec::parse(&relay).map_err(|problems| {
-            Error::DeadLetters(format!(
-                "OutboxRelay {}: invalid spec: {problems}",
-                relay.name_any()
-            ))
-        })?;
+    for valid in crate::render::parsed_relays(&args.file)? {
         one_relay(&valid, &url, args, redrive.as_ref(), out).await?;
     }
     Ok(())
@@ -114,10 +95,7 @@ async fn one_relay(
         .dead_letter_table
         .clone()
         .unwrap_or_else(|| format!("{}_dead_letter", valid.table.name));
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let tls = crate::postgres::tls::PgTls::from_files(valid, &env)
-        .map_err(|(field, message)| fail(format!("{field}: {message}")))?;
-    let client = crate::postgres::connect(url, &args.database_url_env, &tls)
+    let client = crate::postgres::connect_for(valid, url, &args.database_url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
     let after_publish = match &valid.mode {

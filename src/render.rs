@@ -49,6 +49,29 @@ pub fn render_file(path: &Path, options: &BuildOptions) -> Result<String, Error>
     render_str(&text, &path.display().to_string(), options)
 }
 
+/// Every OutboxRelay in the manifest file at `path`, each parsed as the controller
+/// parses it: a document the schema or the spec refuses fails the file, naming it (the
+/// commands that connect to a relay's servers, `audit` and `dead-letters`, work on what
+/// the operator would run).
+pub fn parsed_relays(path: &Path) -> Result<Vec<crate::spec::ValidRelay>, Error> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadManifest {
+        path: origin.clone(),
+        source,
+    })?;
+    load_relays(&text, &origin)?
+        .iter()
+        .enumerate()
+        .map(|(index, relay)| {
+            crate::spec::parse(relay).map_err(|p| Error::Manifest {
+                origin: origin.clone(),
+                document: index + 1,
+                message: format!("invalid spec: {p}"),
+            })
+        })
+        .collect()
+}
+
 /// Renders every OutboxRelay in `text`, a YAML stream of one or more documents; `origin`
 /// names the input in errors.
 pub fn render_str(text: &str, origin: &str, options: &BuildOptions) -> Result<String, Error> {

@@ -90,6 +90,20 @@ fn db(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> PgError {
 
 pub use crate::rules::check_identifier;
 
+/// A session as relay `valid`'s pods open it, from outside a pod (the commands `audit`
+/// and `dead-letters`): the URL given, TLS as its spec asks with the certificate files
+/// the variables of [`tls::PgTls::from_files`] name.
+pub async fn connect_for(
+    valid: &crate::spec::ValidRelay,
+    url: &str,
+    url_env: &str,
+) -> Result<tokio_postgres::Client, PgError> {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let tls = tls::PgTls::from_files(valid, &env)
+        .map_err(|(field, message)| PgError::Tls(format!("{field}: {message}")))?;
+    connect(url, url_env, &tls).await
+}
+
 /// Double-quotes an identifier, doubling any quote inside it as SQL requires. Every
 /// identifier passed [`check_identifier`] (so holds no quote); the escaping keeps this
 /// function safe on its own.
