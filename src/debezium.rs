@@ -578,6 +578,7 @@ fn broker(
             Ok(BrokerSpec {
                 kafka: Some(KafkaSpec {
                     bootstrap_servers: bootstrap,
+                    kafka_ref: None,
                     topic: template,
                     tls: None,
                     sasl: None,

@@ -19,6 +19,7 @@ pub mod rules;
 pub mod schema;
 pub mod secrets;
 pub mod spec;
+pub mod strimzi;
 pub mod telemetry;
 pub mod tls;
 

@@ -65,10 +65,22 @@ impl Broker<'_> {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.sasl) || has(self.tls) || (has(self.allowPlaintextCredentials) && self.allowPlaintextCredentials)").message("spec.broker.kafka.sasl without tls sends the login unencrypted (SASL_PLAINTEXT): add tls, or set allowPlaintextCredentials: true to accept that"))]
+#[x_kube(validation = Rule::new("has(self.bootstrapServers) || has(self.kafkaRef)").message("spec.broker.kafka: set bootstrapServers, or kafkaRef (a Strimzi Kafka cluster)"))]
+#[x_kube(validation = Rule::new("!has(self.kafkaRef) || (!has(self.tls) && !has(self.sasl))").message("spec.broker.kafka.kafkaRef gives TLS and the login from the Strimzi cluster and KafkaUser: remove tls and sasl"))]
 pub struct KafkaSpec {
-    /// Comma-separated `host:port` list.
+    /// Comma-separated `host:port` list. With `kafkaRef`, default the cluster's
+    /// bootstrap Service (`<name>-kafka-bootstrap.<namespace>.svc:<port>`); set it to
+    /// reach the cluster through another listener's addresses.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(length(min = 1, max = 2048), regex(pattern = "\\S"))]
     pub bootstrap_servers: String,
+    /// A Strimzi `Kafka` cluster in the relay's namespace, and the `KafkaUser` to log in
+    /// as, instead of `tls` and `sasl`: the cluster CA and the user's Secret are read
+    /// where Strimzi writes them. The controller checks the Kafka has a TLS listener on
+    /// `port` whose authentication matches the user's, and that the KafkaUser belongs to
+    /// the cluster and is ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka_ref: Option<super::KafkaRef>,
     /// Send the SASL login (`sasl` without `tls`: SASL_PLAINTEXT) over a connection without TLS. Off by default: anyone on the
     /// network path could read them. Set it only for a broker you cannot reach over TLS.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -9,6 +9,7 @@
 mod broker;
 mod database;
 mod duration;
+mod kafka_ref;
 mod mode;
 mod pod;
 mod quantity;
@@ -26,6 +27,7 @@ pub use broker::{
 };
 pub use database::*;
 pub use duration::{DurationError, parse_duration};
+pub use kafka_ref::{KafkaConnection, KafkaRef, KafkaUserAuthentication};
 pub use mode::*;
 pub use pod::{ImagePullPolicy, RelayPodSpec};
 pub use quantity::{QuantityError, parse_bytes};

@@ -175,33 +175,8 @@ fn decide_pass(
     // finalizer reads it, and a slot does not vanish because its Secret did. After a
     // switch to polling it stays too, so deleting the relay still drops it.
     let kept_slot = last_slot.cloned();
-    // A CloudNativePG cluster that cannot be used says so first: its Secrets are
-    // CloudNativePG's, and a missing one follows from the cluster.
-    if let (Some(reference), Some(seen)) = (valid.database_ref(), observed.cluster.as_ref())
-        && let Some(problem) = crate::cnpg::problem(reference, seen, tailing)
-    {
-        let mut conds = vec![
-            Cond::no(
-                CONDITION_DATABASE_READY,
-                problem.reason,
-                problem.message.clone(),
-            ),
-            observed.secrets.broker.clone(),
-        ];
-        if tailing {
-            conds.push(Cond::no(
-                CONDITION_SLOT_READY,
-                "DatabaseNotReady",
-                format!("not checked: {}", problem.message),
-            ));
-        }
-        return not_ready(
-            problem.reason,
-            problem.message,
-            conds,
-            kept_slot,
-            Next::Refresh,
-        );
+    if let Some(decision) = referenced::unusable(valid, observed, kept_slot.as_ref()) {
+        return decision;
     }
     let secrets = &observed.secrets;
     if !secrets.problems.is_empty() {
@@ -651,6 +626,7 @@ mod fallback;
 mod handover;
 mod lost;
 mod moved;
+mod referenced;
 #[cfg(test)]
 mod tests;
 mod wal;

@@ -22,6 +22,7 @@ mod pods;
 mod protect;
 mod readyz;
 mod reconcile;
+mod referenced;
 mod status;
 mod triggers;
 

@@ -11,8 +11,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
-use super::connection::{self, clusters_api};
+use super::connection;
 use super::database::{self, DatabaseSeen};
+use super::referenced;
 use super::status::{CONDITION_BROKER_READY, CONDITION_DATABASE_READY, Cond};
 use super::{Context, Error};
 use crate::api::OutboxRelay;
@@ -109,6 +110,9 @@ pub(super) struct Observed {
     /// The CloudNativePG cluster `spec.database.databaseRef` names (`None`: no
     /// reference).
     pub cluster: Option<crate::cnpg::ClusterSeen>,
+    /// The Strimzi Kafka and KafkaUser `spec.broker.kafka.kafkaRef` names (`None`: no
+    /// reference).
+    pub strimzi: Option<crate::strimzi::StrimziSeen>,
     /// Where the connection Secret's URL leads (`host:port/database`; `None` without a
     /// usable connection).
     pub location: Option<String>,
@@ -161,7 +165,17 @@ pub(super) async fn observe(
 ) -> Result<Observed, Error> {
     let started = std::time::Instant::now();
     let cluster = match &relay.spec.database.database_ref {
-        Some(reference) => Some(cluster(relay, reference, ctx).await?),
+        Some(reference) => Some(referenced::cluster(relay, reference, ctx).await?),
+        None => None,
+    };
+    let strimzi = match relay
+        .spec
+        .broker
+        .kafka
+        .as_ref()
+        .and_then(|k| k.kafka_ref.as_ref())
+    {
+        Some(reference) => Some(referenced::strimzi(relay, reference, ctx).await?),
         None => None,
     };
     let (secrets, conn) = secrets(valid, ctx).await?;
@@ -211,48 +225,13 @@ pub(super) async fn observe(
             .get(crate::api::RECREATE_LOST_SLOT_ANNOTATION)
             .cloned(),
         cluster,
+        strimzi,
         location,
         left_behind_dropped: relay
             .annotations()
             .get(crate::api::LEFT_BEHIND_SLOT_DROPPED_ANNOTATION)
             .cloned(),
         connection,
-    })
-}
-
-/// The CloudNativePG Cluster a relay names, and whether its `-rw` Service exists.
-async fn cluster(
-    relay: &OutboxRelay,
-    reference: &crate::api::DatabaseRef,
-    ctx: &Context,
-) -> Result<crate::cnpg::ClusterSeen, Error> {
-    use crate::cnpg::ClusterSeen;
-    let namespace = relay.namespace().unwrap_or_default();
-    let object = match clusters_api(relay, ctx).get_opt(&reference.name).await {
-        Ok(Some(object)) => object,
-        Ok(None) => return Ok(ClusterSeen::Missing),
-        // The kind is not served at all: 404 on the collection.
-        Err(kube::Error::Api(status)) if status.code == 404 => {
-            return Ok(ClusterSeen::NotInstalled);
-        }
-        // Not allowed to read it: a condition, not a failed reconcile.
-        Err(kube::Error::Api(status)) if status.code == 403 => {
-            return Ok(ClusterSeen::Forbidden);
-        }
-        Err(err) => return Err(err.into()),
-    };
-    let mut value = object.data.clone();
-    if let Some(fields) = value.as_object_mut() {
-        fields.insert(
-            "metadata".to_owned(),
-            serde_json::json!({"name": object.name_any()}),
-        );
-    }
-    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
-    let rw_service = services.get_opt(&reference.rw_service()).await?.is_some();
-    Ok(ClusterSeen::Found {
-        facts: crate::cnpg::facts_of(&value),
-        rw_service,
     })
 }
 
@@ -410,13 +389,25 @@ async fn secrets(
                 PG_CLIENT_KEY_FIELD => client_key = Some(value),
                 _ => {}
             },
-            Err(message) => seen.problems.push(Problem {
-                field: slot.field.to_owned(),
-                message,
-                fix: format!(
-                    "put the value under key {} of Secret {}, or point {}.key at the key that holds it",
-                    reference.key, reference.name, slot.field
-                ),
+            Err(message) => seen.problems.push(match valid.referenced_field(slot.field) {
+                // Filled in from a cluster reference: the Secret is the other
+                // operator's, and the reference is what the user can change.
+                Some(field) => Problem {
+                    field: field.to_owned(),
+                    message,
+                    fix: format!(
+                        "Secret {} is where {field} finds it: check the operator that writes it, or name the Secret that holds it in {field}",
+                        reference.name
+                    ),
+                },
+                None => Problem {
+                    field: slot.field.to_owned(),
+                    message,
+                    fix: format!(
+                        "put the value under key {} of Secret {}, or point {}.key at the key that holds it",
+                        reference.key, reference.name, slot.field
+                    ),
+                },
             }),
         }
     }

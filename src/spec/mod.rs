@@ -469,6 +469,23 @@ impl ValidRelay {
         &self.relay.spec.monitoring
     }
 
+    /// `spec.broker.kafka.kafkaRef`: the Strimzi Kafka cluster, if the relay names one.
+    pub fn kafka_ref(&self) -> Option<&crate::api::KafkaRef> {
+        match &self.broker {
+            ValidBroker::Kafka(k) => k.kafka_ref.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The reference a Secret field was filled in from, when the user did not write
+    /// it: `spec.broker.kafka.kafkaRef` for the Kafka TLS and SASL fields it gives.
+    pub fn referenced_field(&self, field: &str) -> Option<&'static str> {
+        (self.kafka_ref().is_some()
+            && (field.starts_with("spec.broker.kafka.tls.")
+                || field.starts_with("spec.broker.kafka.sasl.")))
+        .then_some("spec.broker.kafka.kafkaRef")
+    }
+
     /// `spec.database.databaseRef`: the CloudNativePG Cluster, if the relay names one.
     pub fn database_ref(&self) -> Option<&crate::api::DatabaseRef> {
         self.relay.spec.database.database_ref.as_ref()

@@ -35,7 +35,7 @@ pub fn parse(relay: &OutboxRelay) -> Result<ValidRelay, Problems> {
         archive: super::fields::archive(spec, mode.as_ref(), &mut p),
         ..table
     };
-    let broker = broker(spec, &mut p);
+    let broker = broker(spec, &namespace, &mut p);
     let (partitions, retention) = ordering(spec, mode.as_ref(), &mut p);
     let failure = failure(spec, &table.name, &mut p);
     let alerting = alerting(spec, &mut p);
@@ -475,7 +475,7 @@ fn budget(l: &LogTailingSpec, p: &mut Problems) -> Option<crate::spec::WalBudget
 }
 
 /// `spec.broker`: exactly one broker, checked by its module.
-fn broker(spec: &OutboxRelaySpec, p: &mut Problems) -> Option<ValidBroker> {
+fn broker(spec: &OutboxRelaySpec, namespace: &str, p: &mut Problems) -> Option<ValidBroker> {
     match spec.broker.get() {
         None => {
             p.push(
@@ -485,7 +485,15 @@ fn broker(spec: &OutboxRelaySpec, p: &mut Problems) -> Option<ValidBroker> {
             );
             None
         }
-        Some(Broker::Kafka(k)) => {
+        Some(Broker::Kafka(written)) => {
+            if written.kafka_ref.is_some() && (written.tls.is_some() || written.sasl.is_some()) {
+                p.push(
+                    "spec.broker.kafka.kafkaRef",
+                    "is set beside tls or sasl",
+                    "remove tls and sasl: kafkaRef gives TLS and the login from the Strimzi cluster and KafkaUser",
+                );
+            }
+            let k = &written.resolved(namespace);
             crate::broker::kafka::check(k, p);
             if spec.ordering.mode == OrderingMode::PerAggregate
                 && let Some(why) = crate::broker::kafka::partitioner_scatters_keys(&k.properties)

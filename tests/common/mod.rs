@@ -27,6 +27,7 @@ pub mod operator;
 pub mod pod_runner;
 pub mod private;
 pub mod proxy;
+pub mod strimzi;
 
 use ids::ledger_number;
 

@@ -19,6 +19,7 @@ mod controller_rotation;
 mod controller_scale;
 mod controller_secret_opt_in;
 mod controller_slots;
+mod controller_strimzi;
 mod controller_tls;
 mod postgres_admin;
 mod slot_leak_matrix;

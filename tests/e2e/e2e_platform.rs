@@ -383,10 +383,12 @@ async fn typed_secret(
 /// Secrets laid out as the ecosystem writes them, named without a single key: a
 /// cert-manager `kubernetes.io/tls` Secret (`ca.crt`, `tls.crt`, `tls.key`) gives the
 /// database's CA and the client certificate that logs the relay in (sslMode
-/// verify-full, no password anywhere); a Strimzi cluster-CA Secret (`ca.crt`) verifies
-/// Kafka, and a Strimzi KafkaUser Secret (`password`, `sasl.jaas.config`, no user name)
-/// with the user's name given in the spec logs in over SCRAM. The operator's checks
-/// and the relay on the node read the same keys, and every committed row arrives.
+/// verify-full, no password anywhere); for Kafka the relay names only a Strimzi
+/// `Kafka` and `KafkaUser` (`kafkaRef`, Strimzi's own CRDs): its cluster-CA Secret
+/// (`ca.crt`) verifies the broker, and the user's Secret (`password`,
+/// `sasl.jaas.config`, no user name) logs in over SCRAM as the user. The operator's
+/// checks and the relay on the node read the same keys, and every committed row
+/// arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
     const RELAY: &str = "ecosystem";
@@ -459,6 +461,26 @@ async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
         ],
     )
     .await;
+    // The Strimzi cluster and user those Secrets belong to, as Strimzi's CRDs take them.
+    common::strimzi::install(&client).await;
+    common::strimzi::create(
+        &client,
+        &ns,
+        "Kafka",
+        common::strimzi::kafka(
+            "my-cluster",
+            json!([{"name": "scram", "port": 9094, "type": "internal", "tls": true,
+                    "authentication": {"type": "scram-sha-512"}}]),
+        ),
+    )
+    .await;
+    common::strimzi::create(
+        &client,
+        &ns,
+        "KafkaUser",
+        common::strimzi::user(&user, "my-cluster", "scram-sha-512", true),
+    )
+    .await;
     let mut manifest = json!({
         "apiVersion": "outbox.dev/v1alpha1",
         "kind": "OutboxRelay",
@@ -471,11 +493,12 @@ async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
                 "clientCertSecretRef": {"name": "relay-db-tls"}}},
             "mode": {"polling": {"interval": "200ms"}},
             "broker": {"kafka": {
+                // The cluster's listener reached at the rig's address (the bootstrap
+                // Service's name resolves in a cluster only).
                 "bootstrapServers": rig.get("OUTBOX_RIG_KAFKA_SASL_SSL_BOOTSTRAP"),
-                "topic": topic,
-                "tls": {"caSecretRef": {"name": "my-cluster-cluster-ca-cert"}},
-                "sasl": {"mechanism": "SCRAM-SHA-512", "username": user,
-                         "passwordSecretRef": {"name": user}}}},
+                "kafkaRef": {"name": "my-cluster", "port": 9094, "user": user,
+                             "authentication": "scram-sha-512"},
+                "topic": topic}},
             "ordering": {"mode": "perAggregate", "partitions": 4},
         }
     });

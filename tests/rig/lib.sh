@@ -42,10 +42,14 @@ PAUSE_BUILD=$(sha256sum "$RIG_ROOT/node/pause.c" | cut -c1-12)
 # CloudNativePG operator runs: the databaseRef tests play its part).
 CNPG_VERSION=v1.30.0
 CNPG_CRD="$CACHE/cloudnative-pg-$CNPG_VERSION/postgresql.cnpg.io_clusters.yaml"
+# Strimzi's Kafka and KafkaUser CRDs, generated from its Maven artifacts by its own CRD
+# generator (no Strimzi operator runs: the kafkaRef tests play its part).
+STRIMZI_VERSION=$(sed -n 's:.*<strimzi.version>\(.*\)</strimzi.version>.*:\1:p' "$RIG_ROOT/strimzi/pom.xml")
+STRIMZI_CRDS="$CACHE/strimzi-$STRIMZI_VERSION"
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$RIG_ROOT/kafka/pom.xml")
 KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
-[ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$ACTIONLINT_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] ||
-  { echo "rig: cannot read pinned versions from tests/rig/{k8s,helm,clients,lint}/go.mod and kafka/pom.xml" >&2; exit 1; }
+[ -n "$K8S_VERSION" ] && [ -n "$ETCD_VERSION" ] && [ -n "$HELM_VERSION" ] && [ -n "$ACTIONLINT_VERSION" ] && [ -n "$KAFKA_VERSION" ] && [ -n "$NATSCLI_VERSION" ] && [ -n "$STRIMZI_VERSION" ] ||
+  { echo "rig: cannot read pinned versions from tests/rig/{k8s,helm,clients,lint}/go.mod, kafka/pom.xml and strimzi/pom.xml" >&2; exit 1; }
 
 export GOCACHE="$CACHE/go-build"
 export GOMODCACHE="$CACHE/go-mod"

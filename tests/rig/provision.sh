@@ -3,7 +3,8 @@
 # return in seconds. Debian packages: PostgreSQL, PgBouncer, NATS, RabbitMQ, Prometheus, kcat,
 # shellcheck.
 # Built from source with Go: etcd, kube-apiserver, kube-controller-manager, kubectl,
-# helm, actionlint; with cargo: mdbook. Resolved with Maven: Apache Kafka and its runtime jars.
+# helm, actionlint; with cargo: mdbook. Resolved with Maven: Apache Kafka and its runtime jars,
+# and Strimzi's CRD generator (which writes its Kafka and KafkaUser CRDs).
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 started=$SECONDS
@@ -155,6 +156,25 @@ if [ ! -f "$KAFKA_HOME/libs/kafka_2.13-$KAFKA_VERSION.jar" ]; then
     dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_HOME.tmp/libs"
   rm -rf "$KAFKA_HOME"
   mv "$KAFKA_HOME.tmp" "$KAFKA_HOME"
+fi
+
+# --- Strimzi's Kafka and KafkaUser CRDs, from its Maven artifacts --------------------------
+if [ ! -s "$STRIMZI_CRDS/kafkausers.yaml" ]; then
+  log "generating the Strimzi $STRIMZI_VERSION Kafka and KafkaUser CRDs with its CRD generator"
+  rm -rf "$STRIMZI_CRDS.tmp"
+  mkdir -p "$STRIMZI_CRDS.tmp"
+  mvn -q -B -f "$RIG_ROOT/strimzi/pom.xml" -Dmaven.repo.local="$CACHE/m2" \
+    dependency:build-classpath -Dmdep.outputFile="$STRIMZI_CRDS.tmp/classpath"
+  # The arguments Strimzi's own build gives its generator for the install files.
+  java -cp "$(cat "$STRIMZI_CRDS.tmp/classpath")" io.strimzi.crdgenerator.CrdGenerator \
+    --label app:strimzi --label strimzi.io/crd-install:true --target-kube 1.16+ \
+    --crd-api-version v1 --api-versions v1beta2 --storage-version v1beta2 --yaml \
+    "io.strimzi.api.kafka.model.kafka.Kafka=$STRIMZI_CRDS.tmp/kafkas.yaml" \
+    "io.strimzi.api.kafka.model.user.KafkaUser=$STRIMZI_CRDS.tmp/kafkausers.yaml" 2>/dev/null ||
+    die "Strimzi's CRD generator failed"
+  rm -f "$STRIMZI_CRDS.tmp/classpath"
+  rm -rf "$STRIMZI_CRDS"
+  mv "$STRIMZI_CRDS.tmp" "$STRIMZI_CRDS"
 fi
 
 log "provisioned in $((SECONDS - started))s (cache: $CACHE)"

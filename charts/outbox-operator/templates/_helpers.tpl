@@ -116,6 +116,11 @@ app.kubernetes.io/part-of: outbox-operator
 - apiGroups: ["postgresql.cnpg.io"]
   resources: ["clusters"]
   verbs: ["get"]
+# Strimzi Kafka clusters and KafkaUsers that relays name in spec.broker.kafka.kafkaRef:
+# read by name only (the cluster CA and user Secrets are read as any referenced Secret).
+- apiGroups: ["kafka.strimzi.io"]
+  resources: ["kafkas", "kafkausers"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

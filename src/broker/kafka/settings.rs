@@ -90,7 +90,7 @@ pub fn check(k: &KafkaSpec, p: &mut Problems) {
         p.push(
             "spec.broker.kafka.bootstrapServers",
             "is empty",
-            "name at least one host:port",
+            "name at least one host:port, or a Strimzi Kafka cluster in kafkaRef",
         );
     }
     check_template_into(p, BrokerKind::Kafka, "spec.broker.kafka.topic", &k.topic);

@@ -123,6 +123,7 @@ pub(super) fn observed(secrets: SecretsSeen, database: DatabaseSeen, available: 
         now: "2026-12-05T10:00:00Z".parse().unwrap(),
         recreate_lost_slot: None,
         cluster: None,
+        strimzi: None,
         location: None,
         left_behind_dropped: None,
         connection: None,
