@@ -13,9 +13,8 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use crate::Error;
-use crate::api::AfterPublish;
 use crate::postgres::audit::{AuditRow, Evidence, published_rows};
-use crate::spec::{ValidMode, ValidRelay};
+use crate::spec::ValidRelay;
 
 /// `outbox-operator audit`'s arguments.
 #[derive(Debug, clap::Args)]
@@ -118,27 +117,6 @@ pub fn compare(rows: &[AuditRow], delivered: &[Vec<String>]) -> Findings {
     findings
 }
 
-/// Where the relay leaves evidence of what it published, or why it leaves none.
-fn evidence(valid: &ValidRelay) -> Result<Evidence, String> {
-    let archived = || {
-        valid
-            .table
-            .archive
-            .as_ref()
-            .map(|a| Evidence::Archived(a.schema.clone(), a.name.clone()))
-    };
-    let none = "the relay deletes what it publishes and keeps no archive (spec.table.archive): the table holds nothing to audit against";
-    match &valid.mode {
-        ValidMode::Polling(p) => match p.after_publish {
-            AfterPublish::Mark => Ok(Evidence::Marked),
-            AfterPublish::Archive => archived().ok_or_else(|| none.to_owned()),
-            AfterPublish::Delete => Err(none.to_owned()),
-        },
-        ValidMode::LogTailing(lt) if !lt.delete_after_publish => Ok(Evidence::Kept),
-        ValidMode::LogTailing(_) => archived().ok_or_else(|| none.to_owned()),
-    }
-}
-
 /// Audits every OutboxRelay in the manifest; writes the report to `out` and returns
 /// whether every window passed.
 pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, Error> {
@@ -167,7 +145,7 @@ async fn audit_relay(
 ) -> Result<bool, Error> {
     let who = format!("OutboxRelay {}/{}", valid.namespace, valid.name);
     let fail = |what: String| Error::Audit(format!("{who}: {what}"));
-    let evidence = evidence(valid).map_err(&fail)?;
+    let evidence = Evidence::of(valid).map_err(&fail)?;
     let client = crate::postgres::connect_for(valid, url, url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
@@ -224,11 +202,7 @@ fn report(
     destinations: &[String],
     f: &Findings,
 ) {
-    let from = match evidence {
-        Evidence::Marked => "rows marked published".to_owned(),
-        Evidence::Kept => "rows the log-tailing relay keeps".to_owned(),
-        Evidence::Archived(schema, name) => format!("rows archived in {schema}.{name}"),
-    };
+    let from = evidence.describe();
     let mut lines = vec![format!(
         "{who}: {} {from} in the window; {} deliveries of them read from {}",
         f.rows,
@@ -347,16 +321,19 @@ spec:
             .unwrap();
             crate::spec::parse(&relay).unwrap()
         };
-        assert_eq!(evidence(&parse("{polling: {}}", "")), Ok(Evidence::Marked));
         assert_eq!(
-            evidence(&parse("{logTailing: {deleteAfterPublish: false}}", "")),
+            Evidence::of(&parse("{polling: {}}", "")),
+            Ok(Evidence::Marked)
+        );
+        assert_eq!(
+            Evidence::of(&parse("{logTailing: {deleteAfterPublish: false}}", "")),
             Ok(Evidence::Kept)
         );
-        assert!(evidence(&parse("{polling: {afterPublish: delete}}", "")).is_err());
+        assert!(Evidence::of(&parse("{polling: {afterPublish: delete}}", "")).is_err());
         // Log tailing deletes by default.
-        assert!(evidence(&parse("{logTailing: {}}", "")).is_err());
+        assert!(Evidence::of(&parse("{logTailing: {}}", "")).is_err());
         assert_eq!(
-            evidence(&parse(
+            Evidence::of(&parse(
                 "{logTailing: {deleteAfterPublish: true}}",
                 ", archive: {name: outbox_archive}"
             )),

@@ -13,6 +13,9 @@ pub enum Error {
     /// `outbox-operator dead-letters` cannot run.
     #[error("dead-letters: {0}")]
     DeadLetters(String),
+    /// `outbox-operator replay` cannot run.
+    #[error("replay: {0}")]
+    Replay(String),
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
@@ -28,6 +31,7 @@ impl Error {
             Error::Check(_) => "check",
             Error::Audit(_) => "audit",
             Error::DeadLetters(_) => "dead_letters",
+            Error::Replay(_) => "replay",
             Error::Relay(_) => "relay",
             Error::Controller(err) => err.category(),
         }

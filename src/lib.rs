@@ -14,6 +14,7 @@ pub mod http;
 pub mod postgres;
 pub mod relay;
 pub mod render;
+pub mod replay;
 pub mod resources;
 pub mod rules;
 pub mod schema;

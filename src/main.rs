@@ -62,6 +62,9 @@ enum Command {
     /// List a relay's dead-lettered rows; with --redrive, move them back into the outbox
     /// table with their ids, so the relay publishes them again.
     DeadLetters(outbox_operator::dead_letters::DeadLetterArgs),
+    /// Publish a window of a relay's published events again (a time range, ids,
+    /// aggregates, types), with their ids and the header outbox-replay, at a rate limit.
+    Replay(outbox_operator::replay::ReplayArgs),
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
     Check {
@@ -122,6 +125,17 @@ fn main() -> ExitCode {
         Command::DeadLetters(args) => runtime().block_on(
             outbox_operator::dead_letters::dead_letters_file(&args, &mut std::io::stdout().lock()),
         ),
+        Command::Replay(args) => {
+            let complete = runtime().block_on(outbox_operator::replay::replay_file(
+                &args,
+                &mut std::io::stdout().lock(),
+            ));
+            match complete {
+                // Events not sent are the report, not a usage error: exit 1.
+                Ok(false) => return ExitCode::from(1),
+                other => other.map(|_| ()),
+            }
+        }
         Command::Check {
             file,
             database_url_env,

@@ -7,7 +7,8 @@
 use tokio_postgres::Client;
 
 use super::{PgError, db, quote};
-use crate::spec::Table;
+use crate::api::AfterPublish;
+use crate::spec::{Table, ValidMode, ValidRelay};
 
 /// Where the published rows of a window are found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,6 +19,38 @@ pub enum Evidence {
     Kept,
     /// The archive table (`schema`, `name`): every row was published before its move.
     Archived(String, String),
+}
+
+impl Evidence {
+    /// Where `valid` leaves evidence of what it published, or why it leaves none.
+    pub fn of(valid: &ValidRelay) -> Result<Self, String> {
+        let archived = || {
+            valid
+                .table
+                .archive
+                .as_ref()
+                .map(|a| Self::Archived(a.schema.clone(), a.name.clone()))
+        };
+        let none = "the relay deletes what it publishes and keeps no archive (spec.table.archive): the table holds nothing to audit or replay";
+        match &valid.mode {
+            ValidMode::Polling(p) => match p.after_publish {
+                AfterPublish::Mark => Ok(Self::Marked),
+                AfterPublish::Archive => archived().ok_or_else(|| none.to_owned()),
+                AfterPublish::Delete => Err(none.to_owned()),
+            },
+            ValidMode::LogTailing(lt) if !lt.delete_after_publish => Ok(Self::Kept),
+            ValidMode::LogTailing(_) => archived().ok_or_else(|| none.to_owned()),
+        }
+    }
+
+    /// What its rows are, for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Marked => "rows marked published".to_owned(),
+            Self::Kept => "rows the log-tailing relay keeps".to_owned(),
+            Self::Archived(schema, name) => format!("rows archived in {schema}.{name}"),
+        }
+    }
 }
 
 /// One published row, as the audit compares it with the broker.

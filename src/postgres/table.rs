@@ -15,7 +15,9 @@ use super::{OutboxRow, PgError, RowId, db, quote};
 use crate::api::AfterPublish;
 
 mod dead_letters;
+mod replay;
 pub use dead_letters::DeadLetter;
+pub use replay::ReplayWindow;
 
 /// The column types `table.columns.order` may have (`information_schema` names).
 pub const ORDER_TYPES: [&str; 5] = [
@@ -98,6 +100,9 @@ pub struct OutboxTable {
     extra_kinds: Vec<crate::broker::ValueKind>,
     /// How the ids are read and compared.
     id_kind: IdKind,
+    /// The select list [`OutboxTable::row_of`] reads, and the order rows go out in.
+    row_list: String,
+    order_by: String,
 }
 
 /// The batch query in pieces: a branch per owned partition goes between `WITH
@@ -393,6 +398,8 @@ impl OutboxTable {
             select,
             extra_kinds,
             id_kind,
+            row_list,
+            order_by,
         })
     }
 

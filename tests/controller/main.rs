@@ -22,4 +22,5 @@ mod controller_slots;
 mod controller_strimzi;
 mod controller_tls;
 mod postgres_admin;
+mod replay_window;
 mod slot_leak_matrix;

@@ -24,6 +24,7 @@ fn help_lists_every_subcommand() {
         "check",
         "audit",
         "dead-letters",
+        "replay",
     ] {
         assert!(
             stdout
