@@ -16,6 +16,9 @@ pub enum Error {
     /// `outbox-operator replay` cannot run.
     #[error("replay: {0}")]
     Replay(String),
+    /// A `kubectl outbox` command failed.
+    #[error("kubectl outbox: {0}")]
+    Plugin(String),
     /// The relay (`outbox-operator relay`) failed.
     #[error(transparent)]
     Relay(#[from] crate::relay::RelayError),
@@ -32,6 +35,7 @@ impl Error {
             Error::Audit(_) => "audit",
             Error::DeadLetters(_) => "dead_letters",
             Error::Replay(_) => "replay",
+            Error::Plugin(_) => "plugin",
             Error::Relay(_) => "relay",
             Error::Controller(err) => err.category(),
         }

@@ -11,6 +11,7 @@ pub mod dead_letters;
 pub mod debezium;
 pub mod error;
 pub mod http;
+pub mod plugin;
 pub mod postgres;
 pub mod relay;
 pub mod render;

@@ -65,6 +65,9 @@ enum Command {
     /// Publish a window of a relay's published events again (a time range, ids,
     /// aggregates, types), with their ids and the header outbox-replay, at a rate limit.
     Replay(outbox_operator::replay::ReplayArgs),
+    /// The kubectl plugin's commands (status, suspend, resume, scale): linked or
+    /// installed as kubectl-outbox on the PATH, `kubectl outbox <command>` runs them.
+    Kubectl(outbox_operator::plugin::PluginArgs),
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
     Check {
@@ -78,7 +81,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(outbox_operator::plugin::command_line(std::env::args_os()));
     outbox_operator::install_crypto_provider();
     let result = match cli.command {
         Command::Controller(args) => run_controller(args),
@@ -136,6 +139,10 @@ fn main() -> ExitCode {
                 other => other.map(|_| ()),
             }
         }
+        Command::Kubectl(args) => runtime().block_on(outbox_operator::plugin::run(
+            &args,
+            &mut std::io::stdout().lock(),
+        )),
         Command::Check {
             file,
             database_url_env,

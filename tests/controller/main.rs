@@ -21,6 +21,7 @@ mod controller_secret_opt_in;
 mod controller_slots;
 mod controller_strimzi;
 mod controller_tls;
+mod plugin_kubectl;
 mod postgres_admin;
 mod replay_window;
 mod slot_leak_matrix;

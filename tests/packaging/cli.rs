@@ -25,6 +25,7 @@ fn help_lists_every_subcommand() {
         "audit",
         "dead-letters",
         "replay",
+        "kubectl",
     ] {
         assert!(
             stdout
