@@ -5,7 +5,7 @@
 //! user running it: every change is a patch the user's RBAC must allow.
 //!
 //! - `status`: every relay with what its status says (mode, broker, ready and why,
-//!   pods, backlog, oldest unpublished event, the slot's retained WAL);
+//!   pods, backlog, oldest unpublished event, dead letters, the slot's retained WAL);
 //! - `suspend` / `resume`: set `spec.suspend`;
 //! - `scale --replicas N`: through the `/scale` subresource, as `kubectl scale` does.
 
@@ -36,7 +36,7 @@ pub struct PluginArgs {
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginCommand {
     /// Every relay: mode, broker, ready and why, pods, backlog, oldest unpublished
-    /// event, the slot's retained WAL.
+    /// event, dead letters, the slot's retained WAL.
     Status {
         /// Relays of every namespace.
         #[arg(short = 'A', long)]
@@ -200,6 +200,7 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
             "PODS",
             "BACKLOG",
             "OLDEST",
+            "DEAD-LETTERS",
             "RETAINED-WAL",
         ]
         .map(str::to_owned)
@@ -225,6 +226,9 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
             status
                 .and_then(|s| s.oldest_unpublished_age.clone())
                 .unwrap_or_else(dash),
+            status
+                .and_then(|s| s.dead_letter_rows)
+                .map_or_else(dash, |n| n.to_string()),
             slot.and_then(|s| s.retained_wal_bytes)
                 .map_or_else(dash, bytes),
         ]);
@@ -291,8 +295,8 @@ spec:
         .unwrap();
         assert_eq!(
             status_table(&[relay], false),
-            "NAME     MODE   BROKER   READY   REASON   PODS   BACKLOG   OLDEST   RETAINED-WAL\n\
-             orders   -      -        -       -        -      -         -        -\n"
+            "NAME     MODE   BROKER   READY   REASON   PODS   BACKLOG   OLDEST   DEAD-LETTERS   RETAINED-WAL\n\
+             orders   -      -        -       -        -      -         -        -              -\n"
         );
     }
 }

@@ -32,6 +32,10 @@ pub struct OutboxRelayStatus {
     /// Age of the oldest unpublished row, for people (`0s`, `4m12s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_unpublished_age: Option<String>,
+    /// Rows in the dead-letter table (`spec.failure.deadLetterTable`), counted up to
+    /// 100,000; absent while the table does not exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_rows: Option<i64>,
     /// The replication slot (log tailing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot: Option<SlotStatus>,

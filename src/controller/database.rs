@@ -197,6 +197,17 @@ pub(super) async fn measure_backlog(client: &Client, plan: &Plan) -> Option<Back
     }
 }
 
+/// Rows in the relay's dead-letter table; `None` when it does not exist, or could not be
+/// counted (left out of status then).
+pub(super) async fn count_dead_letters(client: &Client, plan: &Plan) -> Option<i64> {
+    admin::dead_letter_rows(client, plan)
+        .await
+        .unwrap_or_else(|err| {
+            debug!(error = %err, "counting the dead letters failed; leaving them out of status");
+            None
+        })
+}
+
 /// Orphaned replication objects, per database, as last scanned.
 #[derive(Default)]
 pub(crate) struct Orphans {

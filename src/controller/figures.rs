@@ -35,41 +35,47 @@ const CONCURRENCY: usize = 8;
 /// busy for each such relay.
 #[derive(Default)]
 pub(crate) struct BacklogCounts(
-    std::sync::Mutex<std::collections::HashMap<String, (Pacing, Option<Backlog>)>>,
+    std::sync::Mutex<std::collections::HashMap<String, (Pacing, Counted)>>,
 );
+
+/// What one count found: the backlog and the rows in the dead-letter table.
+type Counted = (Option<Backlog>, Option<i64>);
 
 impl BacklogCounts {
     fn lock(
         &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (Pacing, Option<Backlog>)>>
-    {
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (Pacing, Counted)>> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The relay's backlog: counted now when due, else the last count.
+    /// The relay's backlog and dead letters: counted now when due, else the last
+    /// count.
     async fn measure(
         &self,
         uid: &str,
         every: Duration,
         client: &tokio_postgres::Client,
         plan: &Plan,
-    ) -> Option<Backlog> {
+    ) -> Counted {
         let started = std::time::Instant::now();
         if let Some((pacing, last)) = self.lock().get(uid)
             && !pacing.due(started)
         {
             return *last;
         }
-        let backlog = database::measure_backlog(client, plan).await;
+        let counted = (
+            database::measure_backlog(client, plan).await,
+            database::count_dead_letters(client, plan).await,
+        );
         let mut counts = self.lock();
         let (pacing, last) = counts
             .entry(uid.to_owned())
-            .or_insert_with(|| (Pacing::new(every), None));
+            .or_insert_with(|| (Pacing::new(every), (None, None)));
         pacing.measured(started, started.elapsed());
-        *last = backlog;
-        backlog
+        *last = counted;
+        counted
     }
 
     /// Forgets relays no longer in the cache.
@@ -158,6 +164,7 @@ fn start_offset(index: usize, pace: Duration) -> Duration {
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Figures {
     backlog: Option<Backlog>,
+    dead_letters: Option<i64>,
     slot: Option<SlotStats>,
 }
 
@@ -208,7 +215,7 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         }
     };
     let plan = Plan::for_relay(&valid);
-    let backlog = ctx
+    let (backlog, dead_letters) = ctx
         .backlog_counts
         .measure(
             &relay.uid().unwrap_or_default(),
@@ -238,7 +245,11 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         slot.as_ref().map(|s| s.retained_wal_bytes),
     );
     database::scan_orphans(relay, ctx, &client, &conn.url).await;
-    let figures = Figures { backlog, slot };
+    let figures = Figures {
+        backlog,
+        dead_letters,
+        slot,
+    };
     let patch = status_patch(&figures);
     if patch == current_patch(relay.status.as_ref()) {
         return;
@@ -293,6 +304,9 @@ fn status_patch(figures: &Figures) -> Value {
             status.insert("oldestUnpublishedAge".into(), json!(human_age(age)));
         }
     }
+    if let Some(rows) = figures.dead_letters {
+        status.insert("deadLetterRows".into(), json!(rows));
+    }
     if let Some(s) = &figures.slot {
         let mut slot = Map::new();
         if let Some(lsn) = &s.confirmed_flush_lsn {
@@ -322,6 +336,9 @@ fn current_patch(status: Option<&OutboxRelayStatus>) -> Value {
     }
     if let Some(age) = &status.oldest_unpublished_age {
         out.insert("oldestUnpublishedAge".into(), json!(age));
+    }
+    if let Some(rows) = status.dead_letter_rows {
+        out.insert("deadLetterRows".into(), json!(rows));
     }
     if let Some(s) = &status.slot {
         let mut slot = Map::new();
@@ -384,6 +401,7 @@ mod tests {
                 rows: 12,
                 oldest_age_seconds: Some(4.04),
             }),
+            dead_letters: Some(3),
             slot: Some(SlotStats {
                 active: true,
                 confirmed_flush_lsn: Some("0/1A2B3C".into()),
@@ -396,6 +414,7 @@ mod tests {
             backlog_rows: Some(12),
             oldest_unpublished_age_seconds: Some(4.0),
             oldest_unpublished_age: Some("4s".into()),
+            dead_letter_rows: Some(3),
             slot: Some(SlotStatus {
                 name: "s".into(),
                 publication: Some("s".into()),
@@ -424,9 +443,15 @@ mod tests {
                 rows: 13,
                 oldest_age_seconds: Some(4.04),
             }),
-            ..figures
+            ..figures.clone()
         };
         assert_ne!(status_patch(&more), current_patch(Some(&status)));
+        let redriven = Figures {
+            dead_letters: Some(0),
+            ..figures
+        };
+        assert_eq!(status_patch(&redriven)["deadLetterRows"], 0);
+        assert_ne!(status_patch(&redriven), current_patch(Some(&status)));
     }
 
     #[test]
@@ -436,6 +461,7 @@ mod tests {
                 rows: 0,
                 oldest_age_seconds: None,
             }),
+            dead_letters: None,
             slot: None,
         });
         assert_eq!(empty["oldestUnpublishedAge"], "0s");
@@ -444,6 +470,7 @@ mod tests {
                 rows: 5,
                 oldest_age_seconds: None,
             }),
+            dead_letters: None,
             slot: None,
         });
         assert!(unknown.get("oldestUnpublishedAge").is_none());

@@ -280,6 +280,7 @@ mod tests {
                 delete_after_publish: true,
             }),
             archive: None,
+            dead_letter: "outbox_dead_letter".into(),
         }
     }
 

@@ -1772,6 +1772,7 @@ pub async fn create_replication_for(
             delete_after_publish: true,
         }),
         archive: None,
+        dead_letter: "outbox_dead_letter".to_owned(),
     };
     outbox_operator::postgres::provision::provision(client, &plan, owner)
         .await

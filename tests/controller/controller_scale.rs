@@ -121,6 +121,22 @@ async fn kubectl_scale_sets_a_polling_relays_pods_and_log_tailing_refuses_more_t
     operator::set_suspend(&relays, "orders", false).await;
     wait_scaled(&client, &ns, "orders", 4).await;
 
+    // Status counts the dead-letter table once it exists (the relay makes it when a row
+    // is first dead-lettered; here two rows as it would leave them).
+    db.client
+        .batch_execute(
+            "CREATE TABLE public.outbox_dead_letter (LIKE public.outbox INCLUDING DEFAULTS);
+             INSERT INTO public.outbox_dead_letter (id, aggregatetype, aggregateid, type, payload)
+             VALUES (901, 'order', 'a', 'T', '{}'), (902, 'order', 'b', 'T', '{}');",
+        )
+        .await
+        .unwrap();
+    common::wait_for_some("status.deadLetterRows = 2", WAIT, || async {
+        let relay = relays.get_opt("orders").await.ok().flatten()?;
+        (relay.status?.dead_letter_rows == Some(2)).then_some(())
+    })
+    .await;
+
     // A log-tailing relay (in a namespace no controller watches: admission alone).
     let other = common::fresh_namespace(&client).await;
     let tailing: Api<OutboxRelay> = Api::namespaced(client.clone(), &other);

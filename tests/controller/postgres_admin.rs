@@ -29,6 +29,7 @@ fn plan(slot: &str, delete_after_publish: bool) -> Plan {
             delete_after_publish,
         }),
         archive: None,
+        dead_letter: "outbox_dead_letter".to_owned(),
     }
 }
 

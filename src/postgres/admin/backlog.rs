@@ -139,6 +139,37 @@ pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, Pg
     result
 }
 
+/// Rows in the dead-letter table (capped at [`BACKLOG_COUNT_LIMIT`]), with a short
+/// statement timeout; `None` while the table does not exist (the relay makes it when a
+/// row is first dead-lettered).
+pub async fn dead_letter_rows(client: &Client, plan: &Plan) -> Result<Option<i64>, PgError> {
+    let table = format!("{}.{}", quote(&plan.schema), quote(&plan.dead_letter));
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .await
+        .map_err(db("looking up the dead-letter table"))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    client
+        .batch_execute(&format!(
+            "SET statement_timeout = {}",
+            quote_literal(STATUS_QUERY_TIMEOUT)
+        ))
+        .await
+        .map_err(db("limiting the status queries"))?;
+    let counted = client
+        .query_one(
+            &format!("SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT {BACKLOG_COUNT_LIMIT}) d"),
+            &[],
+        )
+        .await
+        .map_err(db("counting the dead letters"));
+    let _ = client.batch_execute("RESET statement_timeout").await;
+    Ok(Some(counted?.get(0)))
+}
+
 /// A backlog measurement may take at most this share of the time between two of them.
 ///
 /// The count reads the table's rows, dead ones included, up to

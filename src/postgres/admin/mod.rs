@@ -36,7 +36,9 @@ mod marker_lock;
 mod orphans;
 mod slot;
 
-pub use backlog::{BACKLOG_COUNT_LIMIT, Backlog, Pacing, backlog, backlog_sql, human_age};
+pub use backlog::{
+    BACKLOG_COUNT_LIMIT, Backlog, Pacing, backlog, backlog_sql, dead_letter_rows, human_age,
+};
 pub use checks::{evaluate, first_failure};
 pub use drop::{Dropped, database_is_gone, drop_owned, drop_slot_over_budget, hand_over};
 pub use facts::gather;
@@ -137,6 +139,8 @@ pub struct Plan {
     pub log_tailing: Option<SlotPlan>,
     /// The archive published rows move to (`spec.table.archive`).
     pub archive: Option<ArchivePlan>,
+    /// The dead-letter table (in the outbox table's schema).
+    pub dead_letter: String,
 }
 
 impl Plan {
@@ -236,6 +240,11 @@ impl Plan {
                 name: a.name.clone(),
                 moved_at: t.columns.published_at.clone(),
             }),
+            dead_letter: valid
+                .failure
+                .dead_letter_table
+                .clone()
+                .unwrap_or_else(|| format!("{}_dead_letter", t.name)),
         }
     }
 
