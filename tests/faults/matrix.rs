@@ -386,6 +386,7 @@ async fn run(mode: Mode, broker: Broker, fault: Fault) {
     }
     let received = sink.received().await;
     let report = common::check_delivery(&received, &committed, &aborted);
+    assert_audit_agrees(&report, &received, &committed);
     let status = relay.terminate(Duration::from_secs(30));
     let lost = report.missing.len();
     let reordered = report.order_violations.len();
@@ -504,3 +505,58 @@ scenario!(
     LogTailing,
     RabbitMq
 );
+
+/// `outbox-operator audit`'s checker, given this run's committed rows (in id order, the
+/// relay's order) and every delivery, finds what this matrix's own checker found: as
+/// many rows missing, as many first delivered out of order, as many redeliveries.
+fn assert_audit_agrees(
+    report: &common::DeliveryReport,
+    received: &[common::Received],
+    committed: &std::collections::BTreeSet<i64>,
+) {
+    use outbox_operator::postgres::audit::AuditRow;
+    let aggregate: std::collections::HashMap<i64, &str> = received
+        .iter()
+        .map(|r| (r.id, r.aggregate.as_str()))
+        .collect();
+    let rows: Vec<AuditRow> = committed
+        .iter()
+        .map(|id| AuditRow {
+            id: id.to_string(),
+            aggregate_id: aggregate.get(id).copied().unwrap_or("?").to_owned(),
+            aggregate_type: String::new(),
+        })
+        .collect();
+    let ours = |r: &&common::Received| committed.contains(&r.id);
+    let delivered = vec![
+        received
+            .iter()
+            .filter(ours)
+            .map(|r| r.id.to_string())
+            .collect::<Vec<_>>(),
+    ];
+    let audit = outbox_operator::audit::compare(&rows, &delivered);
+    let count = |m: &std::collections::BTreeMap<String, Vec<_>>| m.values().map(Vec::len).sum();
+    let missing: usize = count(&audit.missing);
+    let reordered: usize = audit.out_of_order.values().map(Vec::len).sum();
+    let redelivered = received.iter().filter(ours).count()
+        - received
+            .iter()
+            .filter(ours)
+            .map(|r| r.id)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+    assert_eq!(
+        (missing, reordered, audit.redeliveries),
+        (
+            report.missing.len(),
+            report.order_violations.len(),
+            redelivered
+        ),
+        "the audit's checker and the matrix's disagree (missing, reordered, redeliveries)"
+    );
+    assert_eq!(
+        audit.passed(),
+        report.missing.is_empty() && report.order_violations.is_empty()
+    );
+}
