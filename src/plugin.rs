@@ -5,7 +5,8 @@
 //! user running it: every change is a patch the user's RBAC must allow.
 //!
 //! - `status`: every relay with what its status says (mode, broker, ready and why,
-//!   pods, backlog, oldest unpublished event, dead letters, the slot's retained WAL);
+//!   pods, partitions owned, backlog, oldest unpublished event, dead letters, the
+//!   slot's retained WAL);
 //! - `suspend` / `resume`: set `spec.suspend`;
 //! - `scale --replicas N`: through the `/scale` subresource, as `kubectl scale` does.
 
@@ -35,8 +36,8 @@ pub struct PluginArgs {
 /// `kubectl outbox`'s commands.
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginCommand {
-    /// Every relay: mode, broker, ready and why, pods, backlog, oldest unpublished
-    /// event, dead letters, the slot's retained WAL.
+    /// Every relay: mode, broker, ready and why, pods, partitions owned, backlog,
+    /// oldest unpublished event, dead letters, the slot's retained WAL.
     Status {
         /// Relays of every namespace.
         #[arg(short = 'A', long)]
@@ -198,6 +199,7 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
             "READY",
             "REASON",
             "PODS",
+            "PARTITIONS",
             "BACKLOG",
             "OLDEST",
             "DEAD-LETTERS",
@@ -220,6 +222,9 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
             status
                 .and_then(|s| s.replicas)
                 .map_or_else(dash, |n| n.to_string()),
+            status
+                .and_then(|s| s.partitions.as_ref())
+                .map_or_else(dash, |p| format!("{}/{}", p.owned, p.desired)),
             status
                 .and_then(|s| s.backlog_rows)
                 .map_or_else(dash, |n| n.to_string()),
@@ -295,8 +300,8 @@ spec:
         .unwrap();
         assert_eq!(
             status_table(&[relay], false),
-            "NAME     MODE   BROKER   READY   REASON   PODS   BACKLOG   OLDEST   DEAD-LETTERS   RETAINED-WAL\n\
-             orders   -      -        -       -        -      -         -        -              -\n"
+            "NAME     MODE   BROKER   READY   REASON   PODS   PARTITIONS   BACKLOG   OLDEST   DEAD-LETTERS   RETAINED-WAL\n\
+             orders   -      -        -       -        -      -            -         -        -              -\n"
         );
     }
 }

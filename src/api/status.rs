@@ -39,7 +39,8 @@ pub struct OutboxRelayStatus {
     /// The replication slot (log tailing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot: Option<SlotStatus>,
-    /// Partition ownership.
+    /// Polling with per-aggregate order: the partitions and how many a live relay
+    /// process holds; fewer owned than desired means some aggregates' events wait.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partitions: Option<PartitionsStatus>,
     /// While a log-tailing relay polls because its slot passed

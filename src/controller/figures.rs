@@ -165,6 +165,8 @@ fn start_offset(index: usize, pace: Duration) -> Duration {
 struct Figures {
     backlog: Option<Backlog>,
     dead_letters: Option<i64>,
+    /// Polling with per-aggregate order: the partitions, and how many a relay holds.
+    partitions: Option<(i32, i32)>,
     slot: Option<SlotStats>,
 }
 
@@ -245,9 +247,21 @@ async fn sample(relay: &OutboxRelay, ctx: &Context) {
         slot.as_ref().map(|s| s.retained_wal_bytes),
     );
     database::scan_orphans(relay, ctx, &client, &conn.url).await;
+    let partitions = match (&valid.mode, valid.per_aggregate) {
+        (crate::spec::ValidMode::Polling(_), true) => {
+            let class =
+                crate::postgres::polling::lock_class(&valid.table.schema, &valid.table.name);
+            crate::postgres::polling::owned_partitions(&client, class, valid.partitions)
+                .await
+                .ok()
+                .map(|owned| (valid.partitions, owned))
+        }
+        _ => None,
+    };
     let figures = Figures {
         backlog,
         dead_letters,
+        partitions,
         slot,
     };
     let patch = status_patch(&figures);
@@ -307,6 +321,12 @@ fn status_patch(figures: &Figures) -> Value {
     if let Some(rows) = figures.dead_letters {
         status.insert("deadLetterRows".into(), json!(rows));
     }
+    if let Some((desired, owned)) = figures.partitions {
+        status.insert(
+            "partitions".into(),
+            json!({"desired": desired, "owned": owned}),
+        );
+    }
     if let Some(s) = &figures.slot {
         let mut slot = Map::new();
         if let Some(lsn) = &s.confirmed_flush_lsn {
@@ -339,6 +359,12 @@ fn current_patch(status: Option<&OutboxRelayStatus>) -> Value {
     }
     if let Some(rows) = status.dead_letter_rows {
         out.insert("deadLetterRows".into(), json!(rows));
+    }
+    if let Some(p) = &status.partitions {
+        out.insert(
+            "partitions".into(),
+            json!({"desired": p.desired, "owned": p.owned}),
+        );
     }
     if let Some(s) = &status.slot {
         let mut slot = Map::new();
@@ -402,6 +428,7 @@ mod tests {
                 oldest_age_seconds: Some(4.04),
             }),
             dead_letters: Some(3),
+            partitions: Some((4, 3)),
             slot: Some(SlotStats {
                 active: true,
                 confirmed_flush_lsn: Some("0/1A2B3C".into()),
@@ -415,6 +442,10 @@ mod tests {
             oldest_unpublished_age_seconds: Some(4.0),
             oldest_unpublished_age: Some("4s".into()),
             dead_letter_rows: Some(3),
+            partitions: Some(crate::api::PartitionsStatus {
+                desired: 4,
+                owned: 3,
+            }),
             slot: Some(SlotStatus {
                 name: "s".into(),
                 publication: Some("s".into()),
@@ -462,6 +493,7 @@ mod tests {
                 oldest_age_seconds: None,
             }),
             dead_letters: None,
+            partitions: None,
             slot: None,
         });
         assert_eq!(empty["oldestUnpublishedAge"], "0s");
@@ -471,6 +503,7 @@ mod tests {
                 oldest_age_seconds: None,
             }),
             dead_letters: None,
+            partitions: None,
             slot: None,
         });
         assert!(unknown.get("oldestUnpublishedAge").is_none());

@@ -127,6 +127,27 @@ pub async fn leading_layout(client: &Client, class: i32) -> Result<Option<i32>, 
     Ok(row.and_then(|r| i32::try_from(r.get::<_, i64>(0)).ok()))
 }
 
+/// How many of `partitions` partitions of the table of lock class `class` a live relay
+/// session holds now (polling with per-aggregate order: each partition is a session
+/// advisory lock of its owner, released with its session).
+pub async fn owned_partitions(
+    client: &Client,
+    class: i32,
+    partitions: i32,
+) -> Result<i32, PgError> {
+    let row = client
+        .query_one(
+            "SELECT count(DISTINCT objid) FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND classid::int8 = $1::int8 AND objid::int8 >= 0 AND objid::int8 < $2::int8",
+            &[&i64::from(class), &i64::from(partitions)],
+        )
+        .await
+        .map_err(db("counting the partitions relays hold"))?;
+    Ok(i32::try_from(row.get::<_, i64>(0)).unwrap_or(i32::MAX))
+}
+
 /// A stable lock class for `schema.table` (FNV-1a; positive so it reads back from
 /// `pg_locks.classid` unchanged).
 pub fn lock_class(schema: &str, table: &str) -> i32 {

@@ -81,7 +81,8 @@ async fn kubectl_outbox_shows_and_changes_relays() {
             ),
             json!({"conditions": ready("True", "Publishing"), "mode": "polling",
                    "broker": "nats", "backlogRows": 12, "oldestUnpublishedAge": "3s",
-                   "oldestUnpublishedAgeSeconds": 3.2, "replicas": 1}),
+                   "oldestUnpublishedAgeSeconds": 3.2, "replicas": 1,
+                   "partitions": {"desired": 4, "owned": 3}}),
         ),
         (
             "payments",

@@ -831,7 +831,8 @@ async fn log_tailing_rabbitmq_example_reaches_ready_and_publishes_every_row() {
 
 /// A spec change rolls the relay: the real deployment controller replaces every pod
 /// (new pod-template hash), the runner stops the old processes and starts the new
-/// ones, the relay is Ready again and keeps publishing; scaling down stops processes.
+/// ones, the relay is Ready again and keeps publishing; scaling down through `/scale`
+/// stops processes, and the one left owns every partition and publishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_down() {
     with_operator(true, |client, ns, runner| async move {
@@ -925,9 +926,17 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
         )
         .await;
 
-        // Scaling down stops processes; the relay stays Ready.
-        manifest["spec"]["replicas"] = json!(1);
-        runner.apply_relay(&client, &ns, &manifest).await;
+        // Scaling down through the /scale subresource, as `kubectl scale` and an
+        // autoscaler do, stops processes; the relay stays Ready, the one left takes
+        // every partition, and it publishes rows of all of them.
+        relays
+            .patch_scale(
+                "polling-nats",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(json!({"spec": {"replicas": 1}})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("kubectl scale --replicas=1: {e}"));
         common::wait_for_some_or(
             "one relay process left after scaling to 1",
             WAIT,
@@ -941,6 +950,26 @@ async fn polling_example_rolls_its_relay_processes_on_a_spec_change_and_scales_d
                     .is_some_and(|c| c.status == "True" && c.observed_generation == Some(3))
             })
         })
+        .await;
+        let after = insert_rows(&db, &kind).await;
+        common::wait_for_some_or(
+            "every row published by the one relay process left, every partition owned",
+            WAIT,
+            || runner.log_tails(20),
+            || async {
+                let got: BTreeSet<i64> = common::consume_nats(&stream)
+                    .await
+                    .iter()
+                    .map(|m| m.id)
+                    .collect();
+                let relay = relays.get("polling-nats").await.ok()?;
+                let partitions = relay.status?.partitions?;
+                (after.is_subset(&got)
+                    && partitions.owned == partitions.desired
+                    && relay.spec.replicas == 1)
+                    .then_some(())
+            },
+        )
         .await;
         let _ = jetstream.delete_stream(&stream_name).await;
         db.drop_database().await;

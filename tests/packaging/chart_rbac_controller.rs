@@ -239,6 +239,21 @@ async fn secret_policy_allows_only_the_operators_finalizers(as_operator: &Client
     let json = |ops: serde_json::Value| {
         Patch::<()>::Json(serde_json::from_value::<json_patch::Patch>(ops).unwrap())
     };
+    // The API server applies a new policy once it has loaded it (a moment after the
+    // chart's install): wait until it refuses a change of the data, asked as a dry run
+    // so that nothing changes while it does not yet.
+    let dry_run = PatchParams {
+        dry_run: true,
+        ..PatchParams::default()
+    };
+    common::wait_for("the chart's admission policy in effect", WAIT, || async {
+        let data = json!([{"op": "add", "path": "/data/uri", "value": "cG9zdGdyZXM6Ly9ldmls"}]);
+        matches!(
+            secrets.patch("orders-db", &dry_run, &json(data)).await,
+            Err(kube::Error::Api(status)) if status.message.contains("not its data")
+        )
+    })
+    .await;
     let ours = "outbox.dev/slot-of-polling-nats";
     let added = secrets
         .patch(
