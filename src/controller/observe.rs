@@ -541,6 +541,39 @@ fn short_of_pods(deployment: &Deployment) -> bool {
     available < want
 }
 
+/// An image that cannot be pulled: which of the pod's pull Secrets the namespace lacks
+/// (the usual cause with a private registry: the Secret exists where the operator runs,
+/// not where the relay does).
+async fn with_missing_pull_secrets(
+    trouble: super::pods::PodTrouble,
+    relay: &OutboxRelay,
+    ctx: &Context,
+) -> super::pods::PodTrouble {
+    let super::pods::PodTrouble::ImagePull {
+        pod,
+        image,
+        pull_secrets,
+        ..
+    } = trouble
+    else {
+        return trouble;
+    };
+    let secrets: Api<Secret> =
+        Api::namespaced(ctx.client.clone(), &relay.namespace().unwrap_or_default());
+    let mut missing = Vec::new();
+    for name in &pull_secrets {
+        if let Ok(None) = secrets.get_metadata_opt(name).await {
+            missing.push(name.clone());
+        }
+    }
+    super::pods::PodTrouble::ImagePull {
+        pod,
+        image,
+        pull_secrets,
+        missing,
+    }
+}
+
 /// The relay pods' trouble, if any (see [`super::pods`]). Only a diagnosis: a failed
 /// read is logged and the relay reconciled without it.
 async fn pod_trouble(relay: &OutboxRelay, ctx: &Context) -> Option<super::pods::PodTrouble> {
@@ -552,7 +585,7 @@ async fn pod_trouble(relay: &OutboxRelay, ctx: &Context) -> Option<super::pods::
             if let Some(found) =
                 super::pods::diagnose(&list.items, k8s_openapi::jiff::Timestamp::now())
             {
-                return Some(found);
+                return Some(with_missing_pull_secrets(found, relay, ctx).await);
             }
             // Running but not ready: the relay says why.
             for (pod, ip) in super::pods::running_unready(&list.items) {

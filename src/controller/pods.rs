@@ -27,8 +27,15 @@ pub(super) enum PodTrouble {
     Refused { message: String },
     /// The runtime killed the relay for memory (its last termination).
     OomKilled { pod: String, limit: Option<String> },
-    /// The image cannot be pulled (or is not a valid name).
-    ImagePull { pod: String, image: String },
+    /// The image cannot be pulled (or is not a valid name). `pull_secrets` are the
+    /// pod's; `missing` those the relay's namespace does not have (filled in by the
+    /// caller, which can look).
+    ImagePull {
+        pod: String,
+        image: String,
+        pull_secrets: Vec<String>,
+        missing: Vec<String>,
+    },
     /// The kubelet cannot create the container: a Secret or key it needs is missing, or
     /// the runtime refused it.
     ConfigError { pod: String, message: String },
@@ -80,7 +87,16 @@ impl PodTrouble {
                     .map(|l| format!(" at its limit of {l}"))
                     .unwrap_or_default()
             ),
-            Self::ImagePull { pod, image } => format!(
+            Self::ImagePull {
+                pod,
+                image,
+                missing,
+                ..
+            } if !missing.is_empty() => format!(
+                "pod {pod}: image {image} cannot be pulled, and its pull Secret(s) {} do not exist in the relay's namespace: create them there (the chart's relayPods.imagePullSecrets and spec.relay.imagePullSecrets name Secrets of each relay's own namespace)",
+                missing.join(", ")
+            ),
+            Self::ImagePull { pod, image, .. } => format!(
                 "pod {pod}: image {image} cannot be pulled (kubectl describe pod {pod} says why)"
             ),
             Self::ConfigError { pod, message } => {
@@ -235,6 +251,14 @@ fn container_trouble(
                 return Some(PodTrouble::ImagePull {
                     pod: name.to_owned(),
                     image: relay.image.clone(),
+                    pull_secrets: pod
+                        .spec
+                        .iter()
+                        .flat_map(|s| s.image_pull_secrets.iter().flatten())
+                        .map(|r| r.name.clone())
+                        .filter(|n| !n.is_empty())
+                        .collect(),
+                    missing: Vec::new(),
                 });
             }
             Some("CreateContainerConfigError" | "CreateContainerError") => {
@@ -329,6 +353,49 @@ mod tests {
             "status": status,
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn an_image_not_pulled_names_the_pull_secrets_its_namespace_lacks() {
+        let mut p = pod(
+            "r-1",
+            waiting("ImagePullBackOff", "Back-off pulling image", json!({})),
+        );
+        p.spec.as_mut().unwrap().image_pull_secrets =
+            Some(vec![k8s_openapi::api::core::v1::LocalObjectReference {
+                name: "regcred".into(),
+            }]);
+        let Some(PodTrouble::ImagePull {
+            pod,
+            image,
+            pull_secrets,
+            ..
+        }) = diagnose(&[p], now())
+        else {
+            panic!("not an image pull trouble");
+        };
+        assert_eq!(pull_secrets, ["regcred"]);
+        let missing = PodTrouble::ImagePull {
+            pod: pod.clone(),
+            image: image.clone(),
+            pull_secrets: pull_secrets.clone(),
+            missing: vec!["regcred".into()],
+        };
+        assert!(
+            missing
+                .message()
+                .contains("pull Secret(s) regcred do not exist in the relay's namespace"),
+            "{}",
+            missing.message()
+        );
+        let present = PodTrouble::ImagePull {
+            pod,
+            image,
+            pull_secrets,
+            missing: Vec::new(),
+        };
+        assert!(present.message().contains("kubectl describe pod r-1"));
+        assert_eq!(present.reason(), "RelayImagePullFailed");
     }
 
     fn relay(state: serde_json::Value, last: serde_json::Value, ready: bool) -> serde_json::Value {

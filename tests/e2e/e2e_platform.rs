@@ -11,6 +11,8 @@
 //!
 //! And Secrets as cert-manager and Strimzi write them, referenced by name only: each
 //! reference reads the key its role has in those Secrets.
+//!
+//! And a pull Secret the relay's namespace lacks: named in the relay's status.
 
 use crate::common;
 
@@ -543,6 +545,92 @@ async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
         ids.len(),
         received.len()
     );
+    operator::delete_relays(&client, &ns, WAIT).await;
+    let stopped = controller.stop(WAIT);
+    drop(pods);
+    common::delete_namespace(&client, &ns).await;
+    db.drop_database().await;
+    assert!(stopped.is_ok_and(|s| s.success()), "the controller's exit");
+}
+
+/// A private registry's pull Secret named for every relay (the chart's
+/// `relayPods.imagePullSecrets`) but missing from the relay's namespace: the kubelet
+/// cannot pull, and the relay says which Secret to create where; once it exists, the
+/// message no longer blames it (the image itself is still not there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_secret_missing_from_the_relays_namespace_is_named() {
+    common::node::name();
+    let db = common::fresh_database().await;
+    common::create_outbox_table(&db.client, 4).await;
+    let client = common::kube_client().await;
+    common::install_outbox_crd(&client).await;
+    let ns = common::fresh_namespace(&client).await;
+    let pods = RelayPods::start(&client, &ns).await;
+    let mut controller = pods.controller(
+        &ns,
+        &[
+            (
+                "OUTBOX_RELAY_IMAGE",
+                "registry.invalid/outbox-operator:absent",
+            ),
+            ("OUTBOX_RELAY_IMAGE_PULL_SECRETS", "regcred"),
+        ],
+    );
+    operator::create_secret(&client, &ns, "db", &[("uri", &pods.url(&db.url))]).await;
+    let mut manifest = json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxRelay",
+        "metadata": {"name": "pulled"},
+        "spec": {
+            "database": {"postgres": {"connectionSecretRef": {"name": "db"}, "sslMode": "disable"}},
+            "mode": {"polling": {}},
+            "broker": {"nats": {"url": common::Rig::load().nats_url()}},
+            "replicas": 1
+        }
+    });
+    pods.adapt(&mut manifest);
+    operator::apply_relay(&client, &ns, &manifest).await;
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let ready = |missing: bool| {
+        let relays = relays.clone();
+        async move {
+            let relay = relays.get_opt("pulled").await.ok().flatten()?;
+            operator::condition(&relay, "Ready").filter(|c| {
+                c.reason == "RelayImagePullFailed"
+                    && c.message.contains("regcred do not exist") == missing
+            })
+        }
+    };
+    let blamed = common::wait_for_some_or(
+        "Ready=False RelayImagePullFailed naming the missing pull Secret",
+        WAIT,
+        || pods.log_tails(10),
+        || ready(true),
+    )
+    .await;
+    assert!(
+        blamed
+            .message
+            .contains("registry.invalid/outbox-operator:absent"),
+        "{}",
+        blamed.message
+    );
+    let config = br#"{"auths":{"registry.invalid":{"auth":"dTpw"}}}"#;
+    typed_secret(
+        &client,
+        &ns,
+        "regcred",
+        "kubernetes.io/dockerconfigjson",
+        &[(".dockerconfigjson", config)],
+    )
+    .await;
+    common::wait_for_some_or(
+        "the message no longer blaming the pull Secret once it exists",
+        WAIT,
+        || pods.log_tails(10),
+        || ready(false),
+    )
+    .await;
     operator::delete_relays(&client, &ns, WAIT).await;
     let stopped = controller.stop(WAIT);
     drop(pods);
