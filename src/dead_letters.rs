@@ -10,10 +10,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crate::Error;
-use crate::api::AfterPublish;
 use crate::postgres::RowId;
-use crate::postgres::table::{Columns, OutboxTable};
-use crate::spec::{ValidMode, ValidRelay};
+use crate::postgres::table::OutboxTable;
+use crate::spec::ValidRelay;
 
 /// `outbox-operator dead-letters`'s arguments.
 #[derive(Debug, clap::Args)]
@@ -90,28 +89,13 @@ async fn one_relay(
 ) -> Result<(), Error> {
     let who = format!("OutboxRelay {}/{}", valid.namespace, valid.name);
     let fail = |what: String| Error::DeadLetters(format!("{who}: {what}"));
-    let dead_letter_table = valid
-        .failure
-        .dead_letter_table
-        .clone()
-        .unwrap_or_else(|| format!("{}_dead_letter", valid.table.name));
+    let dead_letter_table = valid.dead_letter_table();
     let client = crate::postgres::connect_for(valid, url, &args.database_url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
-    let after_publish = match &valid.mode {
-        ValidMode::Polling(p) => p.after_publish,
-        ValidMode::LogTailing(_) => AfterPublish::Delete,
-    };
-    let table = OutboxTable::inspect(
-        &client,
-        &valid.table,
-        &dead_letter_table,
-        Columns::of(&valid.table),
-        after_publish,
-        valid.partitions,
-    )
-    .await
-    .map_err(|e| fail(e.to_string()))?;
+    let table = OutboxTable::of_relay(&client, valid)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
     let mut lines = Vec::new();
     if let Some(redrive) = redrive {
         let ids: Option<Vec<RowId>> = match redrive {

@@ -18,8 +18,8 @@ use std::time::{Duration, SystemTime};
 use crate::Error;
 use crate::broker::{BrokerSettings, OutboxRow, PublishError};
 use crate::postgres::audit::Evidence;
-use crate::postgres::table::{Columns, OutboxTable, ReplayWindow};
-use crate::spec::{ValidMode, ValidRelay};
+use crate::postgres::table::{OutboxTable, ReplayWindow};
+use crate::spec::ValidRelay;
 
 /// The header every replayed message carries; its value is the replay's name.
 pub const REPLAY_HEADER: &str = "outbox-replay";
@@ -145,25 +145,9 @@ async fn replay_relay(
     let client = crate::postgres::connect_for(valid, url, &args.database_url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
-    let dead_letter_table = valid
-        .failure
-        .dead_letter_table
-        .clone()
-        .unwrap_or_else(|| format!("{}_dead_letter", valid.table.name));
-    let after_publish = match &valid.mode {
-        ValidMode::Polling(p) => p.after_publish,
-        ValidMode::LogTailing(_) => crate::api::AfterPublish::Delete,
-    };
-    let table = OutboxTable::inspect(
-        &client,
-        &valid.table,
-        &dead_letter_table,
-        Columns::of(&valid.table),
-        after_publish,
-        valid.partitions,
-    )
-    .await
-    .map_err(|e| fail(e.to_string()))?;
+    let table = OutboxTable::of_relay(&client, valid)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
     let rows = table
         .replay_rows(&client, &evidence, window, args.limit)
         .await

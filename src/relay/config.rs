@@ -125,11 +125,7 @@ impl Settings {
             workers,
             retention: valid.retention,
             max_attempts: valid.failure.max_attempts,
-            dead_letter_table: valid
-                .failure
-                .dead_letter_table
-                .clone()
-                .unwrap_or_else(|| format!("{}_dead_letter", valid.table.name)),
+            dead_letter_table: valid.dead_letter_table(),
             listen,
             database_url: resolved.database_url,
             url_env: ENV_DATABASE_URL.to_owned(),

@@ -477,6 +477,15 @@ impl ValidRelay {
         }
     }
 
+    /// The dead-letter table's name (in the outbox table's schema):
+    /// `spec.failure.deadLetterTable`, else `<table>_dead_letter`.
+    pub fn dead_letter_table(&self) -> String {
+        self.failure
+            .dead_letter_table
+            .clone()
+            .unwrap_or_else(|| format!("{}_dead_letter", self.table.name))
+    }
+
     /// The reference a Secret field was filled in from, when the user did not write
     /// it: `spec.broker.kafka.kafkaRef` for the Kafka TLS and SASL fields it gives.
     pub fn referenced_field(&self, field: &str) -> Option<&'static str> {

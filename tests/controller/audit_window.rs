@@ -12,27 +12,12 @@ use std::time::Duration;
 use common::{RelayBroker, RelayOptions, RelayProcess};
 use serde_json::json;
 
-/// The manifest of the relay a config file describes (its `spec`).
-fn manifest_of(relay_yaml: &str) -> serde_json::Value {
-    let config: serde_json::Value = serde_yaml::from_str(relay_yaml).unwrap();
-    json!({
-        "apiVersion": "outbox.dev/v1alpha1",
-        "kind": "OutboxRelay",
-        "metadata": {"name": "orders", "namespace": "shop"},
-        "spec": config["spec"],
-    })
-}
-
 fn audit(manifest: &serde_json::Value, database_url: &str) -> Output {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("relay.yaml");
-    std::fs::write(&file, serde_yaml::to_string(manifest).unwrap()).unwrap();
-    std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
-        .args(["audit", "--since", "10m", "--until", "0s", "-f"])
-        .arg(&file)
-        .env("OUTBOX_DATABASE_URL", database_url)
-        .output()
-        .unwrap()
+    crate::cli::run_with_manifest(
+        &["audit", "--since", "10m", "--until", "0s"],
+        manifest,
+        database_url,
+    )
 }
 
 fn stdout(output: &Output) -> String {
@@ -83,7 +68,7 @@ async fn window(db: &common::TestDatabase, broker: &RelayBroker) -> serde_json::
     )
     .await;
     drop(relay);
-    let manifest = manifest_of(&yaml);
+    let manifest = crate::cli::manifest_of(&yaml);
     let output = audit(&manifest, &db.url);
     assert_exit(&output, 0);
     let text = stdout(&output);

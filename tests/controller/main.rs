@@ -10,6 +10,7 @@ mod audit_window;
 mod common;
 
 mod check_brokers;
+mod cli;
 mod controller_binary;
 mod controller_cnpg;
 mod controller_invalid_specs;

@@ -14,17 +14,10 @@ use common::{Received, RelayBroker, RelayOptions, RelayProcess};
 use serde_json::json;
 
 fn replay(manifest: &serde_json::Value, database_url: &str, args: &[&str]) -> Output {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("relay.yaml");
-    std::fs::write(&file, serde_yaml::to_string(manifest).unwrap()).unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-operator"))
-        .arg("replay")
-        .args(args)
-        .arg("-f")
-        .arg(&file)
-        .env("OUTBOX_DATABASE_URL", database_url)
-        .output()
-        .unwrap();
+    let all: Vec<&str> = std::iter::once("replay")
+        .chain(args.iter().copied())
+        .collect();
+    let output = crate::cli::run_with_manifest(&all, manifest, database_url);
     assert_eq!(
         output.status.code(),
         Some(0),
@@ -36,17 +29,6 @@ fn replay(manifest: &serde_json::Value, database_url: &str, args: &[&str]) -> Ou
 
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-/// The manifest of the relay a config file describes.
-fn manifest_of(relay_yaml: &str) -> serde_json::Value {
-    let config: serde_json::Value = serde_yaml::from_str(relay_yaml).unwrap();
-    json!({
-        "apiVersion": "outbox.dev/v1alpha1",
-        "kind": "OutboxRelay",
-        "metadata": {"name": "orders", "namespace": "shop"},
-        "spec": config["spec"],
-    })
 }
 
 /// 30 rows of aggregates agg-0..2 created now and 6 of `old` created two hours ago,
@@ -82,7 +64,7 @@ async fn published(
     )
     .await;
     drop(relay);
-    (manifest_of(&yaml), ids)
+    (crate::cli::manifest_of(&yaml), ids)
 }
 
 /// The deliveries after the first `from`: ids in order, each a replay named `name`

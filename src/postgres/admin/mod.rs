@@ -240,11 +240,7 @@ impl Plan {
                 name: a.name.clone(),
                 moved_at: t.columns.published_at.clone(),
             }),
-            dead_letter: valid
-                .failure
-                .dead_letter_table
-                .clone()
-                .unwrap_or_else(|| format!("{}_dead_letter", t.name)),
+            dead_letter: valid.dead_letter_table(),
         }
     }
 

@@ -6,8 +6,10 @@
 use tokio_postgres::Client;
 
 use super::{OutboxTable, removal};
+use crate::api::AfterPublish;
 use crate::postgres::ids::{IdKind, id_param};
 use crate::postgres::{PgError, RowId, db, quote};
+use crate::spec::{ValidMode, ValidRelay};
 
 /// One dead-lettered row.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,6 +25,25 @@ pub struct DeadLetter {
 }
 
 impl OutboxTable {
+    /// The table of a parsed relay, inspected as the relay reads it (log tailing: as
+    /// rows that leave once published), for the tools that work on it from outside the
+    /// relay (`dead-letters`, `replay`).
+    pub async fn of_relay(client: &Client, valid: &ValidRelay) -> Result<Self, PgError> {
+        let after_publish = match &valid.mode {
+            ValidMode::Polling(p) => p.after_publish,
+            ValidMode::LogTailing(_) => AfterPublish::Delete,
+        };
+        Self::inspect(
+            client,
+            &valid.table,
+            &valid.dead_letter_table(),
+            super::Columns::of(&valid.table),
+            after_publish,
+            valid.partitions,
+        )
+        .await
+    }
+
     /// Whether the id column is an integer (ids given as text are read as numbers).
     pub fn has_int_ids(&self) -> bool {
         self.id_kind == IdKind::Int
