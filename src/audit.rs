@@ -120,13 +120,7 @@ pub fn compare(rows: &[AuditRow], delivered: &[Vec<String>]) -> Findings {
 /// Audits every OutboxRelay in the manifest; writes the report to `out` and returns
 /// whether every window passed.
 pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, Error> {
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let url = env(&args.database_url_env).ok_or_else(|| {
-        Error::Audit(format!(
-            "set {} to the database URL the relay uses",
-            args.database_url_env
-        ))
-    })?;
+    let url = crate::secrets::database_url_from(&args.database_url_env).map_err(Error::Audit)?;
     let now = SystemTime::now();
     let (since, until) = (now - args.since, now - args.until);
     let mut passed = true;
@@ -164,7 +158,7 @@ async fn audit_relay(
     )
     .await
     .map_err(|e| fail(e.to_string()))?;
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let env = crate::secrets::env_value;
     let broker = crate::spec::config::read_broker(valid, &env).map_err(|e| {
         fail(format!(
             "{e} (outside a pod, set these variables to the values the relay gets)"

@@ -85,7 +85,7 @@ pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Res
             ),
         );
         all_ok &= check_database(&valid, &plan, &url, url_env, out).await;
-        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let env = crate::secrets::env_value;
         let probes = match crate::spec::config::read_broker(&valid, &env) {
             Ok(settings) => settings.probe().await,
             Err(err) => vec![probe::Probe {
@@ -112,7 +112,7 @@ async fn check_database(
     url_env: &str,
     out: &mut impl Write,
 ) -> bool {
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let env = crate::secrets::env_value;
     let tls = match crate::postgres::tls::PgTls::from_files(relay, &env) {
         Ok(tls) => tls,
         Err((field, message)) => {

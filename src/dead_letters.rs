@@ -67,13 +67,8 @@ pub async fn dead_letters_file(args: &DeadLetterArgs, out: &mut impl Write) -> R
         .map(redrive_of)
         .transpose()
         .map_err(Error::DeadLetters)?;
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let url = env(&args.database_url_env).ok_or_else(|| {
-        Error::DeadLetters(format!(
-            "set {} to the database URL the relay uses",
-            args.database_url_env
-        ))
-    })?;
+    let url =
+        crate::secrets::database_url_from(&args.database_url_env).map_err(Error::DeadLetters)?;
     for valid in crate::render::parsed_relays(&args.file)? {
         one_relay(&valid, &url, args, redrive.as_ref(), out).await?;
     }

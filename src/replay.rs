@@ -117,13 +117,7 @@ pub async fn replay_file(args: &ReplayArgs, out: &mut impl Write) -> Result<bool
             .strftime("%Y%m%dT%H%M%SZ")
             .to_string()
     });
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let url = env(&args.database_url_env).ok_or_else(|| {
-        Error::Replay(format!(
-            "set {} to the database URL the relay uses",
-            args.database_url_env
-        ))
-    })?;
+    let url = crate::secrets::database_url_from(&args.database_url_env).map_err(Error::Replay)?;
     let mut complete = true;
     for valid in crate::render::parsed_relays(&args.file)? {
         complete &= replay_relay(&valid, &url, args, &window, &name, out).await?;
@@ -184,7 +178,7 @@ async fn replay_relay(
         }
         return Ok(true);
     }
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let env = crate::secrets::env_value;
     let mut broker = crate::spec::config::read_broker(valid, &env).map_err(|e| {
         fail(format!(
             "{e} (outside a pod, set these variables to the values the relay gets)"

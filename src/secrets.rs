@@ -217,6 +217,17 @@ fn amqp_password_in_clear(uri: &str) -> bool {
         .is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
+/// The value of environment variable `name`, when set and not blank (how the CLI tools
+/// and the relay read Secret values delivered as variables).
+pub fn env_value(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The database URL a CLI tool reads from variable `var`, or what to set.
+pub fn database_url_from(var: &str) -> Result<String, String> {
+    env_value(var).ok_or_else(|| format!("set {var} to the database URL the relay uses"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

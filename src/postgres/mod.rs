@@ -98,7 +98,7 @@ pub async fn connect_for(
     url: &str,
     url_env: &str,
 ) -> Result<tokio_postgres::Client, PgError> {
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let env = crate::secrets::env_value;
     let tls = tls::PgTls::from_files(valid, &env)
         .map_err(|(field, message)| PgError::Tls(format!("{field}: {message}")))?;
     connect(url, url_env, &tls).await

@@ -107,14 +107,7 @@ pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, Pg
     else {
         return Ok(None);
     };
-    client
-        .batch_execute(&format!(
-            "SET statement_timeout = {}",
-            quote_literal(STATUS_QUERY_TIMEOUT)
-        ))
-        .await
-        .map_err(db("limiting the status queries"))?;
-    let result = async {
+    with_status_timeout(client, async {
         let rows: i64 = client
             .query_one(&count_sql, &[])
             .await
@@ -133,8 +126,24 @@ pub async fn backlog(client: &Client, plan: &Plan) -> Result<Option<Backlog>, Pg
             rows,
             oldest_age_seconds,
         }))
-    }
-    .await;
+    })
+    .await
+}
+
+/// Runs `queries` with [`STATUS_QUERY_TIMEOUT`] as the session's statement timeout,
+/// reset afterwards whatever they returned.
+async fn with_status_timeout<T>(
+    client: &Client,
+    queries: impl std::future::Future<Output = Result<T, PgError>>,
+) -> Result<T, PgError> {
+    client
+        .batch_execute(&format!(
+            "SET statement_timeout = {}",
+            quote_literal(STATUS_QUERY_TIMEOUT)
+        ))
+        .await
+        .map_err(db("limiting the status queries"))?;
+    let result = queries.await;
     let _ = client.batch_execute("RESET statement_timeout").await;
     result
 }
@@ -152,22 +161,15 @@ pub async fn dead_letter_rows(client: &Client, plan: &Plan) -> Result<Option<i64
     if !exists {
         return Ok(None);
     }
-    client
-        .batch_execute(&format!(
-            "SET statement_timeout = {}",
-            quote_literal(STATUS_QUERY_TIMEOUT)
-        ))
-        .await
-        .map_err(db("limiting the status queries"))?;
-    let counted = client
-        .query_one(
-            &format!("SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT {BACKLOG_COUNT_LIMIT}) d"),
-            &[],
-        )
-        .await
-        .map_err(db("counting the dead letters"));
-    let _ = client.batch_execute("RESET statement_timeout").await;
-    Ok(Some(counted?.get(0)))
+    let sql = format!("SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT {BACKLOG_COUNT_LIMIT}) d");
+    with_status_timeout(client, async {
+        let row = client
+            .query_one(&sql, &[])
+            .await
+            .map_err(db("counting the dead letters"))?;
+        Ok(Some(row.get(0)))
+    })
+    .await
 }
 
 /// A backlog measurement may take at most this share of the time between two of them.
