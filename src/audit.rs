@@ -27,19 +27,11 @@ pub struct AuditArgs {
     #[arg(long, value_name = "VAR", default_value = crate::secrets::ENV_DATABASE_URL)]
     pub database_url_env: String,
     /// The window starts this long ago (rows by their created-at column).
-    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration)]
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = crate::api::duration_arg)]
     pub since: Duration,
     /// The window ends this long ago: rows newer may not be published yet.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = duration)]
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = crate::api::duration_arg)]
     pub until: Duration,
-}
-
-/// A duration as the spec writes them (`90s`, `1h30m`), or zero (`0s`: up to now).
-fn duration(text: &str) -> Result<Duration, String> {
-    if matches!(text, "0" | "0s" | "0ms") {
-        return Ok(Duration::ZERO);
-    }
-    crate::api::parse_duration(text).map_err(|e| e.to_string())
 }
 
 /// What the broker showed for one window: per aggregate, in the table's order.

@@ -17,6 +17,17 @@ use crate::postgres::redact_url;
 /// Default variable holding the database URL, as in the relay's pods.
 pub const DEFAULT_URL_ENV: &str = crate::secrets::ENV_DATABASE_URL;
 
+/// `outbox-operator check`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    /// OutboxRelay manifest to check.
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: std::path::PathBuf,
+    /// Environment variable holding the database URL.
+    #[arg(long, value_name = "VAR", default_value = DEFAULT_URL_ENV)]
+    pub database_url_env: String,
+}
+
 /// Checks every OutboxRelay in the file at `path`, with the URL from variable `url_env`.
 /// Returns whether every check passed; writes the report to `out`.
 pub async fn check_file(path: &Path, url_env: &str, out: &mut impl Write) -> Result<bool, Error> {

@@ -16,6 +16,7 @@ pub mod postgres;
 pub mod relay;
 pub mod render;
 pub mod replay;
+pub mod report;
 pub mod resources;
 pub mod rules;
 pub mod schema;

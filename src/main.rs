@@ -70,14 +70,7 @@ enum Command {
     Kubectl(outbox_operator::plugin::PluginArgs),
     /// Connect to the database a manifest's relay would use and report what is missing
     /// (wal_level, replication, free slots, table, columns, privileges), one line each.
-    Check {
-        /// OutboxRelay manifest to check.
-        #[arg(short = 'f', long = "file", value_name = "FILE")]
-        file: PathBuf,
-        /// Environment variable holding the database URL.
-        #[arg(long, value_name = "VAR", default_value = outbox_operator::check::DEFAULT_URL_ENV)]
-        database_url_env: String,
-    },
+    Check(outbox_operator::check::CheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -115,48 +108,37 @@ fn main() -> ExitCode {
                 .map_err(Error::from)
         }
         Command::Audit(args) => {
-            let passed = runtime().block_on(outbox_operator::audit::audit_file(
-                &args,
-                &mut std::io::stdout().lock(),
-            ));
-            match passed {
-                // Findings are the report, not a usage error: exit 1.
-                Ok(false) => return ExitCode::from(1),
-                other => other.map(|_| ()),
-            }
+            return tool(|out| runtime().block_on(outbox_operator::audit::audit_file(&args, out)));
         }
-        Command::DeadLetters(args) => runtime().block_on(
-            outbox_operator::dead_letters::dead_letters_file(&args, &mut std::io::stdout().lock()),
-        ),
+        Command::DeadLetters(args) => {
+            return tool(|out| {
+                runtime()
+                    .block_on(outbox_operator::dead_letters::dead_letters_file(&args, out))
+                    .map(|()| true)
+            });
+        }
         Command::Replay(args) => {
-            let complete = runtime().block_on(outbox_operator::replay::replay_file(
+            return tool(|out| {
+                runtime().block_on(outbox_operator::replay::replay_file(&args, out))
+            });
+        }
+        Command::Check(args) => {
+            return tool(|out| {
+                runtime().block_on(outbox_operator::check::check_file(
+                    &args.file,
+                    &args.database_url_env,
+                    out,
+                ))
+            });
+        }
+        Command::Kubectl(args) => {
+            return match runtime().block_on(outbox_operator::plugin::run(
                 &args,
                 &mut std::io::stdout().lock(),
-            ));
-            match complete {
-                // Events not sent are the report, not a usage error: exit 1.
-                Ok(false) => return ExitCode::from(1),
-                other => other.map(|_| ()),
-            }
-        }
-        Command::Kubectl(args) => runtime().block_on(outbox_operator::plugin::run(
-            &args,
-            &mut std::io::stdout().lock(),
-        )),
-        Command::Check {
-            file,
-            database_url_env,
-        } => {
-            let passed = runtime().block_on(outbox_operator::check::check_file(
-                &file,
-                &database_url_env,
-                &mut std::io::stdout().lock(),
-            ));
-            match passed {
-                // Failed checks are the report, not a usage error: exit 1.
-                Ok(false) => return ExitCode::from(1),
-                other => other.map(|_| ()),
-            }
+            )) {
+                Ok(code) => ExitCode::from(code),
+                Err(err) => finish(Err(err)),
+            };
         }
     };
     finish(result)
@@ -184,6 +166,26 @@ fn run_controller(args: outbox_operator::controller::ControllerArgs) -> Result<(
         .await?;
         Ok(())
     })
+}
+
+/// Runs a tool that reports on stdout: the report (and an error after it) is also left
+/// as the container's termination message when run in a pod (a Job `kubectl outbox`
+/// made), so it reads from the pod's status. Exit 0 when the tool found nothing wrong,
+/// 1 with findings (the report says them), 2 on an error (it could not tell).
+fn tool(
+    run: impl FnOnce(
+        &mut outbox_operator::report::Tee<std::io::StdoutLock<'static>>,
+    ) -> Result<bool, Error>,
+) -> ExitCode {
+    let mut out = outbox_operator::report::Tee::new(std::io::stdout().lock());
+    let result = run(&mut out);
+    out.leave(result.as_ref().err().map(ToString::to_string).as_deref());
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        // Findings are the report, not a usage error.
+        Ok(false) => ExitCode::from(1),
+        Err(err) => finish(Err(err)),
+    }
 }
 
 /// Writes to stdout; a closed pipe (`crd | head`) is not an error worth a panic.

@@ -35,10 +35,10 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "VAR", default_value = crate::secrets::ENV_DATABASE_URL)]
     pub database_url_env: String,
     /// Events created at most this long ago (by the created-at column).
-    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    #[arg(long, value_name = "DURATION", value_parser = crate::api::duration_arg)]
     pub since: Option<Duration>,
     /// Events created at least this long ago.
-    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    #[arg(long, value_name = "DURATION", value_parser = crate::api::duration_arg)]
     pub until: Option<Duration>,
     /// These ids only, separated by commas.
     #[arg(long, value_name = "ID,...", value_delimiter = ',')]
@@ -64,15 +64,8 @@ pub struct ReplayArgs {
     pub dry_run: bool,
     /// How long a broker outage may last before the replay stops (the events not sent
     /// are listed).
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = crate::api::duration_arg)]
     pub outage_timeout: Duration,
-}
-
-fn duration(text: &str) -> Result<Duration, String> {
-    if matches!(text, "0" | "0s" | "0ms") {
-        return Ok(Duration::ZERO);
-    }
-    crate::api::parse_duration(text).map_err(|e| e.to_string())
 }
 
 impl ReplayArgs {

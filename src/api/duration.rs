@@ -20,6 +20,14 @@ pub enum DurationError {
 /// The longest duration Go (and so the API server's CEL `duration()`) reads.
 const LONGEST: Duration = Duration::from_nanos(i64::MAX as u64);
 
+/// A command-line duration: as the spec writes them (`90s`, `1h30m`), or zero (`0s`).
+pub fn duration_arg(text: &str) -> Result<Duration, String> {
+    if matches!(text, "0" | "0s" | "0ms") {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(text).map_err(|e| e.to_string())
+}
+
 /// Parses a positive Go-style duration; the schema's pattern admits the same strings.
 pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     let malformed = || DurationError::Malformed(text.to_owned());

@@ -26,7 +26,7 @@ pub use broker::{
     SaslSpec, TlsSpec,
 };
 pub use database::*;
-pub use duration::{DurationError, parse_duration};
+pub use duration::{DurationError, duration_arg, parse_duration};
 pub use kafka_ref::{KafkaConnection, KafkaRef, KafkaUserAuthentication};
 pub use mode::*;
 pub use pod::{ImagePullPolicy, RelayPodSpec};

@@ -70,35 +70,15 @@ use tokio::sync::watch;
 
 use config::{ConfigError, RelayConfig, Settings};
 
-/// Where the kubelet reads a container's termination message unless told otherwise;
-/// the relay's container keeps that default.
-pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
-
-/// The kubelet keeps at most this much of a termination message.
-const TERMINATION_MESSAGE_MAX: usize = 4096;
-
 /// Leaves why the relay stopped where the kubelet reads it, so that the pod's status
 /// (`lastState.terminated.message`) and the OutboxRelay's `Ready` condition say it, not
 /// only the log. Only in a pod: outside one the file does not exist and none is made.
 pub fn leave_termination_message(err: &RelayError) {
-    leave_termination_message_at(Path::new(TERMINATION_MESSAGE_PATH), err);
+    leave_termination_message_at(Path::new(crate::report::TERMINATION_MESSAGE_PATH), err);
 }
 
 fn leave_termination_message_at(path: &Path, err: &RelayError) {
-    use std::io::Write;
-    let mut message = err.to_string();
-    message.truncate(message.floor_char_boundary(TERMINATION_MESSAGE_MAX));
-    // No `create`: the kubelet provides the file.
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .truncate(true)
-        .open(path)
-        .and_then(|mut file| file.write_all(message.as_bytes()));
-    if let Err(e) = written
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(error = %e, path = %path.display(), "cannot leave the termination message");
-    }
+    crate::report::leave_at(path, &err.to_string());
 }
 
 /// Why the relay stopped with an error.
@@ -421,7 +401,7 @@ mod tests {
         let long = RelayError::Broker("€".repeat(3000));
         leave_termination_message_at(&provided, &long);
         let kept = std::fs::read_to_string(&provided).expect("read");
-        assert!(kept.len() <= TERMINATION_MESSAGE_MAX && kept.len() > 4000);
+        assert!(kept.len() <= crate::report::TERMINATION_MESSAGE_MAX && kept.len() > 4000);
         assert!(kept.ends_with('€'));
     }
 }

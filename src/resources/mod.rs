@@ -6,6 +6,7 @@
 //! build exactly the same objects and the whole set is unit- and golden-file tested.
 
 mod monitoring;
+mod tool_job;
 mod workload;
 
 use std::collections::BTreeMap;
@@ -24,6 +25,10 @@ use crate::spec::ValidRelay;
 pub use monitoring::{
     PROMETHEUS_RULE_KIND, PROMETHEUS_RULE_PLURAL, SERVICE_MONITOR_KIND, SERVICE_MONITOR_PLURAL,
     default_runbook_base_url, prometheus_rule, runbook_url, service, service_monitor,
+};
+pub use tool_job::{
+    TOOL_APP_NAME, TOOL_CONTAINER, TOOL_JOB_KEPT_SECONDS, TOOL_LABEL, TOOL_MANIFEST_ANNOTATION,
+    TOOL_MANIFEST_PATH, ToolJobError, ToolRun, tool_job, tool_labels, tool_manifest,
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,

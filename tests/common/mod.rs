@@ -24,6 +24,7 @@ pub mod app_writer;
 pub mod ids;
 pub mod node;
 pub mod operator;
+pub mod plugin;
 pub mod pod_runner;
 pub mod private;
 pub mod proxy;

@@ -13,28 +13,7 @@ use kube::api::{Api, Patch, PatchParams};
 use outbox_operator::api::OutboxRelay;
 use serde_json::{Value, json};
 
-/// Runs `kubectl outbox <args>` through the rig's kubectl.
-fn kubectl_outbox(args: &[&str]) -> Output {
-    let rig = common::Rig::load();
-    let dir = tempfile::tempdir().unwrap();
-    std::os::unix::fs::symlink(
-        env!("CARGO_BIN_EXE_outbox-operator"),
-        dir.path().join("kubectl-outbox"),
-    )
-    .unwrap();
-    let path = format!(
-        "{}:{}",
-        dir.path().display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    std::process::Command::new(rig.get("OUTBOX_RIG_KUBECTL"))
-        .arg("outbox")
-        .args(args)
-        .env("PATH", path)
-        .env("KUBECONFIG", rig.kubeconfig())
-        .output()
-        .unwrap()
-}
+use common::plugin::kubectl_outbox;
 
 fn succeeded(output: &Output) -> String {
     assert!(

@@ -20,4 +20,5 @@ mod e2e_platform;
 mod e2e_pod_runner;
 mod e2e_slot_lost;
 mod e2e_suspend;
+mod e2e_tools;
 mod e2e_wal_budget;

@@ -8,7 +8,11 @@
 //!   pods, partitions owned, backlog, oldest unpublished event, dead letters, the
 //!   slot's retained WAL);
 //! - `suspend` / `resume`: set `spec.suspend`;
-//! - `scale --replicas N`: through the `/scale` subresource, as `kubectl scale` does.
+//! - `scale --replicas N`: through the `/scale` subresource, as `kubectl scale` does;
+//! - `check`, `audit`, `replay`, `dead-letters NAME [options]`: the tools, run in the
+//!   cluster as the relay runs ([`tools`]).
+
+mod tools;
 
 use std::io::Write;
 
@@ -61,6 +65,31 @@ pub enum PluginCommand {
         #[arg(long)]
         replicas: i32,
     },
+    /// Check the relay's database and broker from inside the cluster, with its own
+    /// Secrets (as `outbox-operator check`).
+    Check(ToolArgs),
+    /// Audit a window of the relay's events against its broker, in the cluster (options
+    /// as `outbox-operator audit`'s, after the name: --since, --until).
+    Audit(ToolArgs),
+    /// Publish a window of the relay's events again, in the cluster (options as
+    /// `outbox-operator replay`'s, after the name: --since, --ids, --aggregate-id, …).
+    Replay(ToolArgs),
+    /// List the relay's dead letters, or redrive them (`--redrive all|ID,...`), in the
+    /// cluster.
+    DeadLetters(ToolArgs),
+}
+
+/// A tool run in the cluster against one relay.
+#[derive(Debug, clap::Args)]
+pub struct ToolArgs {
+    /// How long the tool may run before Kubernetes stops it.
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = crate::api::duration_arg)]
+    pub job_timeout: std::time::Duration,
+    /// The OutboxRelay.
+    pub name: String,
+    /// The tool's own options (as `outbox-operator <tool> --help` lists them, without -f).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub options: Vec<String>,
 }
 
 /// The program's file name kubectl finds on the `PATH` for `kubectl outbox`.
@@ -94,8 +123,9 @@ fn refused(err: kube::Error) -> Error {
     }
 }
 
-/// Runs a `kubectl outbox` command; writes its output to `out`.
-pub async fn run(args: &PluginArgs, out: &mut impl Write) -> Result<(), Error> {
+/// Runs a `kubectl outbox` command; writes its output to `out`. Returns the exit status:
+/// 0, or a tool's own (1 when it found something wrong, 2 when it could not tell).
+pub async fn run(args: &PluginArgs, out: &mut impl Write) -> Result<u8, Error> {
     let options = KubeConfigOptions {
         context: args.context.clone(),
         ..KubeConfigOptions::default()
@@ -164,10 +194,36 @@ pub async fn run(args: &PluginArgs, out: &mut impl Write) -> Result<(), Error> {
                 .map_err(refused)?;
             format!("outboxrelay.outbox.dev/{name} scaled to {replicas}\n")
         }
+        PluginCommand::Check(tool)
+        | PluginCommand::Audit(tool)
+        | PluginCommand::Replay(tool)
+        | PluginCommand::DeadLetters(tool) => {
+            let command = match &args.command {
+                PluginCommand::Check(_) => "check",
+                PluginCommand::Audit(_) => "audit",
+                PluginCommand::Replay(_) => "replay",
+                _ => "dead-letters",
+            };
+            let (job, ended) = tools::run_tool(
+                &client,
+                &namespace,
+                &tool.name,
+                command,
+                &tool.options,
+                tool.job_timeout,
+            )
+            .await?;
+            let _ = out.write_all(ended.report.as_bytes());
+            if !ended.report.ends_with('\n') {
+                let _ = out.write_all(b"\n");
+            }
+            eprintln!("{}", tools::epilogue(&job, &ended));
+            return Ok(tools::exit_status(ended.exit_code));
+        }
     };
     // A closed stdout (`| head`) only loses the output.
     let _ = out.write_all(text.as_bytes());
-    Ok(())
+    Ok(0)
 }
 
 /// Bytes for people: `512B`, `3.2MiB`, `1.0GiB`.
@@ -259,6 +315,50 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Line {
+        #[command(flatten)]
+        plugin: PluginArgs,
+    }
+
+    #[test]
+    fn a_tools_options_follow_its_relay_and_the_plugins_stay_the_plugins() {
+        use clap::Parser;
+        let line = Line::try_parse_from([
+            "kubectl-outbox",
+            "audit",
+            "orders",
+            "-n",
+            "shop",
+            "--since",
+            "1h",
+            "--until",
+            "0s",
+        ])
+        .unwrap();
+        let PluginCommand::Audit(tool) = &line.plugin.command else {
+            panic!("{line:?}");
+        };
+        assert_eq!(tool.name, "orders");
+        assert_eq!(tool.options, ["--since", "1h", "--until", "0s"]);
+        assert_eq!(line.plugin.namespace.as_deref(), Some("shop"));
+        let line = Line::try_parse_from([
+            "kubectl-outbox",
+            "replay",
+            "orders",
+            "--job-timeout",
+            "5m",
+            "--ids",
+            "1,2",
+        ])
+        .unwrap();
+        let PluginCommand::Replay(tool) = &line.plugin.command else {
+            panic!("{line:?}");
+        };
+        assert_eq!(tool.job_timeout, std::time::Duration::from_secs(300));
+        assert_eq!(tool.options, ["--ids", "1,2"]);
+    }
 
     #[test]
     fn run_as_kubectl_outbox_it_takes_the_kubectl_commands() {

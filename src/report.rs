@@ -1,0 +1,188 @@
+//! What a process leaves where the kubelet reads it: the container's termination
+//! message (`/dev/termination-log`), which the pod's status carries as
+//! `state.terminated.message` after the process ends. The relay leaves why it stopped;
+//! the tools (`check`, `audit`, `replay`, `dead-letters`) run in a Job leave their
+//! report, so `kubectl outbox` and the operator read it from the API without the
+//! pod's log (which needs the kubelet reachable from the API server, and rotates).
+//!
+//! Outside a pod the file does not exist, and none is made.
+
+use std::io::Write;
+use std::path::Path;
+
+/// Where the kubelet reads a container's termination message unless told otherwise.
+pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
+
+/// The kubelet keeps at most this much of a termination message.
+pub const TERMINATION_MESSAGE_MAX: usize = 4096;
+
+/// Leaves `message` (cut to what the kubelet keeps) at `path`, if that file exists.
+pub fn leave_at(path: &Path, message: &str) {
+    let message = &message[..message.floor_char_boundary(TERMINATION_MESSAGE_MAX)];
+    // No `create`: the kubelet provides the file.
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .and_then(|mut file| file.write_all(message.as_bytes()));
+    if let Err(e) = written
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, path = %path.display(), "cannot leave the termination message");
+    }
+}
+
+/// A report folded to at most `limit` bytes: whole when it fits; else its first lines
+/// and its last ones (a report's verdict is at its end), with a line saying how many
+/// were left out and where the whole report is.
+pub fn fold(report: &str, limit: usize) -> String {
+    if report.len() <= limit {
+        return report.to_owned();
+    }
+    let lines: Vec<&str> = report.lines().collect();
+    let marker = |left_out: usize| {
+        format!("… {left_out} lines left out: the pod's log has the whole report\n")
+    };
+    // Room for the marker with the largest count it can show.
+    let budget = limit.saturating_sub(marker(lines.len()).len());
+    let head_budget = budget / 3;
+    let mut head = 0;
+    let mut used = 0;
+    while head < lines.len() && used + lines[head].len() < head_budget {
+        used += lines[head].len() + 1;
+        head += 1;
+    }
+    let mut tail = 0;
+    while tail < lines.len() - head && used + lines[lines.len() - 1 - tail].len() < budget {
+        used += lines[lines.len() - 1 - tail].len() + 1;
+        tail += 1;
+    }
+    let mut text = String::with_capacity(limit);
+    for line in &lines[..head] {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text.push_str(&marker(lines.len() - head - tail));
+    for line in &lines[lines.len() - tail..] {
+        text.push_str(line);
+        text.push('\n');
+    }
+    // A single line longer than the limit: cut it on a character.
+    text.truncate(text.floor_char_boundary(limit));
+    text
+}
+
+/// A writer that passes everything on to `inner` and keeps a copy, so the report a
+/// tool printed can also be left as its termination message ([`Tee::leave`]).
+pub struct Tee<W> {
+    inner: W,
+    kept: Vec<u8>,
+}
+
+impl<W: Write> Tee<W> {
+    /// Writes to `inner`, keeping a copy.
+    pub fn new(inner: W) -> Self {
+        Self {
+            inner,
+            kept: Vec::new(),
+        }
+    }
+
+    /// What was written, with `last` (an error, say) after it, folded to what the
+    /// kubelet keeps, left at `path` when that file exists.
+    pub fn leave_at(&self, path: &Path, last: Option<&str>) {
+        let mut report = String::from_utf8_lossy(&self.kept).into_owned();
+        if let Some(last) = last {
+            if !report.is_empty() && !report.ends_with('\n') {
+                report.push('\n');
+            }
+            report.push_str(last);
+            report.push('\n');
+        }
+        leave_at(path, &fold(&report, TERMINATION_MESSAGE_MAX));
+    }
+
+    /// [`Tee::leave_at`] the kubelet's path.
+    pub fn leave(&self, last: Option<&str>) {
+        self.leave_at(Path::new(TERMINATION_MESSAGE_PATH), last);
+    }
+}
+
+impl<W: Write> Write for Tee<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Kept whatever becomes of stdout (a closed pipe must not lose the report).
+        self.kept.extend_from_slice(buf);
+        match self.inner.write_all(buf) {
+            Ok(()) => Ok(buf.len()),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(buf.len()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_that_fits_is_left_whole() {
+        assert_eq!(fold("ok  table\nok  slot\n", 100), "ok  table\nok  slot\n");
+    }
+
+    #[test]
+    fn a_long_report_keeps_its_head_and_its_verdict() {
+        let mut report = String::from("OutboxRelay shop/orders\n");
+        for i in 0..500 {
+            report.push_str(&format!("missing  aggregate-{i}  id-{i}\n"));
+        }
+        report.push_str("FAILED: 500 missing, 0 out of order\n");
+        let folded = fold(&report, TERMINATION_MESSAGE_MAX);
+        assert!(folded.len() <= TERMINATION_MESSAGE_MAX, "{}", folded.len());
+        assert!(
+            folded.len() > TERMINATION_MESSAGE_MAX - 200,
+            "{}",
+            folded.len()
+        );
+        assert!(folded.starts_with("OutboxRelay shop/orders\nmissing  aggregate-0  id-0\n"));
+        assert!(folded.ends_with("FAILED: 500 missing, 0 out of order\n"));
+        let left_out: usize = folded
+            .lines()
+            .find_map(|l| l.strip_prefix("… "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .expect("the marker");
+        assert_eq!(
+            folded.lines().count() - 1 + left_out,
+            report.lines().count()
+        );
+    }
+
+    #[test]
+    fn one_line_longer_than_the_limit_is_cut_on_a_character() {
+        let folded = fold(&"€".repeat(3000), TERMINATION_MESSAGE_MAX);
+        assert!(folded.len() <= TERMINATION_MESSAGE_MAX);
+        assert!(folded.is_char_boundary(folded.len()));
+    }
+
+    #[test]
+    fn the_report_goes_only_to_a_file_the_kubelet_provides() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let provided = dir.path().join("termination-log");
+        std::fs::write(&provided, "an older message, longer than the new one").expect("write");
+        let mut tee = Tee::new(Vec::new());
+        write!(tee, "ok  table\nFAIL slot").expect("write");
+        tee.leave_at(&provided, Some("error: the broker is down"));
+        assert_eq!(
+            std::fs::read_to_string(&provided).expect("read"),
+            "ok  table\nFAIL slot\nerror: the broker is down\n"
+        );
+        assert_eq!(tee.inner, b"ok  table\nFAIL slot");
+        let missing = dir.path().join("none");
+        tee.leave_at(&missing, None);
+        assert!(!missing.exists());
+    }
+}
