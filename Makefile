@@ -43,10 +43,13 @@ lint: ## rustfmt, clippy (warnings are errors), the committed CRD matches the co
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets --locked -- -D warnings
 	@tmp=$$(mktemp) && trap 'rm -f "$$tmp"' EXIT && \
-	  $(CARGO) run --quiet --locked -- crd > "$$tmp" && \
-	  if ! diff -u crds/outboxrelay.yaml "$$tmp"; then \
-	    echo "crds/outboxrelay.yaml is out of date with src/api: run make crds" >&2; exit 1; \
-	  fi
+	  for kind in OutboxRelay OutboxReplay; do \
+	    file=crds/$$(echo $$kind | tr A-Z a-z).yaml; \
+	    $(CARGO) run --quiet --locked -- crd --kind $$kind > "$$tmp" && \
+	    if ! diff -u $$file "$$tmp"; then \
+	      echo "$$file is out of date with src/api: run make crds" >&2; exit 1; \
+	    fi; \
+	  done
 	@diff -r crds $(CHART)/crds || { echo "$(CHART)/crds differs from crds/: run make crds" >&2; exit 1; }
 	@test -x $(HELM) || { echo "$(HELM) is missing: run make provision" >&2; exit 1; }
 	$(HELM) lint --strict $(CHART)
@@ -58,8 +61,9 @@ docs: provision ## build the documentation book (docs/) into $(CACHE)/docs-book
 	@echo "open $(CACHE)/docs-book/index.html"
 
 crds: ## regenerate crds/ and the chart's copy from the Rust types (commit the result)
-	$(CARGO) run --quiet --locked -- crd > crds/outboxrelay.yaml
-	cp crds/outboxrelay.yaml $(CHART)/crds/outboxrelay.yaml
+	$(CARGO) run --quiet --locked -- crd --kind OutboxRelay > crds/outboxrelay.yaml
+	$(CARGO) run --quiet --locked -- crd --kind OutboxReplay > crds/outboxreplay.yaml
+	cp crds/outboxrelay.yaml crds/outboxreplay.yaml $(CHART)/crds/
 
 bench: provision ## benchmark on a fresh rig: relay throughput and latency, operator scale (~24 min); results in $(CACHE)/bench/
 	@mkdir -p $(CACHE)/bench && rm -f $(CACHE)/bench/results.md $(CACHE)/bench/results.json

@@ -109,7 +109,8 @@ async fn one_relay(
             .await
             .map_err(|e| fail(e.to_string()))?;
         lines.push(format!(
-            "{who}: {moved} rows moved back from {} into the outbox table; the relay publishes them again with their ids",
+            "{who}: {} from {} into the outbox table; the relay publishes them again with their ids",
+            crate::report::moved_back(moved),
             dead_letter_table
         ));
     }

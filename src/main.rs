@@ -25,8 +25,12 @@ enum Command {
         #[arg(long, value_name = "FILE", env = "OUTBOX_RELAY_CONFIG")]
         config: PathBuf,
     },
-    /// Print the OutboxRelay CustomResourceDefinition as YAML.
-    Crd,
+    /// Print the CustomResourceDefinitions (OutboxRelay, OutboxReplay) as YAML.
+    Crd {
+        /// Only this one.
+        #[arg(long, value_parser = outbox_operator::render::CRD_KINDS)]
+        kind: Option<String>,
+    },
     /// Print every object the operator would create for a manifest, offline; or, with
     /// --from-debezium, the OutboxRelay equivalent to a Debezium connector.
     Render {
@@ -82,7 +86,7 @@ fn main() -> ExitCode {
             .block_on(outbox_operator::relay::run(&config))
             .inspect_err(outbox_operator::relay::leave_termination_message)
             .map_err(Error::from),
-        Command::Crd => outbox_operator::render::crd_yaml()
+        Command::Crd { kind } => outbox_operator::render::crd_yaml(kind.as_deref())
             .map(|yaml| print_out(&yaml))
             .map_err(Error::from),
         Command::Render {

@@ -40,6 +40,12 @@ pub struct ReplayArgs {
     /// Events created at least this long ago.
     #[arg(long, value_name = "DURATION", value_parser = crate::api::duration_arg)]
     pub until: Option<Duration>,
+    /// Events created at or after this time (RFC 3339), instead of --since.
+    #[arg(long, value_name = "TIME", value_parser = crate::api::time_arg, conflicts_with = "since")]
+    pub from: Option<SystemTime>,
+    /// Events created at or before this time (RFC 3339), instead of --until.
+    #[arg(long, value_name = "TIME", value_parser = crate::api::time_arg, conflicts_with = "until")]
+    pub to: Option<SystemTime>,
     /// These ids only, separated by commas.
     #[arg(long, value_name = "ID,...", value_delimiter = ',')]
     pub ids: Vec<String>,
@@ -83,16 +89,20 @@ impl ReplayArgs {
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64())
         };
+        let at = |time: SystemTime| {
+            time.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        };
         let window = ReplayWindow {
-            since: self.since.map(unix),
-            until: self.until.map(unix),
+            since: self.from.map(at).or(self.since.map(unix)),
+            until: self.to.map(at).or(self.until.map(unix)),
             ids: trim(&self.ids),
             aggregate_ids: trim(&self.aggregate_ids),
             event_types: trim(&self.event_types),
         };
         if window == ReplayWindow::default() {
             return Err(
-                "name the events to replay: --since (and --until), --ids, --aggregate-id or --type"
+                "name the events to replay: --since or --from (and --until or --to), --ids, --aggregate-id or --type"
                     .to_owned(),
             );
         }
@@ -200,9 +210,9 @@ async fn replay_relay(
     }
     let _ = writeln!(
         out,
-        "{}  replayed {sent} of {} events in {:.1}s",
+        "{}  {} in {:.1}s",
         if sent == rows.len() { "ok  " } else { "FAIL" },
-        rows.len(),
+        crate::report::replayed(sent, rows.len()),
         started.elapsed().as_secs_f64()
     );
     for line in &refused {
@@ -277,6 +287,35 @@ mod tests {
         assert_eq!(w.aggregate_ids, ["a", "b"]);
         assert_eq!(w.event_types, ["Paid"]);
         assert_eq!(w.since, None);
+    }
+
+    #[test]
+    fn a_window_can_be_given_as_times() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let w = args(&[
+            "-f",
+            "r.yaml",
+            "--from",
+            "1970-01-01T01:00:00Z",
+            "--to",
+            "1970-01-01T02:00:00Z",
+        ])
+        .window(now)
+        .unwrap();
+        assert_eq!((w.since, w.until), (Some(3_600.0), Some(7_200.0)));
+        assert!(Cli::try_parse_from(["replay", "-f", "r", "--from", "yesterday"]).is_err());
+        assert!(
+            Cli::try_parse_from([
+                "replay",
+                "-f",
+                "r",
+                "--since",
+                "1h",
+                "--from",
+                "1970-01-01T01:00:00Z"
+            ])
+            .is_err()
+        );
     }
 
     #[test]

@@ -72,6 +72,34 @@ pub fn fold(report: &str, limit: usize) -> String {
     text
 }
 
+/// The line of a replay's report that says how far it got; [`events_in`] reads it back.
+pub fn replayed(done: usize, selected: usize) -> String {
+    format!("replayed {done} of {selected} events")
+}
+
+/// The line of a redrive's report that says how many rows went back to the relay;
+/// [`events_in`] reads it back.
+pub fn moved_back(rows: u64) -> String {
+    format!("{rows} rows moved back")
+}
+
+/// (selected, done) as a replay's or a redrive's report says them ([`replayed`],
+/// [`moved_back`]); `None` when it says neither (it stopped before).
+pub fn events_in(report: &str) -> Option<(i64, i64)> {
+    let number = |text: &str| text.trim().parse::<i64>().ok();
+    report.lines().find_map(|line| {
+        if let Some((_, rest)) = line.split_once("replayed ")
+            && let Some((done, rest)) = rest.split_once(" of ")
+            && let Some((selected, _)) = rest.split_once(" events")
+        {
+            return Some((number(selected)?, number(done)?));
+        }
+        let (before, _) = line.split_once(" rows moved back")?;
+        let moved = number(before.rsplit(' ').next()?)?;
+        Some((moved, moved))
+    })
+}
+
 /// A writer that passes everything on to `inner` and keeps a copy, so the report a
 /// tool printed can also be left as its termination message ([`Tee::leave`]).
 pub struct Tee<W> {
@@ -159,6 +187,26 @@ mod tests {
             folded.lines().count() - 1 + left_out,
             report.lines().count()
         );
+    }
+
+    #[test]
+    fn a_reports_counts_read_back_as_written() {
+        let replay = format!(
+            "OutboxRelay shop/orders: 12 rows in the window\nok    {} in 0.1s\n",
+            replayed(12, 12)
+        );
+        assert_eq!(events_in(&replay), Some((12, 12)));
+        let stopped = format!(
+            "FAIL  {} in 3.0s\n      stopped: the broker stayed unavailable",
+            replayed(4, 12)
+        );
+        assert_eq!(events_in(&stopped), Some((12, 4)));
+        let redrive = format!(
+            "OutboxRelay shop/orders: {} from outbox_dead_letter into the outbox table\n",
+            moved_back(2)
+        );
+        assert_eq!(events_in(&redrive), Some((2, 2)));
+        assert_eq!(events_in("error: cannot connect"), None);
     }
 
     #[test]

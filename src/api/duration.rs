@@ -28,6 +28,12 @@ pub fn duration_arg(text: &str) -> Result<Duration, String> {
     parse_duration(text).map_err(|e| e.to_string())
 }
 
+/// A command-line time: RFC 3339 (`2026-12-07T10:00:00Z`).
+pub fn time_arg(text: &str) -> Result<std::time::SystemTime, String> {
+    humantime::parse_rfc3339_weak(text.trim())
+        .map_err(|e| format!("{text}: not an RFC 3339 time such as 2026-12-07T10:00:00Z ({e})"))
+}
+
 /// Parses a positive Go-style duration; the schema's pattern admits the same strings.
 pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     let malformed = || DurationError::Malformed(text.to_owned());

@@ -13,6 +13,7 @@ mod kafka_ref;
 mod mode;
 mod pod;
 mod quantity;
+mod replay;
 mod secret_ref;
 mod status;
 mod table;
@@ -26,11 +27,12 @@ pub use broker::{
     SaslSpec, TlsSpec,
 };
 pub use database::*;
-pub use duration::{DurationError, duration_arg, parse_duration};
+pub use duration::{DurationError, duration_arg, parse_duration, time_arg};
 pub use kafka_ref::{KafkaConnection, KafkaRef, KafkaUserAuthentication};
 pub use mode::*;
 pub use pod::{ImagePullPolicy, RelayPodSpec};
 pub use quantity::{QuantityError, parse_bytes};
+pub use replay::{OutboxReplay, OutboxReplaySpec, OutboxReplayStatus, ReplayEvents, ReplaySource};
 pub use secret_ref::{
     CaSecretRef, CertSecretRef, KeySecretRef, PasswordSecretRef, SecretKeyRef, UsernameSecretRef,
 };

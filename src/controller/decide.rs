@@ -627,6 +627,7 @@ mod handover;
 mod lost;
 mod moved;
 mod referenced;
+pub mod replay;
 #[cfg(test)]
 mod tests;
 mod wal;

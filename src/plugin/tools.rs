@@ -11,14 +11,14 @@ use clap::Parser;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ContainerState, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 
 use super::{failed, refused};
 use crate::Error;
 use crate::api::OutboxRelay;
-use crate::resources::{TOOL_CONTAINER, TOOL_JOB_KEPT_SECONDS, TOOL_MANIFEST_PATH, ToolRun};
+use crate::resources::{Ended, TOOL_JOB_KEPT_SECONDS, TOOL_MANIFEST_PATH, ToolRun, pod_ended};
 
 /// A tool's command line as the Job will run it, read here first so a mistake is
 /// refused before anything is created.
@@ -49,15 +49,6 @@ pub fn tool_line(tool: &str, args: &[String]) -> Result<Vec<String>, String> {
     line.extend(args.iter().cloned());
     ToolLine::try_parse_from(&line).map_err(|e| e.render().to_string())?;
     Ok(line[3..].to_vec())
-}
-
-/// How a tool's run ended.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Ended {
-    /// The container's exit code.
-    pub exit_code: i32,
-    /// Its report (termination message), or why it never ran.
-    pub report: String,
 }
 
 /// Runs `tool` with `args` against the relay `name` in `namespace`; waits at most
@@ -131,69 +122,6 @@ async fn ended(client: &kube::Client, namespace: &str, job: &str) -> Result<Ende
     Err(failed(format!("the watch of job {job}'s pod ended")))
 }
 
-/// Reasons a container waits that it will not get over by itself.
-const STUCK: [&str; 5] = [
-    "ErrImagePull",
-    "ImagePullBackOff",
-    "InvalidImageName",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-];
-
-/// How the tool's container ended, or why it cannot start; `None` while it may still
-/// run.
-pub fn pod_ended(pod: &Pod) -> Option<Ended> {
-    let status = pod.status.as_ref()?;
-    let container = status
-        .container_statuses
-        .iter()
-        .flatten()
-        .find(|c| c.name == TOOL_CONTAINER);
-    if let Some(ContainerState {
-        terminated: Some(terminated),
-        ..
-    }) = container.and_then(|c| c.state.as_ref())
-    {
-        let report = terminated.message.clone().unwrap_or_else(|| {
-            format!(
-                "the tool ended ({}) and left no report",
-                terminated.reason.as_deref().unwrap_or("no reason given")
-            )
-        });
-        return Some(Ended {
-            exit_code: terminated.exit_code,
-            report,
-        });
-    }
-    if let Some(waiting) = container
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.waiting.as_ref())
-        && let Some(reason) = waiting.reason.as_deref()
-        && STUCK.contains(&reason)
-    {
-        return Some(Ended {
-            exit_code: 2,
-            report: format!(
-                "the tool's pod {} cannot start: {reason}: {}",
-                pod.metadata.name.as_deref().unwrap_or_default(),
-                waiting.message.as_deref().unwrap_or_default()
-            ),
-        });
-    }
-    // A pod stopped before its container ran (the Job's deadline, an eviction).
-    if status.phase.as_deref() == Some("Failed") {
-        return Some(Ended {
-            exit_code: 2,
-            report: format!(
-                "the tool's pod failed before its tool ended: {}: {}",
-                status.reason.as_deref().unwrap_or("no reason given"),
-                status.message.as_deref().unwrap_or_default()
-            ),
-        });
-    }
-    None
-}
-
 /// The plugin's exit status for the tool's: 0 and 1 as the tool said; anything else
 /// (2, a kill, a signal) 2: it could not tell.
 pub fn exit_status(code: i32) -> u8 {
@@ -235,66 +163,5 @@ mod tests {
         let refused = tool_line("dead-letters", &args(&["--file=x.yaml"])).unwrap_err();
         assert!(refused.contains("leave -f out"), "{refused}");
         assert!(tool_line("dead-letters", &args(&["--redrive", "all"])).is_ok());
-    }
-
-    fn pod(yaml: &str) -> Pod {
-        serde_yaml::from_str(yaml).unwrap()
-    }
-
-    #[test]
-    fn the_report_is_the_termination_message_and_the_exit_code_the_tools() {
-        let ended = pod_ended(&pod(
-            "metadata: {name: p}
-status:
-  phase: Failed
-  containerStatuses:
-  - name: tool
-    image: i
-    imageID: ''
-    ready: false
-    restartCount: 0
-    state: {terminated: {exitCode: 1, reason: Error, message: \"FAIL  table  missing\\n\"}}",
-        ));
-        assert_eq!(
-            ended,
-            Some(Ended {
-                exit_code: 1,
-                report: "FAIL  table  missing\n".to_owned()
-            })
-        );
-    }
-
-    #[test]
-    fn a_pod_that_cannot_start_ends_the_wait_with_why() {
-        let ended = pod_ended(&pod(
-            "metadata: {name: p}
-status:
-  phase: Pending
-  containerStatuses:
-  - name: tool
-    image: i
-    imageID: ''
-    ready: false
-    restartCount: 0
-    state: {waiting: {reason: CreateContainerConfigError, message: 'secret \"db\" not found'}}",
-        ))
-        .unwrap();
-        assert_eq!(ended.exit_code, 2);
-        assert!(
-            ended.report.contains("secret \"db\" not found"),
-            "{}",
-            ended.report
-        );
-        let running = pod("metadata: {name: p}
-status:
-  phase: Pending
-  containerStatuses:
-  - name: tool
-    image: i
-    imageID: ''
-    ready: false
-    restartCount: 0
-    state: {waiting: {reason: ContainerCreating}}");
-        assert_eq!(pod_ended(&running), None);
     }
 }

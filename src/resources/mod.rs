@@ -27,8 +27,9 @@ pub use monitoring::{
     default_runbook_base_url, prometheus_rule, runbook_url, service, service_monitor,
 };
 pub use tool_job::{
-    TOOL_APP_NAME, TOOL_CONTAINER, TOOL_JOB_KEPT_SECONDS, TOOL_LABEL, TOOL_MANIFEST_ANNOTATION,
-    TOOL_MANIFEST_PATH, ToolJobError, ToolRun, tool_job, tool_labels, tool_manifest,
+    Ended, TOOL_APP_NAME, TOOL_CONTAINER, TOOL_JOB_KEPT_SECONDS, TOOL_LABEL,
+    TOOL_MANIFEST_ANNOTATION, TOOL_MANIFEST_PATH, ToolJobError, ToolRun, pod_ended, tool_job,
+    tool_labels, tool_manifest,
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,

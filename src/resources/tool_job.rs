@@ -17,8 +17,8 @@ use std::time::Duration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    DownwardAPIProjection, DownwardAPIVolumeFile, EnvVar, ObjectFieldSelector, PodTemplateSpec,
-    VolumeProjection,
+    ContainerState, DownwardAPIProjection, DownwardAPIVolumeFile, EnvVar, ObjectFieldSelector, Pod,
+    PodTemplateSpec, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::json;
@@ -187,6 +187,78 @@ pub fn tool_job(
         }),
         status: None,
     })
+}
+
+/// How a tool's run ended.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// The container's exit code.
+    pub exit_code: i32,
+    /// Its report (termination message), or why it never ran.
+    pub report: String,
+}
+
+/// Reasons a container waits that it will not get over by itself.
+const STUCK: [&str; 5] = [
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+];
+
+/// How the tool's container ended, or why it cannot start; `None` while it may still
+/// run.
+pub fn pod_ended(pod: &Pod) -> Option<Ended> {
+    let status = pod.status.as_ref()?;
+    let container = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == TOOL_CONTAINER);
+    if let Some(ContainerState {
+        terminated: Some(terminated),
+        ..
+    }) = container.and_then(|c| c.state.as_ref())
+    {
+        let report = terminated.message.clone().unwrap_or_else(|| {
+            format!(
+                "the tool ended ({}) and left no report",
+                terminated.reason.as_deref().unwrap_or("no reason given")
+            )
+        });
+        return Some(Ended {
+            exit_code: terminated.exit_code,
+            report,
+        });
+    }
+    if let Some(waiting) = container
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.waiting.as_ref())
+        && let Some(reason) = waiting.reason.as_deref()
+        && STUCK.contains(&reason)
+    {
+        return Some(Ended {
+            exit_code: 2,
+            report: format!(
+                "the tool's pod {} cannot start: {reason}: {}",
+                pod.metadata.name.as_deref().unwrap_or_default(),
+                waiting.message.as_deref().unwrap_or_default()
+            ),
+        });
+    }
+    // A pod stopped before its container ran (the Job's deadline, an eviction).
+    if status.phase.as_deref() == Some("Failed") {
+        return Some(Ended {
+            exit_code: 2,
+            report: format!(
+                "the tool's pod failed before its tool ended: {}: {}",
+                status.reason.as_deref().unwrap_or("no reason given"),
+                status.message.as_deref().unwrap_or_default()
+            ),
+        });
+    }
+    None
 }
 
 /// The labels of one relay's tool runs of `tool`.
@@ -358,5 +430,66 @@ spec:
         assert_eq!(name.len() + 5, 63);
         assert!(name.ends_with("-dead-letters-"));
         assert_eq!(generate_name("orders", "check"), "orders-check-");
+    }
+
+    fn pod(yaml: &str) -> Pod {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn the_report_is_the_termination_message_and_the_exit_code_the_tools() {
+        let ended = pod_ended(&pod(
+            "metadata: {name: p}
+status:
+  phase: Failed
+  containerStatuses:
+  - name: tool
+    image: i
+    imageID: ''
+    ready: false
+    restartCount: 0
+    state: {terminated: {exitCode: 1, reason: Error, message: \"FAIL  table  missing\\n\"}}",
+        ));
+        assert_eq!(
+            ended,
+            Some(Ended {
+                exit_code: 1,
+                report: "FAIL  table  missing\n".to_owned()
+            })
+        );
+    }
+
+    #[test]
+    fn a_pod_that_cannot_start_ends_the_wait_with_why() {
+        let ended = pod_ended(&pod(
+            "metadata: {name: p}
+status:
+  phase: Pending
+  containerStatuses:
+  - name: tool
+    image: i
+    imageID: ''
+    ready: false
+    restartCount: 0
+    state: {waiting: {reason: CreateContainerConfigError, message: 'secret \"db\" not found'}}",
+        ))
+        .unwrap();
+        assert_eq!(ended.exit_code, 2);
+        assert!(
+            ended.report.contains("secret \"db\" not found"),
+            "{}",
+            ended.report
+        );
+        let running = pod("metadata: {name: p}
+status:
+  phase: Pending
+  containerStatuses:
+  - name: tool
+    image: i
+    imageID: ''
+    ready: false
+    restartCount: 0
+    state: {waiting: {reason: ContainerCreating}}");
+        assert_eq!(pod_ended(&running), None);
     }
 }

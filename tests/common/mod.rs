@@ -1700,6 +1700,12 @@ pub async fn install_outbox_crd(client: &kube::Client) {
         "the OutboxRelay CRD",
     )
     .await;
+    apply_crd(
+        client,
+        &outbox_operator::api::OutboxReplay::crd(),
+        "the OutboxReplay CRD",
+    )
+    .await;
 }
 
 /// Applies `crd` (server-side) and waits until the API server serves it (Established).

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
-use outbox_operator::api::OutboxRelay;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use outbox_operator::api::{OutboxRelay, OutboxReplay, ReplayEvents};
 use serde_json::json;
 
 use common::node::RelayPods;
@@ -240,4 +240,151 @@ async fn kubectl_outbox_runs_the_tools_in_the_cluster_with_the_relays_secrets() 
     println!(
         "kubectl outbox in the cluster:\n{checked}{listed}{redriven}{replayed}{passed}{failed}"
     );
+
+    // An OutboxReplay: the operator runs it once, in a Job, and reports in status.
+    let agg_2: BTreeSet<i64> = ids
+        .iter()
+        .filter(|(_, a)| a.as_str() == "agg-2")
+        .map(|(id, _)| *id)
+        .collect();
+    let replay = json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxReplay",
+        "metadata": {"name": "incident-812"},
+        "spec": {"relayName": "orders", "aggregateIds": ["agg-2"], "rate": 50},
+    });
+    let replays: Api<OutboxReplay> = Api::namespaced(client.clone(), &ns);
+    let apply = |body: serde_json::Value| {
+        let replays = replays.clone();
+        async move {
+            replays
+                .patch(
+                    body["metadata"]["name"].as_str().unwrap(),
+                    &PatchParams::apply("e2e-tools").force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+        }
+    };
+    let finished = |name: &'static str| {
+        let replays = replays.clone();
+        let controller = &controller;
+        async move {
+            common::wait_for_some_or(
+                &format!("the OutboxReplay {name} finished"),
+                WAIT,
+                || controller.log_tail(20),
+                || async {
+                    let replay = replays.get_opt(name).await.ok().flatten()?;
+                    let status = replay.status.clone()?;
+                    matches!(status.phase.as_deref(), Some("Succeeded" | "Failed"))
+                        .then_some(status)
+                },
+            )
+            .await
+        }
+    };
+    apply(replay.clone()).await.unwrap();
+    let status = finished("incident-812").await;
+    assert_eq!(status.phase.as_deref(), Some("Succeeded"), "{status:?}");
+    let n = i64::try_from(agg_2.len()).unwrap();
+    assert_eq!(
+        status.events,
+        Some(ReplayEvents {
+            selected: n,
+            done: n
+        }),
+        "{status:?}"
+    );
+    let finished_cond = &status.conditions[0];
+    assert_eq!(
+        (
+            finished_cond.type_.as_str(),
+            finished_cond.status.as_str(),
+            finished_cond.reason.as_str()
+        ),
+        ("Finished", "True", "Succeeded")
+    );
+    assert!(
+        status
+            .report
+            .as_deref()
+            .unwrap_or_default()
+            .contains("outbox-replay: incident-812"),
+        "{status:?}"
+    );
+    let count = delivered().await;
+    for id in &agg_2 {
+        assert_eq!(count[id], 2, "row {id} of agg-2");
+    }
+    let jobs_after = jobs.list(&ListParams::default()).await.unwrap().items.len();
+    assert_eq!(jobs_after, made + 1);
+    // Re-applied as it was: nothing runs again. Changed: refused, with the reason.
+    apply(replay.clone()).await.unwrap();
+    let mut changed = replay.clone();
+    changed["spec"]["aggregateIds"] = json!(["agg-0"]);
+    let refused = apply(changed).await.expect_err("a changed replay");
+    assert!(refused.to_string().contains("runs once"), "{refused}");
+    assert_eq!(
+        replays.get("incident-812").await.unwrap().status,
+        Some(status.clone())
+    );
+    assert_eq!(
+        jobs.list(&ListParams::default()).await.unwrap().items.len(),
+        jobs_after
+    );
+    assert_eq!(delivered().await, count);
+
+    // source: DeadLetters, once a new dead letter is fixed.
+    let late = common::insert_row(&db.client, "bad type", "odd-late", &json!({"late": true})).await;
+    common::wait_for_some_or(
+        "the new bad row dead-lettered",
+        WAIT,
+        || pods.log_tails(20),
+        || async {
+            db.client
+                .query_opt(
+                    "SELECT 1 FROM public.outbox_dead_letter WHERE id = $1",
+                    &[&late],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|_| ())
+        },
+    )
+    .await;
+    db.client
+        .execute(
+            "UPDATE public.outbox_dead_letter SET aggregatetype = 'order'",
+            &[],
+        )
+        .await
+        .unwrap();
+    apply(json!({
+        "apiVersion": "outbox.dev/v1alpha1",
+        "kind": "OutboxReplay",
+        "metadata": {"name": "redrive-late"},
+        "spec": {"relayName": "orders", "source": "DeadLetters"},
+    }))
+    .await
+    .unwrap();
+    let status = finished("redrive-late").await;
+    assert_eq!(status.phase.as_deref(), Some("Succeeded"), "{status:?}");
+    assert_eq!(
+        status.events,
+        Some(ReplayEvents {
+            selected: 1,
+            done: 1
+        }),
+        "{status:?}"
+    );
+    common::wait_for_some_or(
+        "the redriven row published",
+        WAIT,
+        || pods.log_tails(20),
+        || async { delivered().await.contains_key(&late).then_some(()) },
+    )
+    .await;
+    println!("OutboxReplays: incident-812 {n} of {n} events; redrive-late 1 of 1");
 }

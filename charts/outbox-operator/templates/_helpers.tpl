@@ -81,6 +81,17 @@ app.kubernetes.io/part-of: outbox-operator
 - apiGroups: ["outbox.dev"]
   resources: ["outboxrelays/finalizers"]
   verbs: ["update"]
+# OutboxReplays: read them, write their status; each runs as one Job the controller
+# creates (shaped like the relay's pods) and reads back (its pod's termination message).
+- apiGroups: ["outbox.dev"]
+  resources: ["outboxreplays"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["outbox.dev"]
+  resources: ["outboxreplays/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create"]
 # The objects the controller builds for each relay (server-side apply, pruning).
 - apiGroups: [""]
   resources: ["configmaps", "services"]

@@ -4,6 +4,7 @@
 
 mod children;
 pub(super) mod deletion;
+pub(super) mod replay;
 mod status;
 
 pub(super) use children::Applied;
