@@ -236,6 +236,17 @@ fn report(
         "info  redeliveries  {} (at-least-once: a consumer deduplicates by the message id)",
         f.redeliveries
     ));
+    let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+    lines.push(
+        crate::report::AuditCounts {
+            rows: count(f.rows),
+            deliveries: count(f.deliveries),
+            missing: count(missing),
+            out_of_order: count(reordered),
+            redeliveries: count(f.redeliveries),
+        }
+        .line(),
+    );
     for line in lines {
         // A closed stdout (`audit | head`) only loses the report, not the exit code.
         let _ = writeln!(out, "{line}");

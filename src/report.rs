@@ -100,6 +100,60 @@ pub fn events_in(report: &str) -> Option<(i64, i64)> {
     })
 }
 
+/// The counts an audit found for one relay's window, as the last line of its report
+/// says them ([`AuditCounts::line`]; [`AuditCounts::read`] reads them back).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuditCounts {
+    /// Rows published in the window.
+    pub rows: i64,
+    /// Deliveries of them read from the broker.
+    pub deliveries: i64,
+    /// Rows never delivered.
+    pub missing: i64,
+    /// Rows first delivered after a later row of their aggregate.
+    pub out_of_order: i64,
+    /// Deliveries after a row's first.
+    pub redeliveries: i64,
+}
+
+impl AuditCounts {
+    /// Every row delivered, each aggregate in order.
+    pub fn passed(&self) -> bool {
+        self.missing == 0 && self.out_of_order == 0
+    }
+
+    /// The report's last line.
+    pub fn line(&self) -> String {
+        format!(
+            "audit {}: {} rows, {} deliveries, {} missing, {} out of order, {} redeliveries",
+            if self.passed() { "passed" } else { "FAILED" },
+            self.rows,
+            self.deliveries,
+            self.missing,
+            self.out_of_order,
+            self.redeliveries
+        )
+    }
+
+    /// The counts of the last such line of `report`.
+    pub fn read(report: &str) -> Option<Self> {
+        report.lines().rev().find_map(|line| {
+            let (_, counts) = line.trim().split_once("audit ")?.1.split_once(": ")?;
+            let mut numbers = counts
+                .split(", ")
+                .map(|part| part.split(' ').next().and_then(|n| n.parse::<i64>().ok()));
+            let mut next = || numbers.next().flatten();
+            Some(Self {
+                rows: next()?,
+                deliveries: next()?,
+                missing: next()?,
+                out_of_order: next()?,
+                redeliveries: next()?,
+            })
+        })
+    }
+}
+
 /// A writer that passes everything on to `inner` and keeps a copy, so the report a
 /// tool printed can also be left as its termination message ([`Tee::leave`]).
 pub struct Tee<W> {
@@ -207,6 +261,29 @@ mod tests {
         );
         assert_eq!(events_in(&redrive), Some((2, 2)));
         assert_eq!(events_in("error: cannot connect"), None);
+    }
+
+    #[test]
+    fn an_audits_counts_read_back_as_written() {
+        let counts = AuditCounts {
+            rows: 33,
+            deliveries: 42,
+            missing: 1,
+            out_of_order: 0,
+            redeliveries: 10,
+        };
+        let report = format!(
+            "OutboxRelay shop/orders: 33 rows\nFAIL  missing  1 of 33\n{}\n",
+            counts.line()
+        );
+        assert!(
+            counts
+                .line()
+                .starts_with("audit FAILED: 33 rows, 42 deliveries, 1 missing")
+        );
+        assert_eq!(AuditCounts::read(&report), Some(counts));
+        assert!(!counts.passed());
+        assert_eq!(AuditCounts::read("error: cannot connect"), None);
     }
 
     #[test]

@@ -37,7 +37,8 @@ pub use secret_ref::{
     CaSecretRef, CertSecretRef, KeySecretRef, PasswordSecretRef, SecretKeyRef, UsernameSecretRef,
 };
 pub use status::{
-    FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLeftBehind, SlotLoss, SlotStatus,
+    AuditStatus, FallbackStatus, OutboxRelayStatus, PartitionsStatus, SlotLeftBehind, SlotLoss,
+    SlotStatus,
 };
 pub use table::*;
 

@@ -53,6 +53,38 @@ pub struct OutboxRelayStatus {
     /// The label selector of the relay's pods (`/scale`, for an autoscaler).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<String>,
+    /// The verdict of the last audit run in the cluster (`kubectl outbox audit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_audit: Option<AuditStatus>,
+}
+
+/// An audit's verdict, as its Job's pod left it.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditStatus {
+    /// The Job that ran it.
+    pub job: String,
+    /// When it ended (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+    /// `Passed` (every row delivered, each aggregate in order), `Failed` (rows missing
+    /// or out of order) or `Error` (it could not tell: `message` says why).
+    pub verdict: String,
+    /// Its window: rows published, deliveries read, rows missing, rows out of order,
+    /// deliveries after a row's first.
+    #[serde(default)]
+    pub rows: i64,
+    #[serde(default)]
+    pub deliveries: i64,
+    #[serde(default)]
+    pub missing: i64,
+    #[serde(default)]
+    pub out_of_order: i64,
+    #[serde(default)]
+    pub redeliveries: i64,
+    /// The report's last line.
+    #[serde(default)]
+    pub message: String,
 }
 
 /// A log-tailing relay's fall back to polling (its WAL budget was passed).

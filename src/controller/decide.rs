@@ -618,6 +618,7 @@ fn not_ready(
     }
 }
 
+pub mod audit;
 mod available;
 pub(super) mod deletion;
 mod effects;

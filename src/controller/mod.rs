@@ -24,6 +24,7 @@ mod readyz;
 mod reconcile;
 mod referenced;
 mod status;
+mod tools;
 mod triggers;
 
 use std::future::Future;
@@ -34,7 +35,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::Controller;
@@ -45,7 +45,7 @@ use kube_lease_manager::LeaseManagerBuilder;
 use tokio::sync::watch;
 use tracing::{Instrument, info, warn};
 
-use crate::api::{OutboxRelay, OutboxReplay};
+use crate::api::OutboxRelay;
 use crate::resources::{BuildError, BuildOptions, MANAGED_BY};
 
 pub use metrics::Metrics;
@@ -535,7 +535,7 @@ async fn run_controller(
     let _figures = AbortOnDrop(tokio::spawn(figures::run(ctx.clone(), relays.clone())));
     let echoes = &ctx.echoes;
     let stop = futures::FutureExt::shared(stop);
-    let replays = run_replays(ctx.clone(), namespace, stop.clone());
+    let tool_jobs = tools::run(ctx.clone(), namespace, stop.clone());
     let relays_done = controller
         .owns_stream(triggers::child_triggers(
             scoped::<ConfigMap>(client, namespace),
@@ -581,45 +581,7 @@ async fn run_controller(
                 tracing::debug!(error = %err, "controller event");
             }
         });
-    futures::future::join(relays_done, replays).await;
-}
-
-/// The OutboxReplays' controller: each one's Job, and its status from the Job's pod.
-/// Without the OutboxReplay CRD installed (an upgrade that kept the old CRDs) its watch
-/// fails and retries with backoff; the relays are reconciled all the same.
-async fn run_replays(
-    ctx: Arc<Context>,
-    namespace: Option<&str>,
-    stop: impl Future<Output = ()> + Send + Sync + 'static,
-) {
-    let client = &ctx.client;
-    let tools = watcher::Config::default().labels(&format!(
-        "app.kubernetes.io/name={}",
-        crate::resources::TOOL_APP_NAME
-    ));
-    Controller::new(
-        scoped::<OutboxReplay>(client, namespace),
-        watcher::Config::default(),
-    )
-    .owns(scoped::<Job>(client, namespace), tools)
-    .graceful_shutdown_on(stop)
-    .run(
-        |replay, ctx| async move {
-            let _counted = InFlight::enter(&ctx.in_flight);
-            apply::replay::reconcile(replay, ctx.clone()).await
-        },
-        |replay, err, _| {
-            warn!(replay = %kube::ResourceExt::name_any(replay.as_ref()), error = %err, "replay reconcile failed; retrying");
-            kube::runtime::controller::Action::requeue(Duration::from_secs(15))
-        },
-        ctx.clone(),
-    )
-    .for_each(|result| async move {
-        if let Err(err) = result {
-            tracing::debug!(error = %err, "replay controller event");
-        }
-    })
-    .await;
+    futures::future::join(relays_done, tool_jobs).await;
 }
 
 /// Aborts a spawned task when dropped.

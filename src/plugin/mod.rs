@@ -6,7 +6,7 @@
 //!
 //! - `status`: every relay with what its status says (mode, broker, ready and why,
 //!   pods, partitions owned, backlog, oldest unpublished event, dead letters, the
-//!   slot's retained WAL);
+//!   slot's retained WAL, the last in-cluster audit's verdict);
 //! - `suspend` / `resume`: set `spec.suspend`;
 //! - `scale --replicas N`: through the `/scale` subresource, as `kubectl scale` does;
 //! - `check`, `audit`, `replay`, `dead-letters NAME [options]`: the tools, run in the
@@ -41,7 +41,7 @@ pub struct PluginArgs {
 #[derive(Debug, clap::Subcommand)]
 pub enum PluginCommand {
     /// Every relay: mode, broker, ready and why, pods, partitions owned, backlog,
-    /// oldest unpublished event, dead letters, the slot's retained WAL.
+    /// oldest unpublished event, dead letters, the slot's retained WAL, last audit.
     Status {
         /// Relays of every namespace.
         #[arg(short = 'A', long)]
@@ -260,6 +260,7 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
             "OLDEST",
             "DEAD-LETTERS",
             "RETAINED-WAL",
+            "LAST-AUDIT",
         ]
         .map(str::to_owned)
         .to_vec(),
@@ -292,6 +293,9 @@ pub fn status_table(relays: &[OutboxRelay], with_namespace: bool) -> String {
                 .map_or_else(dash, |n| n.to_string()),
             slot.and_then(|s| s.retained_wal_bytes)
                 .map_or_else(dash, bytes),
+            status
+                .and_then(|s| s.last_audit.as_ref())
+                .map_or_else(dash, |a| a.verdict.clone()),
         ]);
     }
     let skip = usize::from(!with_namespace);
@@ -400,8 +404,8 @@ spec:
         .unwrap();
         assert_eq!(
             status_table(&[relay], false),
-            "NAME     MODE   BROKER   READY   REASON   PODS   PARTITIONS   BACKLOG   OLDEST   DEAD-LETTERS   RETAINED-WAL\n\
-             orders   -      -        -       -        -      -            -         -        -              -\n"
+            "NAME     MODE   BROKER   READY   REASON   PODS   PARTITIONS   BACKLOG   OLDEST   DEAD-LETTERS   RETAINED-WAL   LAST-AUDIT\n\
+             orders   -      -        -       -        -      -            -         -        -              -              -\n"
         );
     }
 }

@@ -73,7 +73,9 @@ async fn kubectl_outbox_shows_and_changes_relays() {
             json!({"conditions": ready("False", "BrokerUnavailable"), "mode": "logTailing",
                    "broker": "kafka", "backlogRows": 48211, "oldestUnpublishedAge": "4m12s",
                    "oldestUnpublishedAgeSeconds": 252.0, "replicas": 1, "deadLetterRows": 2,
-                   "slot": {"name": "outbox_payments", "retainedWalBytes": 3_355_443_i64}}),
+                   "slot": {"name": "outbox_payments", "retainedWalBytes": 3_355_443_i64},
+                   "lastAudit": {"job": "payments-audit-x1", "verdict": "Failed", "rows": 40,
+                                 "deliveries": 39, "missing": 1, "message": "audit FAILED"}}),
         ),
     ] {
         relays

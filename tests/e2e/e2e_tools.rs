@@ -6,7 +6,8 @@
 //! data is fixed, replays one
 //! aggregate, and audits the window: every report comes back through the API (the pod's
 //! termination message) with the tool's exit status, a finding (a row marked published
-//! that never reached the broker) fails the audit, a mistyped option is refused before
+//! that never reached the broker) fails the audit and the relay's `status.lastAudit`
+//! says so, a mistyped option is refused before
 //! any Job exists, and no tool pod is ever counted among the relay's pods.
 
 use crate::common;
@@ -197,6 +198,39 @@ async fn kubectl_outbox_runs_the_tools_in_the_cluster_with_the_relays_secrets() 
         "{failed}"
     );
 
+    // The relay's status keeps the last audit's verdict.
+    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
+    let last = common::wait_for_some_or(
+        "the failed audit recorded in the relay's status",
+        WAIT,
+        || controller.log_tail(20),
+        || async {
+            let relay = relays.get_opt("orders").await.ok().flatten()?;
+            let last = relay.status?.last_audit?;
+            (last.verdict == "Failed").then_some(last)
+        },
+    )
+    .await;
+    assert_eq!(
+        (
+            last.rows,
+            last.missing,
+            last.out_of_order,
+            last.redeliveries
+        ),
+        (
+            i64::try_from(ids.len()).unwrap() + 1,
+            1,
+            0,
+            i64::try_from(agg_1.len()).unwrap()
+        ),
+        "{last:?}"
+    );
+    assert!(
+        last.job.starts_with("orders-audit-") && last.finished_at.is_some(),
+        "{last:?}"
+    );
+
     // A mistake is refused before any Job is made.
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     let made = jobs.list(&ListParams::default()).await.unwrap().items.len();
@@ -215,7 +249,6 @@ async fn kubectl_outbox_runs_the_tools_in_the_cluster_with_the_relays_secrets() 
     );
 
     // The relay's selector never counted a tool pod.
-    let relays: Api<OutboxRelay> = Api::namespaced(client.clone(), &ns);
     let relay = relays.get("orders").await.unwrap();
     let selector = outbox_operator::resources::pod_selector(&relay);
     let relay_pods: Api<Pod> = Api::namespaced(client.clone(), &ns);

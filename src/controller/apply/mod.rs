@@ -2,6 +2,7 @@
 //! here. What an effect returns that matters to the rest of the pass (the SQL's outcome,
 //! the hand-over snapshot) goes back through `decide` before anything else runs.
 
+pub(super) mod audit;
 mod children;
 pub(super) mod deletion;
 pub(super) mod replay;
