@@ -545,6 +545,19 @@ async fn secrets_as_cert_manager_and_strimzi_write_them_need_no_key_names() {
         ids.len(),
         received.len()
     );
+    // `check` from inside the cluster, as the relay connects: its certificate login,
+    // the cluster CA and the KafkaUser's password, all from kafkaRef and the Secrets.
+    let checked = common::plugin::exited(
+        &common::plugin::kubectl_outbox(&["check", RELAY, "-n", &ns]),
+        0,
+    );
+    assert!(
+        checked.contains("as outbox_cert")
+            && checked.contains("ok    broker")
+            && !checked.contains("FAIL"),
+        "{checked}"
+    );
+    println!("{checked}");
     operator::delete_relays(&client, &ns, WAIT).await;
     let stopped = controller.stop(WAIT);
     drop(pods);
