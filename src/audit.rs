@@ -32,6 +32,11 @@ pub struct AuditArgs {
     /// The window ends this long ago: rows newer may not be published yet.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = crate::api::duration_arg)]
     pub until: Duration,
+    /// RabbitMQ: the stream queue (`x-queue-type: stream`) bound to the relay's
+    /// exchange for every routing key it uses, read as what RabbitMQ received (a queue
+    /// cannot be read beside its consumers).
+    #[arg(long, value_name = "QUEUE")]
+    pub rabbitmq_stream: Option<String>,
 }
 
 /// What the broker showed for one window: per aggregate, in the table's order.
@@ -117,7 +122,7 @@ pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, 
     let (since, until) = (now - args.since, now - args.until);
     let mut passed = true;
     for valid in crate::render::parsed_relays(&args.file)? {
-        passed &= audit_relay(&valid, &url, &args.database_url_env, (since, until), out).await?;
+        passed &= audit_relay(&valid, &url, args, (since, until), out).await?;
     }
     Ok(passed)
 }
@@ -125,14 +130,14 @@ pub async fn audit_file(args: &AuditArgs, out: &mut impl Write) -> Result<bool, 
 async fn audit_relay(
     valid: &ValidRelay,
     url: &str,
-    url_env: &str,
+    args: &AuditArgs,
     (since, until): (SystemTime, SystemTime),
     out: &mut impl Write,
 ) -> Result<bool, Error> {
     let who = format!("OutboxRelay {}/{}", valid.namespace, valid.name);
     let fail = |what: String| Error::Audit(format!("{who}: {what}"));
     let evidence = Evidence::of(valid).map_err(&fail)?;
-    let client = crate::postgres::connect_for(valid, url, url_env)
+    let client = crate::postgres::connect_for(valid, url, &args.database_url_env)
         .await
         .map_err(|e| fail(e.to_string()))?;
     let unix = |t: SystemTime| {
@@ -157,15 +162,27 @@ async fn audit_relay(
         ))
     })?;
     // Each destination the window's rows went to, read from the window's start (a
-    // minute earlier: clocks of the database and the broker differ).
-    let mut destinations: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            broker
-                .template()
-                .replace(crate::broker::AGGREGATE_TYPE_PLACEHOLDER, &r.aggregate_type)
-        })
-        .collect();
+    // minute earlier: clocks of the database and the broker differ). RabbitMQ's is the
+    // stream bound as a tap: every routing key's messages, in the order they came.
+    let mut destinations: Vec<String> = match (&broker, &args.rabbitmq_stream) {
+        (crate::broker::BrokerSettings::RabbitMq(r), None) => {
+            return Err(fail(
+                crate::broker::ReadError::NotReadable {
+                    exchange: r.exchange.clone(),
+                }
+                .to_string(),
+            ));
+        }
+        (crate::broker::BrokerSettings::RabbitMq(_), Some(stream)) => vec![stream.clone()],
+        _ => rows
+            .iter()
+            .map(|r| {
+                broker
+                    .template()
+                    .replace(crate::broker::AGGREGATE_TYPE_PLACEHOLDER, &r.aggregate_type)
+            })
+            .collect(),
+    };
     destinations.sort();
     destinations.dedup();
     let mut delivered = Vec::with_capacity(destinations.len());

@@ -2,6 +2,7 @@
 //! function, in `message`) and how each broker publishes it and confirms it.
 
 pub mod amqp;
+pub mod amqp_read;
 pub mod kafka;
 mod message;
 pub mod nats;
@@ -154,7 +155,8 @@ impl BrokerSettings {
     /// `audit`'s read of one destination: the `id` header of every message it received
     /// at or after `since`, in the order a consumer of one aggregate sees them (per
     /// Kafka partition, per stream). RabbitMQ hands a queue's messages to one consumer
-    /// and takes them away: it cannot be read beside the application's consumers.
+    /// and takes them away: its destination is a stream queue bound as an audit tap
+    /// ([`amqp_read`]).
     pub async fn delivered_ids(
         &self,
         destination: &str,
@@ -171,7 +173,7 @@ impl BrokerSettings {
                     .map_err(|e| ReadError::failed("Kafka", "the read stopped", e))?
             }
             BrokerSettings::Nats(n) => nats_read::ids_since(n, destination, since).await,
-            BrokerSettings::RabbitMq(_) => Err(ReadError::NotReadable),
+            BrokerSettings::RabbitMq(r) => amqp_read::ids_since(r, destination, since).await,
         }
     }
 }
@@ -197,11 +199,15 @@ pub enum ReadError {
         /// The topic or subject.
         destination: String,
     },
-    /// RabbitMQ gives each message of a queue to one consumer and removes it.
+    /// RabbitMQ gives each message of a queue to one consumer and removes it: the audit
+    /// reads a stream queue bound as a tap, and none was named.
     #[error(
-        "RabbitMQ: a queue gives each message to one consumer and removes it, so it cannot be audited beside the application's consumers"
+        "RabbitMQ: a queue gives each message to one consumer and removes it, so the audit reads a stream queue bound to exchange {exchange} as a tap: declare one (x-queue-type: stream, x-max-age as long as the windows you audit), bind it for every routing key the relay uses, and name it with --rabbitmq-stream"
     )]
-    NotReadable,
+    NotReadable {
+        /// The relay's exchange.
+        exchange: String,
+    },
 }
 
 impl ReadError {

@@ -1,4 +1,5 @@
-//! `outbox-operator audit -f relay.yaml` against the rig's PostgreSQL, Kafka and NATS:
+//! `outbox-operator audit -f relay.yaml` against the rig's PostgreSQL, Kafka, NATS and
+//! RabbitMQ (a stream queue bound as a tap):
 //! after a real relay published a window, the audit passes (exit 0) and counts every
 //! delivery; a row marked published that never reached the broker is reported missing,
 //! and a row first delivered after a later row of its aggregate is reported out of
@@ -17,6 +18,21 @@ fn audit(manifest: &serde_json::Value, database_url: &str) -> Output {
         &["audit", "--since", "10m", "--until", "0s"],
         manifest,
         database_url,
+    )
+}
+
+/// The audit of a RabbitMQ relay: its URL in the variable the relay reads, and the
+/// stream bound as a tap (none: the audit must refuse to guess).
+fn audit_amqp(manifest: &serde_json::Value, database_url: &str, tap: Option<&str>) -> Output {
+    let mut args = vec!["audit", "--since", "10m", "--until", "0s"];
+    if let Some(tap) = tap {
+        args.extend(["--rabbitmq-stream", tap]);
+    }
+    crate::cli::run_with_manifest_and_env(
+        &args,
+        manifest,
+        database_url,
+        &[("OUTBOX_RABBITMQ_URL", common::Rig::load().amqp_url())],
     )
 }
 
@@ -53,6 +69,14 @@ async fn forge_published(client: &tokio_postgres::Client, aggregate: &str, n: us
 /// A relay publishes 40 rows of 4 aggregates and the audit passes; returns the relay's
 /// manifest, for the forgeries that follow.
 async fn window(db: &common::TestDatabase, broker: &RelayBroker) -> serde_json::Value {
+    window_audited(db, broker, audit).await
+}
+
+async fn window_audited(
+    db: &common::TestDatabase,
+    broker: &RelayBroker,
+    audit: impl Fn(&serde_json::Value, &str) -> Output,
+) -> serde_json::Value {
     common::create_outbox_table(&db.client, 4).await;
     for i in 0..40 {
         let aggregate = format!("agg-{}", i % 4);
@@ -174,5 +198,121 @@ async fn audit_proves_a_jetstream_window_and_names_what_is_lost_or_reordered() {
         (swapped[0], swapped[1]),
     );
     let _ = stream.jetstream.delete_stream(&stream.name).await;
+    db.drop_database().await;
+}
+
+/// RabbitMQ: a queue gives each message to one consumer, so the audit reads a stream
+/// queue bound to the relay's exchange as a tap, from the window's start, without
+/// taking anything from it. Without a tap named it refuses, naming the exchange; named
+/// the application's classic queue, it refuses to read it and takes nothing from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_reads_a_rabbitmq_stream_tap_and_names_what_is_lost_or_reordered() {
+    use lapin::options::{BasicPublishOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+
+    let db = common::fresh_database().await;
+    let queue = common::fresh_queue().await;
+    let exchange = common::fresh_exchange_for(&queue).await;
+    let tap = format!("{}-audit-tap", queue.name);
+    let mut stream = FieldTable::default();
+    stream.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    stream.insert("x-max-age".into(), AMQPValue::LongString("1h".into()));
+    queue
+        .channel
+        .queue_declare(
+            tap.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            stream,
+        )
+        .await
+        .unwrap();
+    queue
+        .channel
+        .queue_bind(
+            tap.as_str().into(),
+            exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let broker = RelayBroker::Amqp {
+        url: common::Rig::load().amqp_url().to_owned(),
+        exchange: exchange.clone(),
+        routing_key: "orders".to_owned(),
+    };
+    let tap_name = tap.clone();
+    let manifest = window_audited(&db, &broker, move |manifest, url| {
+        audit_amqp(manifest, url, Some(&tap_name))
+    })
+    .await;
+
+    // No tap named: refused, saying what to bind where.
+    let refused = audit_amqp(&manifest, &db.url, None);
+    assert_exit(&refused, 2);
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        why.contains("--rabbitmq-stream") && why.contains(&exchange),
+        "{why}"
+    );
+    // The application's classic queue: refused, and not a message taken from it.
+    let waiting = |name: String| {
+        let channel = queue.channel.clone();
+        async move {
+            channel
+                .queue_declare(
+                    name.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap()
+                .message_count()
+        }
+    };
+    let before = waiting(queue.name.clone()).await;
+    assert_eq!(before, 40);
+    let classic = audit_amqp(&manifest, &db.url, Some(&queue.name));
+    assert_exit(&classic, 2);
+    assert!(
+        String::from_utf8_lossy(&classic.stderr).contains("not a stream queue"),
+        "{}",
+        common::describe_output(&classic)
+    );
+    assert_eq!(waiting(queue.name.clone()).await, before);
+
+    // A row lost, and a pair of one aggregate delivered in the wrong order.
+    let lost = forge_published(&db.client, "lost", 1).await;
+    let swapped = forge_published(&db.client, "swapped", 2).await;
+    for id in [swapped[1], swapped[0]] {
+        queue
+            .channel
+            .basic_publish(
+                exchange.as_str().into(),
+                "orders".into(),
+                BasicPublishOptions::default(),
+                b"{}",
+                lapin::BasicProperties::default().with_message_id(id.to_string().into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    assert_caught(
+        &audit_amqp(&manifest, &db.url, Some(&tap)),
+        lost[0],
+        (swapped[0], swapped[1]),
+    );
     db.drop_database().await;
 }

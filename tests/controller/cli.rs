@@ -23,6 +23,16 @@ pub fn run_with_manifest(
     manifest: &serde_json::Value,
     database_url: &str,
 ) -> Output {
+    run_with_manifest_and_env(args, manifest, database_url, &[])
+}
+
+/// [`run_with_manifest`] with more variables (a broker URL the relay reads from one).
+pub fn run_with_manifest_and_env(
+    args: &[&str],
+    manifest: &serde_json::Value,
+    database_url: &str,
+    env: &[(&str, &str)],
+) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relay.yaml");
     std::fs::write(&file, serde_yaml::to_string(manifest).unwrap()).unwrap();
@@ -31,6 +41,7 @@ pub fn run_with_manifest(
         .arg("-f")
         .arg(&file)
         .env("OUTBOX_DATABASE_URL", database_url)
+        .envs(env.iter().copied())
         .output()
         .unwrap()
 }
