@@ -196,6 +196,31 @@ pub struct Ended {
     pub exit_code: i32,
     /// Its report (termination message), or why it never ran.
     pub report: String,
+    /// When the container ended (RFC 3339), when it ran at all.
+    pub finished_at: Option<String>,
+}
+
+impl Ended {
+    /// The report's last line: the verdict, as the tools end their reports.
+    pub fn last_line(&self) -> String {
+        self.report
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    }
+}
+
+/// The `Failed` condition of a Job that gave up (its deadline passed, its pod failed).
+pub fn job_failed(job: &Job) -> Option<&k8s_openapi::api::batch::v1::JobCondition> {
+    job.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Failed" && c.status == "True")
 }
 
 /// Reasons a container waits that it will not get over by itself.
@@ -230,6 +255,7 @@ pub fn pod_ended(pod: &Pod) -> Option<Ended> {
         return Some(Ended {
             exit_code: terminated.exit_code,
             report,
+            finished_at: terminated.finished_at.as_ref().map(|t| t.0.to_string()),
         });
     }
     if let Some(waiting) = container
@@ -245,6 +271,7 @@ pub fn pod_ended(pod: &Pod) -> Option<Ended> {
                 pod.metadata.name.as_deref().unwrap_or_default(),
                 waiting.message.as_deref().unwrap_or_default()
             ),
+            finished_at: None,
         });
     }
     // A pod stopped before its container ran (the Job's deadline, an eviction).
@@ -256,6 +283,7 @@ pub fn pod_ended(pod: &Pod) -> Option<Ended> {
                 status.reason.as_deref().unwrap_or("no reason given"),
                 status.message.as_deref().unwrap_or_default()
             ),
+            finished_at: None,
         });
     }
     None
@@ -454,7 +482,8 @@ status:
             ended,
             Some(Ended {
                 exit_code: 1,
-                report: "FAIL  table  missing\n".to_owned()
+                report: "FAIL  table  missing\n".to_owned(),
+                finished_at: None,
             })
         );
     }

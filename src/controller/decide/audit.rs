@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use crate::api::AuditStatus;
 use crate::report::AuditCounts;
-use crate::resources::{TOOL_CONTAINER, pod_ended};
+use crate::resources::{Ended, job_failed, pod_ended};
 
 /// The verdict of the audit `job` (its pod `pod`) to write, when it ended and is newer
 /// than the one `current` holds; `None` otherwise.
@@ -20,23 +20,15 @@ pub fn audit_verdict(
         return None;
     }
     let ended = pod.and_then(pod_ended);
-    let job_failed = job
-        .status
+    let job_failed = job_failed(job);
+    let finished_at = ended
         .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| {
-            cs.iter()
-                .find(|c| c.type_ == "Failed" && c.status == "True")
+        .and_then(|e| e.finished_at.clone())
+        .or_else(|| {
+            job_failed
+                .and_then(|c| c.last_transition_time.as_ref())
+                .map(|t| t.0.to_string())
         });
-    let finished_at = pod
-        .and_then(|p| p.status.as_ref())
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == TOOL_CONTAINER))
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-        .and_then(|t| t.finished_at.as_ref())
-        .or_else(|| job_failed.and_then(|c| c.last_transition_time.as_ref()))
-        .map(|t| t.0.to_string());
     // An older audit that ended after a newer one was recorded (a restart reads them
     // all, in no order) does not replace it.
     if let (Some(current), Some(at)) =
@@ -45,20 +37,21 @@ pub fn audit_verdict(
     {
         return None;
     }
-    let (exit_code, report) = match (ended, job_failed) {
-        (Some(ended), _) => (ended.exit_code, ended.report),
-        (None, Some(failed)) => (
-            2,
-            format!(
+    let ended = match (ended, job_failed) {
+        (Some(ended), _) => ended,
+        (None, Some(failed)) => Ended {
+            exit_code: 2,
+            report: format!(
                 "{}: {}",
                 failed.reason.as_deref().unwrap_or("Failed"),
                 failed.message.as_deref().unwrap_or_default()
             ),
-        ),
+            finished_at: None,
+        },
         (None, None) => return None,
     };
-    let counts = AuditCounts::read(&report).unwrap_or_default();
-    let verdict = match exit_code {
+    let counts = AuditCounts::read(&ended.report).unwrap_or_default();
+    let verdict = match ended.exit_code {
         0 => "Passed",
         1 => "Failed",
         _ => "Error",
@@ -72,13 +65,7 @@ pub fn audit_verdict(
         missing: counts.missing,
         out_of_order: counts.out_of_order,
         redeliveries: counts.redeliveries,
-        message: report
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or_default()
-            .trim()
-            .to_owned(),
+        message: ended.last_line(),
     })
 }
 

@@ -17,7 +17,7 @@ use kube::Resource;
 
 use crate::api::{OutboxRelay, OutboxReplay, OutboxReplayStatus, ReplayEvents, ReplaySource};
 use crate::controller::status::{Cond, merge};
-use crate::resources::{TOOL_CONTAINER, ToolRun, pod_ended, tool_job};
+use crate::resources::{ToolRun, job_failed, pod_ended, tool_job};
 
 /// The condition that says whether the run ended, and how.
 pub const CONDITION_FINISHED: &str = "Finished";
@@ -153,24 +153,10 @@ fn running_or_ended(
         status.started_at = Some(started.0.to_string());
     }
     if let Some(ended) = pod.and_then(pod_ended) {
-        let terminated = pod_status
-            .and_then(|s| s.container_statuses.as_ref())
-            .and_then(|cs| cs.iter().find(|c| c.name == TOOL_CONTAINER))
-            .and_then(|c| c.state.as_ref())
-            .and_then(|s| s.terminated.as_ref());
-        status.finished_at = terminated
-            .and_then(|t| t.finished_at.as_ref())
-            .map(|t| t.0.to_string());
+        status.finished_at.clone_from(&ended.finished_at);
         status.events = crate::report::events_in(&ended.report)
             .map(|(selected, done)| ReplayEvents { selected, done });
-        let verdict = ended
-            .report
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or_default()
-            .trim()
-            .to_owned();
+        let verdict = ended.last_line();
         status.report = Some(ended.report);
         return match ended.exit_code {
             0 => (
@@ -188,15 +174,7 @@ fn running_or_ended(
         };
     }
     // The Job gave up without a pod that ended (its deadline passed, say).
-    if let Some(failed) = job
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| {
-            cs.iter()
-                .find(|c| c.type_ == "Failed" && c.status == "True")
-        })
-    {
+    if let Some(failed) = job_failed(job) {
         return (
             "Failed",
             Cond::yes(
