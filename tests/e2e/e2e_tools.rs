@@ -8,7 +8,9 @@
 //! termination message) with the tool's exit status, a finding (a row marked published
 //! that never reached the broker) fails the audit and the relay's `status.lastAudit`
 //! says so, a mistyped option is refused before
-//! any Job exists, and no tool pod is ever counted among the relay's pods.
+//! any Job exists, and no tool pod is ever counted among the relay's pods. The reports
+//! are golden-tested (tests/golden/kubectl-outbox-tools.txt; `UPDATE_GOLDEN=1`
+//! rewrites it).
 
 use crate::common;
 
@@ -270,8 +272,31 @@ async fn kubectl_outbox_runs_the_tools_in_the_cluster_with_the_relays_secrets() 
             .map(|p| &p.metadata.name)
             .collect::<Vec<_>>()
     );
-    println!(
-        "kubectl outbox in the cluster:\n{checked}{listed}{redriven}{replayed}{passed}{failed}"
+    // Every report as the user reads it, golden-tested (what differs from run to run
+    // put in words).
+    let reports = [
+        ("check orders", &checked),
+        ("dead-letters orders", &listed),
+        ("dead-letters orders --redrive all", &redriven),
+        ("replay orders --aggregate-id agg-1 --name r1", &replayed),
+        ("audit orders --since 10m --until 0s", &passed),
+        ("audit orders --since 10m --until 0s (a row lost)", &failed),
+    ]
+    .iter()
+    .map(|(command, report)| format!("$ kubectl outbox {command}\n{report}"))
+    .collect::<String>();
+    println!("kubectl outbox in the cluster:\n{reports}");
+    common::plugin::assert_golden(
+        "kubectl-outbox-tools.txt",
+        &common::plugin::normalized(
+            &reports,
+            &[
+                (&ns, "<namespace>"),
+                (&db.name, "<database>"),
+                (&stream.name, "<stream>"),
+                (&stream.subject_prefix, "<subject-prefix>"),
+            ],
+        ),
     );
 
     // An OutboxReplay: the operator runs it once, in a Job, and reports in status.
