@@ -11,6 +11,7 @@ mod common;
 mod relay_archive;
 mod relay_broker_tls;
 mod relay_brokers;
+mod relay_clean_stop;
 mod relay_cloudevents;
 mod relay_compression;
 mod relay_crash;

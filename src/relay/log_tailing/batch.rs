@@ -518,15 +518,47 @@ impl LogTailer {
     /// was seen to publish the table: past a change that removed it, rows were skipped
     /// by the server, and confirming would lose them for good.
     pub(super) fn confirm(&self, stream: &ReplicationClient) {
-        let done = if self.deleted.is_some() {
+        self.confirm_through(stream, *self.covered.borrow());
+    }
+
+    /// What is done: acknowledged, or with `deleteAfterPublish` deleted.
+    fn done(&self) -> Lsn {
+        if self.deleted.is_some() {
             self.deleted_through()
         } else {
             self.acked
-        };
-        let through = done.min(*self.covered.borrow());
+        }
+    }
+
+    fn confirm_through(&self, stream: &ReplicationClient, covered: Lsn) -> Lsn {
+        let through = self.done().min(covered);
         if through > stream.metrics().last_applied_lsn() {
             stream.update_applied_lsn(through);
         }
+        through
+    }
+
+    /// At a clean stop: confirms everything done, with the publication's coverage
+    /// looked at now rather than at the statistics task's last look (up to a second
+    /// old: confirming only that far would make the next relay publish again what this
+    /// one published since). Returns the position confirmed.
+    pub(super) async fn confirm_at_stop(&self, client: &Client, stream: &ReplicationClient) -> Lsn {
+        let mut covered = *self.covered.borrow();
+        if self.done() > covered {
+            let t = &self.settings.valid.table;
+            if let Ok(now) = crate::postgres::coverage::coverage(
+                client,
+                &self.lt.publication,
+                &t.schema,
+                &t.name,
+            )
+            .await
+                && now.covered
+            {
+                covered = covered.max(now.lsn);
+            }
+        }
+        self.confirm_through(stream, covered)
     }
 }
 

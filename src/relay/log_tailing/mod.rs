@@ -449,16 +449,18 @@ impl LogTailer {
         let result = self.stream(&client, &mut stream).await;
         if result.is_ok() {
             // Clean shutdown: let the delete task catch up, confirm what it deleted, and
-            // give the client time to send that (it sends at most every CONFIRM_EVERY)
-            // before the stream closes.
+            // wait until the client sent that before the stream closes.
             let deadline = Instant::now() + DELETER_DRAIN;
             while self.deleted_through() < self.handed && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            let before = stream.metrics().last_applied_lsn();
-            self.confirm(&stream);
-            if stream.metrics().last_applied_lsn() > before {
-                tokio::time::sleep(CONFIRM_EVERY + Duration::from_millis(300)).await;
+            // The client sends a raised position once CONFIRM_EVERY has passed since its
+            // last status update; stopping the stream before that would drop it (the
+            // next relay would publish again what this one published since).
+            let through = self.confirm_at_stop(&client, &stream).await;
+            let sent = Instant::now() + CONFIRM_EVERY * 2 + Duration::from_millis(500);
+            while stream.metrics().last_applied_lsn() < through && Instant::now() < sent {
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let _ = tokio::time::timeout(Duration::from_secs(5), stream.shutdown()).await;
         }
