@@ -107,7 +107,7 @@ pub async fn run_tool(
 /// Watches the Job's pod until its tool ends, or it cannot start.
 async fn ended(client: &kube::Client, namespace: &str, job: &str) -> Result<Ended, Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let config = watcher::Config::default().labels(&format!("batch.kubernetes.io/job-name={job}"));
+    let config = watcher::Config::default().labels(&crate::resources::job_pods_selector(job));
     let mut events = std::pin::pin!(watcher::watcher(pods, config));
     while let Some(event) = events.next().await {
         let event = event.map_err(|e| failed(format!("watching job {job}'s pod: {e}")))?;

@@ -28,8 +28,8 @@ pub use monitoring::{
 };
 pub use tool_job::{
     Ended, TOOL_APP_NAME, TOOL_CONTAINER, TOOL_JOB_KEPT_SECONDS, TOOL_LABEL,
-    TOOL_MANIFEST_ANNOTATION, TOOL_MANIFEST_PATH, ToolJobError, ToolRun, job_failed, pod_ended,
-    tool_job, tool_labels, tool_manifest,
+    TOOL_MANIFEST_ANNOTATION, TOOL_MANIFEST_PATH, ToolJobError, ToolRun, job_failed,
+    job_pods_selector, pod_ended, tool_job, tool_labels, tool_manifest,
 };
 pub use workload::{
     METRICS_PORT_NAME, annotate_secret_versions, config_hash, config_map, deployment,

@@ -17,10 +17,11 @@ use std::time::Duration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    ContainerState, DownwardAPIProjection, DownwardAPIVolumeFile, EnvVar, ObjectFieldSelector, Pod,
+    ContainerState, DownwardAPIProjection, DownwardAPIVolumeFile, ObjectFieldSelector, Pod,
     PodTemplateSpec, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Resource;
 use serde_json::json;
 
 use super::{MANAGED_BY, RelayRef, namespace, owner_reference};
@@ -65,8 +66,8 @@ pub enum ToolJobError {
 /// status or metadata.
 pub fn tool_manifest(relay: &OutboxRelay) -> Result<String, serde_yaml::Error> {
     serde_yaml::to_string(&json!({
-        "apiVersion": "outbox.dev/v1alpha1",
-        "kind": "OutboxRelay",
+        "apiVersion": OutboxRelay::api_version(&()),
+        "kind": OutboxRelay::kind(&()),
         "metadata": {"name": relay.relay_name(), "namespace": relay.relay_namespace()},
         "spec": relay.spec,
     }))
@@ -104,10 +105,6 @@ pub fn tool_job(
     container.startup_probe = None;
     // The report is the termination message; an error before it, the log's tail.
     container.termination_message_policy = Some("FallbackToLogsOnError".to_owned());
-    container
-        .env
-        .get_or_insert_with(Vec::new)
-        .retain(|e: &EnvVar| e.name != "OUTBOX_RELAY_CONFIG");
     pod.containers = vec![container];
     pod.init_containers = None;
     pod.restart_policy = Some("Never".to_owned());
@@ -287,6 +284,11 @@ pub fn pod_ended(pod: &Pod) -> Option<Ended> {
         });
     }
     None
+}
+
+/// The label selector of a tool Job's pods (the label the Job controller gives them).
+pub fn job_pods_selector(job: &str) -> String {
+    format!("batch.kubernetes.io/job-name={job}")
 }
 
 /// The labels of one relay's tool runs of `tool`.

@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -50,13 +49,7 @@ pub async fn reconcile(job: Arc<Job>, ctx: Arc<Context>) -> Result<Action, Error
         return Ok(Action::await_change());
     }
     let name = job.name_any();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
-    let pod = pods
-        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={name}")))
-        .await?
-        .items
-        .into_iter()
-        .next();
+    let pod = super::job_pod(&ctx.client, &namespace, &name).await?;
     let current = relay.status.as_ref().and_then(|s| s.last_audit.as_ref());
     let Some(verdict) = audit_verdict(&job, pod.as_ref(), current) else {
         return Ok(Action::await_change());

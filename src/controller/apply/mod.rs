@@ -171,3 +171,20 @@ async fn apply_children(pass: &Pass<'_>, plan: &Effects, ctx: &Context) -> Resul
     publish(pass.relay, ctx, &plan.applied).await;
     Ok(others_meanwhile)
 }
+
+/// The newest pod of the tool Job `job` (a Job that gave up keeps its pod).
+pub(super) async fn job_pod(
+    client: &kube::Client,
+    namespace: &str,
+    job: &str,
+) -> Result<Option<k8s_openapi::api::core::v1::Pod>, kube::Error> {
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(client.clone(), namespace);
+    let list = kube::api::ListParams::default().labels(&crate::resources::job_pods_selector(job));
+    Ok(pods
+        .list(&list)
+        .await?
+        .items
+        .into_iter()
+        .max_by_key(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0)))
+}

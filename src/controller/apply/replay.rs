@@ -5,15 +5,14 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tracing::info;
 
-use super::super::decide::replay::{ReplaySeen, decide_replay};
+use super::super::decide::replay::{ReplaySeen, decide_replay, finished};
 use super::super::{Context, Error};
 use crate::api::{OutboxRelay, OutboxReplay};
 
@@ -56,29 +55,13 @@ async fn observe(
     name: &str,
     replay: &OutboxReplay,
 ) -> Result<ReplaySeen, Error> {
-    let finished = matches!(
-        replay.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    );
-    if finished {
+    if finished(replay.status.as_ref()) {
         return Ok(ReplaySeen::default());
     }
     let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
     let job = jobs.get_opt(name).await?;
     if job.is_some() {
-        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-        let pod = pods
-            .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={name}")))
-            .await?
-            .items
-            .into_iter()
-            .max_by(|a, b| {
-                a.metadata
-                    .creation_timestamp
-                    .as_ref()
-                    .map(|t| t.0)
-                    .cmp(&b.metadata.creation_timestamp.as_ref().map(|t| t.0))
-            });
+        let pod = super::job_pod(client, namespace, name).await?;
         return Ok(ReplaySeen {
             job,
             pod,

@@ -52,11 +52,19 @@ pub struct ReplayPlan {
 /// no Job, so no watch event would say it.
 const RECHECK: Duration = Duration::from_secs(10);
 
+/// Whether a replay's run ended (its status says so): nothing is done for it again.
+pub fn finished(status: Option<&OutboxReplayStatus>) -> bool {
+    ended(status.and_then(|s| s.phase.as_deref()).unwrap_or_default())
+}
+
+fn ended(phase: &str) -> bool {
+    matches!(phase, "Succeeded" | "Failed")
+}
+
 /// Decides for `replay` from what was `seen`, at `now`.
 pub fn decide_replay(replay: &OutboxReplay, seen: &ReplaySeen, now: Timestamp) -> ReplayPlan {
     let current = replay.status.clone().unwrap_or_default();
-    let finished = matches!(current.phase.as_deref(), Some("Succeeded" | "Failed"));
-    if finished {
+    if finished(Some(&current)) {
         return ReplayPlan {
             create: None,
             status: current,
@@ -72,7 +80,7 @@ pub fn decide_replay(replay: &OutboxReplay, seen: &ReplaySeen, now: Timestamp) -
     let (phase, cond) = match (&seen.job, &seen.relay, &seen.deployment) {
         (Some(job), ..) if !owned_by(job, replay) => (
             "Failed",
-            Cond::no(
+            Cond::yes(
                 CONDITION_FINISHED,
                 "JobNameTaken",
                 format!(
@@ -111,25 +119,20 @@ pub fn decide_replay(replay: &OutboxReplay, seen: &ReplaySeen, now: Timestamp) -
                     Cond::no(CONDITION_FINISHED, "Started", format!("job {name} created")),
                 )
             }
-            Err(why) => ("Failed", Cond::no(CONDITION_FINISHED, "InvalidSpec", why)),
+            Err(why) => ("Failed", Cond::yes(CONDITION_FINISHED, "InvalidSpec", why)),
         },
     };
     status.phase = Some(phase.to_owned());
-    let mut cond = cond;
-    if matches!(phase, "Succeeded" | "Failed") {
-        cond.status = true;
-    }
     status.conditions = merge(
         &current.conditions,
         &[cond],
         replay.metadata.generation,
         now,
     );
-    let ended = matches!(phase, "Succeeded" | "Failed");
     ReplayPlan {
         create,
         status,
-        requeue: (!ended).then_some(RECHECK),
+        requeue: (!ended(phase)).then_some(RECHECK),
     }
 }
 
